@@ -1,0 +1,34 @@
+# The README's two commands: `make demo` and `make test`. `.ci/run` runs `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test system-deps pcaps bench clean
+
+$(STAMP): pyproject.toml setup.py $(wildcard */*.pyx)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+# Main job: replay the bundled demo capture through the whole pipeline.
+demo: $(STAMP)
+	$(BIN)/mirrorckpt replay
+
+# System packages the tests use (tshark, tcpdump, DPDK, iproute2); needs root, as CI has.
+system-deps:
+	./tools/install-system-deps.sh
+
+test: system-deps $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Regenerate tests/pcaps from the generator (deterministic).
+pcaps: $(STAMP)
+	./tests/pcaps/make.sh $(BIN)/mirrorckpt
+
+bench: $(STAMP)
+	$(BIN)/mirrorckpt bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info */*.so */*.c

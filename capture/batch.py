@@ -1,0 +1,80 @@
+"""The one interface every capture backend yields: a batch of frames as numpy arrays.
+
+A batch never holds per-packet Python objects. ``data`` is a flat uint8 buffer (a view of a
+memory-mapped file, of a TPACKET_V3 block, or of DPDK mbuf memory); frame ``i`` occupies
+``data[offset[i] : offset[i] + caplen[i]]``. A frame whose ``caplen < wirelen`` was truncated by
+the capture: it is counted and never decoded as whole.
+
+The buffer behind ``data`` is only guaranteed to stay valid until the consumer asks for the next
+batch (live rings hand their blocks back to the kernel); a stage that keeps bytes must copy them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Link types we know (pcap LINKTYPE_* values).
+LINKTYPE_ETHERNET = 1
+
+
+@dataclass
+class FrameBatch:
+    data: np.ndarray  # uint8, 1-D
+    offset: np.ndarray  # int64: start of each frame in data
+    caplen: np.ndarray  # int64: bytes captured
+    wirelen: np.ndarray  # int64: bytes on the wire
+    ts_ns: np.ndarray  # int64: timestamp, ns since the epoch
+    iface: np.ndarray  # int32: interface index within the source (pcapng IDB, port)
+    source: str = ""  # name of the capture source (file path, interface)
+    first_index: int = 0  # index of this batch's first frame among all frames of the source
+    linktypes: dict[int, int] = field(default_factory=dict)  # iface -> LINKTYPE_*
+
+    def __len__(self) -> int:
+        return int(self.offset.shape[0])
+
+    @property
+    def truncated(self) -> np.ndarray:
+        """Boolean mask of frames the capture cut short."""
+        return self.caplen < self.wirelen
+
+    @property
+    def nbytes(self) -> int:
+        """Captured bytes in this batch."""
+        return int(self.caplen.sum())
+
+    def frame(self, i: int) -> bytes:
+        """One frame's captured bytes (tooling and tests only: not for the data path)."""
+        o = int(self.offset[i])
+        return self.data[o : o + int(self.caplen[i])].tobytes()
+
+    def ethernet_mask(self) -> np.ndarray:
+        """Frames whose interface link type is Ethernet (unknown interfaces count as Ethernet)."""
+        if not self.linktypes or all(v == LINKTYPE_ETHERNET for v in self.linktypes.values()):
+            return np.ones(len(self), dtype=bool)
+        eth = [k for k, v in self.linktypes.items() if v == LINKTYPE_ETHERNET]
+        return np.isin(self.iface, np.asarray(eth, dtype=self.iface.dtype))
+
+    @staticmethod
+    def from_frames(frames: list[bytes], source: str = "", ts_ns: list[int] | None = None,
+                    wirelen: list[int] | None = None) -> "FrameBatch":
+        """Builds a batch from a list of frames (generator, tests)."""
+        lens = np.fromiter((len(f) for f in frames), dtype=np.int64, count=len(frames))
+        offset = np.zeros(len(frames), dtype=np.int64)
+        if len(frames) > 1:
+            np.cumsum(lens[:-1], out=offset[1:])
+        data = np.frombuffer(b"".join(frames), dtype=np.uint8) if frames else np.zeros(0, np.uint8)
+        return FrameBatch(
+            data=data,
+            offset=offset,
+            caplen=lens,
+            wirelen=np.asarray(wirelen, dtype=np.int64) if wirelen is not None else lens.copy(),
+            ts_ns=np.asarray(ts_ns, dtype=np.int64) if ts_ns is not None else np.zeros(len(frames), np.int64),
+            iface=np.zeros(len(frames), dtype=np.int32),
+            source=source,
+        )
+
+
+class CaptureError(Exception):
+    """A capture source that cannot be read; the message names the source and the byte offset."""

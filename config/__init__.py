@@ -1,0 +1,1 @@
+"""Job configuration: layout of parameters and buckets, the ring, the mirrors."""

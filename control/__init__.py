@@ -1,0 +1,1 @@
+"""Control plane between appliance and trainer, and the trainer-side integration."""

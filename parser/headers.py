@@ -1,0 +1,195 @@
+"""Every header the appliance reads or writes, declared once as a table of fields.
+
+A ``Header`` is a list of ``Field(name, offset, size, order)``; decoders read fields for many
+frames at once with ``Header.read`` (a numpy gather), and the generator and tests build bytes with
+``Header.pack``. No byte offset of these headers appears anywhere else in the code.
+
+Sources: IEEE 802.3/802.1Q; RFC 791 and 8200; RFC 768; InfiniBand Architecture Specification
+vol. 1 rel. 1.4, 9.2-9.3 and annex A17 (RoCEv2); NCCL net_ib.cc (CTS entry, see
+``parser.nccl_versions``); gloo ``transport/tcp/pair.h`` (Op preamble).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    offset: int
+    size: int  # bytes, 1..16
+    order: str = "big"  # "big" or "little"
+    signed: bool = False
+
+
+class Header:
+    def __init__(self, name: str, size: int, fields: list[Field]):
+        self.name = name
+        self.size = size
+        self.fields = {f.name: f for f in fields}
+        for f in fields:
+            if f.offset + f.size > size:
+                raise ValueError(f"{name}.{f.name} runs past the header's {size} bytes")
+
+    def __getitem__(self, name: str) -> Field:
+        return self.fields[name]
+
+    def read(self, data: np.ndarray, base: np.ndarray, name: str) -> np.ndarray:
+        """Field ``name`` of the headers starting at ``data[base]`` (vectorised; uint64 or int64)."""
+        return read_uint(data, base + self.fields[name].offset, self.fields[name].size,
+                         self.fields[name].order, self.fields[name].signed)
+
+    def read_bytes(self, data: np.ndarray, base: np.ndarray, name: str) -> np.ndarray:
+        """Field ``name`` as an (N, size) uint8 matrix (addresses)."""
+        f = self.fields[name]
+        return data[(base + f.offset)[:, None] + np.arange(f.size)]
+
+    def unpack(self, buf: bytes | memoryview, at: int = 0) -> dict:
+        """One header as a dict of ints (tooling and tests)."""
+        out = {}
+        for f in self.fields.values():
+            raw = bytes(buf[at + f.offset : at + f.offset + f.size])
+            out[f.name] = int.from_bytes(raw, f.order, signed=f.signed) if f.size <= 8 else raw
+        return out
+
+    def pack(self, **values) -> bytes:
+        """One header built from field values; unnamed fields are zero (generator, tests)."""
+        out = bytearray(self.size)
+        for name, v in values.items():
+            f = self.fields[name]
+            if isinstance(v, (bytes, bytearray)):
+                if len(v) != f.size:
+                    raise ValueError(f"{self.name}.{name} takes {f.size} bytes, got {len(v)}")
+                out[f.offset : f.offset + f.size] = v
+            else:
+                out[f.offset : f.offset + f.size] = int(v).to_bytes(f.size, f.order, signed=f.signed)
+        return bytes(out)
+
+
+_NP_UINT = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}
+
+
+def read_uint(data: np.ndarray, pos: np.ndarray, size: int, order: str = "big",
+              signed: bool = False) -> np.ndarray:
+    """Integers of ``size`` bytes at positions ``pos`` of ``data``, one per position."""
+    pos = np.asarray(pos, dtype=np.int64)
+    if size in _NP_UINT:
+        raw = data[pos[:, None] + np.arange(size)] if size > 1 else data[pos][:, None]
+        dt = np.dtype(_NP_UINT[size]).newbyteorder(">" if order == "big" else "<")
+        if signed:
+            dt = np.dtype(dt.str.replace("u", "i"))
+        v = np.ascontiguousarray(raw).view(dt).reshape(-1)
+        return v.astype(np.int64 if signed else np.uint64)
+    if size > 8:
+        raise ValueError("fields wider than 8 bytes are read with read_bytes")
+    raw = data[pos[:, None] + np.arange(size)].astype(np.uint64)
+    if order == "little":
+        raw = raw[:, ::-1]
+    v = np.zeros(pos.shape[0], dtype=np.uint64)
+    for k in range(size):
+        v = (v << np.uint64(8)) | raw[:, k]
+    return v
+
+
+# --- Link and network layers ------------------------------------------------------------------
+
+ETH = Header("eth", 14, [Field("dst", 0, 6), Field("src", 6, 6), Field("type", 12, 2)])
+VLAN = Header("vlan", 4, [Field("tci", 0, 2), Field("type", 2, 2)])
+ETHERTYPE_IPV4 = 0x0800
+ETHERTYPE_IPV6 = 0x86DD
+ETHERTYPE_VLAN = (0x8100, 0x88A8)
+ETHERTYPE_ARP = 0x0806
+ETHERTYPE_LLDP = 0x88CC
+ETHERTYPE_PTP = 0x88F7
+
+IPV4 = Header("ipv4", 20, [
+    Field("ver_ihl", 0, 1), Field("tos", 1, 1), Field("total_len", 2, 2), Field("id", 4, 2),
+    Field("frag", 6, 2), Field("ttl", 8, 1), Field("proto", 9, 1), Field("csum", 10, 2),
+    Field("src", 12, 4), Field("dst", 16, 4),
+])
+IPV6 = Header("ipv6", 40, [
+    Field("ver_tc_fl", 0, 4), Field("payload_len", 4, 2), Field("next", 6, 1), Field("hop", 7, 1),
+    Field("src", 8, 16), Field("dst", 24, 16),
+])
+IPPROTO_TCP = 6
+IPPROTO_UDP = 17
+
+UDP = Header("udp", 8, [Field("sport", 0, 2), Field("dport", 2, 2), Field("len", 4, 2), Field("csum", 6, 2)])
+ROCEV2_PORT = 4791
+PTP_PORTS = (319, 320)
+
+TCP = Header("tcp", 20, [
+    Field("sport", 0, 2), Field("dport", 2, 2), Field("seq", 4, 4), Field("ack", 8, 4),
+    Field("off_flags", 12, 2), Field("window", 14, 2), Field("csum", 16, 2), Field("urg", 18, 2),
+])
+
+# --- InfiniBand transport headers (IBTA vol. 1, 9.2) ------------------------------------------
+
+# byte 1: SE(1) M(1) PadCnt(2) TVer(4); byte 8: AckReq(1) resv(7)
+BTH = Header("bth", 12, [
+    Field("opcode", 0, 1), Field("flags", 1, 1), Field("pkey", 2, 2), Field("resv8a", 4, 1),
+    Field("dqp", 5, 3), Field("ackreq", 8, 1), Field("psn", 9, 3),
+])
+RETH = Header("reth", 16, [Field("va", 0, 8), Field("rkey", 8, 4), Field("dlen", 12, 4)])
+# ImmDt is a 4-byte field; NCCL writes it in host order up to 2.28 (little-endian on x86) and
+# big-endian from 2.29: the raw bytes are kept and read through nccl_versions.
+IMMDT = Header("immdt", 4, [Field("imm", 0, 4, "big")])
+AETH = Header("aeth", 4, [Field("syndrome", 0, 1), Field("msn", 1, 3)])
+DETH = Header("deth", 8, [Field("qkey", 0, 4), Field("srcqp", 5, 3)])
+ICRC_BYTES = 4
+PSN_MODULUS = 1 << 24
+
+# --- NCCL ------------------------------------------------------------------------------------
+
+# CTS ("clear to send") FIFO entry, NCCL 2.12-2.19 (32 B). Later layouts: parser.nccl_versions.
+CTS32 = Header("cts32", 32, [
+    Field("addr", 0, 8, "little"), Field("size", 8, 4, "little", signed=True),
+    Field("rkey", 12, 4, "little"), Field("nreqs", 16, 4, "little"), Field("tag", 20, 4, "little"),
+    Field("idx", 24, 8, "little"),
+])
+CTS64_V220 = Header("cts64_v2.20", 64, [
+    Field("addr", 0, 8, "little"), Field("size", 8, 4, "little", signed=True),
+    Field("rkey", 12, 4, "little"), Field("rkey1", 16, 4, "little"), Field("nreqs", 20, 4, "little"),
+    Field("tag", 24, 4, "little"), Field("idx", 32, 8, "little"),
+])
+CTS64_V224 = Header("cts64_v2.24", 64, [
+    Field("addr", 0, 8, "little"), Field("size", 8, 8, "little"), Field("rkey", 16, 4, "little"),
+    Field("nreqs", 32, 4, "little"), Field("tag", 36, 4, "little"), Field("idx", 40, 8, "little"),
+])
+CTS64_V230 = Header("cts64_v2.30", 64, [
+    Field("addr", 0, 8, "little"), Field("size", 8, 8, "little"), Field("rkey", 16, 4, "little"),
+    Field("nreqs", 48, 4, "little"), Field("tag", 52, 4, "little"), Field("idx", 56, 8, "little"),
+])
+
+# LL line: {u32 data_lo, u32 flag, u32 data_hi, u32 flag} (NCCL devcomm.h union ncclLLFifoLine).
+LL_LINE = Header("ll_line", 16, [
+    Field("data_lo", 0, 4, "little"), Field("flag1", 4, 4, "little"),
+    Field("data_hi", 8, 4, "little"), Field("flag2", 12, 4, "little"),
+])
+LL_LINE_BYTES = 16
+LL_DATA_PER_LINE = 8
+# LL128: 128-byte lines, word 15 (bytes 120..127) of every line is the u64 flag.
+LL128_LINE_BYTES = 128
+LL128_FLAG_OFFSET = 120
+LL128_GROUP_WIRE = 2048
+LL128_GROUP_DATA = 1920
+
+# --- gloo over TCP -----------------------------------------------------------------------------
+
+GLOO_OP = Header("gloo_op", 48, [
+    Field("nbytes", 0, 8, "little"), Field("opcode", 8, 8, "little"), Field("slot", 16, 8, "little"),
+    Field("offset", 24, 8, "little"), Field("length", 32, 8, "little"), Field("roffset", 40, 8, "little"),
+])
+
+
+def ipv6_from_ipv4_mapped(addr4: bytes) -> bytes:
+    """IPv4 address as an IPv4-mapped IPv6 address (one 16-byte key type for both families)."""
+    return b"\x00" * 10 + b"\xff\xff" + addr4
+
+
+def u32le(v: int) -> bytes:
+    return struct.pack("<I", v & 0xFFFFFFFF)

@@ -1,0 +1,1 @@
+"""The CLI, the NCCL traffic generator and the benchmarks."""

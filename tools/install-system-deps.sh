@@ -1,0 +1,20 @@
+#!/bin/sh
+# Debian packages the test suite needs: tshark (dissection check), tcpdump, DPDK 22.11 with the
+# pcap and af_packet virtual devices, iproute2 (network namespaces, tc). Installs only what is
+# missing; without root it says what to install and stops.
+set -e
+need=""
+have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
+for p in tshark tcpdump iproute2 ethtool dpdk libdpdk-dev librte-net-pcap23 librte-net-af-packet23 \
+         librte-net-null23 librte-mempool-ring23 zlib1g-dev; do
+    have "$p" || need="$need $p"
+done
+[ -z "$need" ] && exit 0
+if [ "$(id -u)" != 0 ]; then
+    echo "missing Debian packages:$need (run as root: apt-get install$need)" >&2
+    exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
+apt-get update -q
+apt-get install -y -q $need

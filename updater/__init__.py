@@ -1,0 +1,1 @@
+"""The CPU replica of model and optimizer state, its persistence and restore."""
