@@ -1,0 +1,22 @@
+"""What the parser hands the updater: one training iteration's reduced gradient buckets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ReducedIteration:
+    index: int  # 0-based iteration number in wire order
+    buckets: list[np.ndarray]  # flat reduced gradient per bucket (config.layout.numpy_dtype; bf16 as uint16 bits)
+    complete: bool = True
+    # bucket -> missing element ranges [(start, length)], when incomplete
+    holes: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # what the wire does not carry, when the trainer sent it (lr, loss scale, rng states, data position)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def missing_elements(self) -> int:
+        return sum(n for hs in self.holes.values() for _, n in hs)
