@@ -1,0 +1,341 @@
+"""Per-QP reassembly of RDMA WRITE messages, placing every payload by its PSN.
+
+PSNs count packets per QP and are not reset per message, so on a WRITE-only QP the messages
+tile the PSN line: a message starts where the previous one ended. A FIRST packet gives its
+message's start, length (RETH DMA length) and the path MTU (its own payload length); ONLY is a
+one-packet message; LAST closes one. Walking the line in PSN order from a cursor therefore
+places every byte, and a lost or duplicated packet only ever damages its own bytes:
+
+* duplicates (same PSN twice, or below the cursor) are dropped and counted;
+* out-of-order packets are held until the cursor reaches them;
+* a message with missing packets waits until the QP has moved ``window`` PSNs past its end (or
+  ``flush``), then is emitted incomplete with its holes as byte ranges;
+* a message whose FIRST was lost still ends at its LAST (or just before the next FIRST/ONLY), so
+  its other bytes are placed with the QP's MTU; its VA and RETH length are unknown.
+
+Payloads are copied once into the message buffer when their message is decided within the same
+batch; only packets still waiting at the end of a batch are copied into a per-QP holding slab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mirrorckpt.parser import _fast, opcodes
+from mirrorckpt.parser.headers import PSN_MODULUS
+from mirrorckpt.parser.roce import RocePackets
+
+_HALF = PSN_MODULUS // 2
+
+
+@dataclass(frozen=True)
+class QpKey:
+    src: bytes  # 16 bytes (IPv4 as mapped IPv6)
+    dst: bytes
+    dqp: int
+
+    def __str__(self) -> str:
+        return f"{_addr(self.src)}->{_addr(self.dst)}/qp{self.dqp:#x}"
+
+
+def _addr(a: bytes) -> str:
+    import ipaddress
+
+    ip = ipaddress.IPv6Address(a)
+    return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
+
+
+@dataclass
+class RdmaMessage:
+    qp: QpKey
+    sport: int
+    psn: int  # unwrapped PSN of the first packet
+    npkts: int
+    data: np.ndarray  # uint8, the message's bytes (zeros in holes)
+    holes: list[tuple[int, int]]  # missing byte ranges (start, length)
+    va: int | None  # RETH, None when the FIRST/ONLY packet was lost
+    rkey: int | None
+    dlen: int | None  # RETH DMA length, None when unknown
+    imm_raw: int | None  # ImmDt of the closing packet (big-endian read), None when absent or lost
+    with_imm: bool | None  # closed by a ...WITH_IMMEDIATE opcode (None: closing packet lost)
+    ts_ns: int  # timestamp of the earliest received packet
+    length_known: bool = True  # False when neither RETH nor the closing packet fixed the length
+
+    @property
+    def complete(self) -> bool:
+        return not self.holes and self.length_known
+
+    @property
+    def missing_bytes(self) -> int:
+        return sum(n for _, n in self.holes)
+
+
+@dataclass
+class QpStats:
+    sport: int = 0
+    packets: int = 0
+    duplicates: int = 0
+    reordered: int = 0
+    lost_packets: int = 0
+    orphans: int = 0  # packets before the first message start ever seen
+    malformed: int = 0  # payload lengths that contradict the MTU or RETH
+    psn_first: int | None = None  # raw 24-bit PSNs
+    psn_last: int | None = None
+    messages: int = 0
+    incomplete: int = 0
+    pmtu: int = 0
+
+
+# Columns of a QP's pending-packet table (packets received, not yet placed).
+_COLS = ("psn", "opcode", "va", "rkey", "dlen", "imm", "ts", "plen", "src_off")
+
+
+@dataclass
+class _Qp:
+    key: QpKey
+    stats: QpStats = field(default_factory=QpStats)
+    ref: int | None = None  # highest unwrapped PSN seen
+    cursor: int | None = None  # PSN where the next message starts
+    pmtu: int = 0
+    pend: dict = field(default_factory=dict)  # column -> array (src_off into slab)
+    slab: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+
+
+class Reassembler:
+    """Streaming per-QP PSN reassembly; feed decoded packets batch by batch, then flush."""
+
+    def __init__(self, window: int = 1024):
+        self.window = window
+        self.qps: dict[QpKey, _Qp] = {}
+
+    def feed(self, pk: RocePackets, data: np.ndarray) -> list[RdmaMessage]:
+        """Places the RC WRITE packets of one batch (``data`` is the batch buffer)."""
+        sel = np.nonzero(opcodes.IS_WRITE[pk.opcode] & pk.icrc_ok)[0]
+        if not len(sel):
+            return []
+        pk = pk.take(sel)
+        keys = np.concatenate([pk.src, pk.dst, pk.dqp.astype(">u4").view(np.uint8).reshape(-1, 4)], axis=1)
+        uniq, inv = np.unique(np.ascontiguousarray(keys).view(np.dtype((np.void, 36))).ravel(),
+                              return_inverse=True)
+        out = []
+        for g in range(len(uniq)):
+            rows = np.nonzero(inv == g)[0]
+            raw = uniq[g].tobytes()
+            key = QpKey(raw[:16], raw[16:32], int.from_bytes(raw[32:], "big"))
+            qp = self.qps.get(key)
+            if qp is None:
+                qp = self.qps[key] = _Qp(key)
+                qp.stats.sport = int(pk.sport[rows[0]])
+            out += self._feed_qp(qp, pk.take(rows), data, final=False)
+        return out
+
+    def flush(self) -> list[RdmaMessage]:
+        """Emits every message still waiting, complete or not (end of capture)."""
+        out = []
+        for qp in self.qps.values():
+            out += self._feed_qp(qp, None, None, final=True)
+        return out
+
+    # -- one QP --------------------------------------------------------------------------------
+
+    def _unwrap(self, qp: _Qp, psn: np.ndarray) -> np.ndarray:
+        if qp.ref is None:
+            qp.ref = int(psn[0])
+        d = (psn - (qp.ref % PSN_MODULUS) + _HALF) % PSN_MODULUS - _HALF
+        return qp.ref + d
+
+    def _feed_qp(self, qp: _Qp, pk: RocePackets | None, data, final: bool) -> list[RdmaMessage]:
+        st = qp.stats
+        if pk is not None and len(pk):
+            psn = self._unwrap(qp, pk.psn)
+            st.packets += len(psn)
+            prev = qp.ref
+            runmax = np.maximum.accumulate(np.concatenate([[prev], psn]))[:-1]
+            st.reordered += int((psn < runmax).sum())
+            top = int(np.argmax(psn))
+            if st.psn_first is None:
+                st.psn_first = int(pk.psn[0])
+            if int(psn[top]) >= prev:
+                st.psn_last = int(pk.psn[top])
+            qp.ref = max(prev, int(psn[top]))
+            full = opcodes.IS_FIRST[pk.opcode] & ~opcodes.IS_LAST[pk.opcode] | (pk.opcode == opcodes.RC_RDMA_WRITE_MIDDLE)
+            if full.any():
+                qp.pmtu = max(qp.pmtu, int(pk.pay_len[full].max()))
+                st.pmtu = qp.pmtu
+            new = {"psn": psn, "opcode": pk.opcode, "va": pk.va, "rkey": pk.rkey, "dlen": pk.dlen,
+                   "imm": np.where(pk.has_imm, pk.imm_raw, -1), "ts": pk.ts_ns, "plen": pk.pay_len,
+                   "src_off": pk.pay_off}
+            src_is_new = np.ones(len(psn), bool)
+        else:
+            new, src_is_new = None, np.zeros(0, bool)
+        # Working table: pending packets (payload in the slab) + this batch's (payload in data).
+        if qp.pend:
+            tab = {c: np.concatenate([qp.pend[c], new[c]]) if new else qp.pend[c] for c in _COLS}
+            src_is_new = np.concatenate([np.zeros(len(qp.pend["psn"]), bool), src_is_new])
+        elif new:
+            tab = new
+        else:
+            return []
+        # Sort by PSN; a repeated PSN keeps its first arrival (pending rows come first).
+        order = np.lexsort((np.arange(len(tab["psn"])), tab["psn"]))
+        tab = {c: v[order] for c, v in tab.items()}
+        src_is_new = src_is_new[order]
+        first = np.ones(len(order), bool)
+        first[1:] = tab["psn"][1:] != tab["psn"][:-1]
+        st.duplicates += int((~first).sum())
+        tab = {c: v[first] for c, v in tab.items()}
+        src_is_new = src_is_new[first]
+
+        if qp.cursor is None:
+            starts = np.nonzero(opcodes.IS_FIRST[tab["opcode"]])[0]
+            if not len(starts):
+                if final:
+                    st.orphans += len(tab["psn"])
+                    tab = {c: v[:0] for c, v in tab.items()}
+                qp.pend, qp.slab = self._hold(tab, src_is_new, data, qp.slab)
+                return []
+            qp.cursor = int(tab["psn"][starts[0]])
+            st.orphans += int(starts[0])
+        stale = tab["psn"] < qp.cursor
+        st.duplicates += int(stale.sum())
+        tab = {c: v[~stale] for c, v in tab.items()}
+        src_is_new = src_is_new[~stale]
+
+        out, used = self._walk(qp, tab, src_is_new, data, final)
+        keep = np.ones(len(tab["psn"]), bool)
+        keep[:used] = False
+        tab = {c: v[keep] for c, v in tab.items()}
+        qp.pend, qp.slab = self._hold(tab, src_is_new[keep], data, qp.slab)
+        return out
+
+    def _walk(self, qp: _Qp, tab: dict, src_is_new: np.ndarray, data, final: bool):
+        """Decides messages from the cursor on; returns them and how many rows they used."""
+        out: list[RdmaMessage] = []
+        psn, op = tab["psn"], tab["opcode"]
+        is_first = opcodes.IS_FIRST[op]
+        is_last = opcodes.IS_LAST[op]
+        horizon = qp.ref  # highest PSN seen on the QP
+        i = 0
+        n = len(psn)
+        while i < n:
+            cur = qp.cursor
+            # Message end: from a FIRST's RETH length, else the next closing or opening packet.
+            head = i if psn[i] == cur and is_first[i] else None
+            if head is not None:
+                pm = int(tab["plen"][head]) if not is_last[head] else qp.pmtu
+                dlen = int(tab["dlen"][head])
+                npk = 1 if is_last[head] else (-(-dlen // pm) if pm > 0 else 0)
+                if npk < 1:
+                    qp.stats.malformed += 1
+                    npk = 1
+                end = cur + npk  # exclusive
+                length_known = True
+            else:
+                later = np.nonzero(is_last[i:] | is_first[i:])[0]
+                if not len(later):
+                    if not final:
+                        break
+                    end = int(psn[-1]) + 1
+                    length_known = False
+                else:
+                    j = i + int(later[0])
+                    if is_first[j]:  # the next message starts there: ours ended before it
+                        end, length_known = int(psn[j]), False
+                    else:
+                        end, length_known = int(psn[j]) + 1, True
+                dlen = None
+            k = i + int(np.searchsorted(psn[i:], end))
+            have = k - i
+            if have < end - cur and not final and horizon < end - 1 + self.window:
+                break  # still waiting for packets of this message
+            if head is None and not final and horizon < end - 1 + self.window:
+                break  # the FIRST may still arrive late
+            out.append(self._build(qp, tab, src_is_new, data, i, k, cur, end, head, dlen, length_known))
+            qp.cursor = end
+            i = k
+        return out, i
+
+    def _build(self, qp, tab, src_is_new, data, i, k, start, end, head, dlen, length_known):
+        st = qp.stats
+        pmtu = qp.pmtu or (int(tab["plen"][i]) if k > i else 0)
+        rows = np.arange(i, k)
+        psn = tab["psn"][rows]
+        plen = tab["plen"][rows]
+        op = tab["opcode"][rows]
+        npk = end - start
+        last_row = rows[psn == end - 1]
+        closed = len(last_row) == 1 and opcodes.IS_LAST[op[psn == end - 1][0]]
+        if dlen is None and closed and length_known:
+            dlen = (npk - 1) * pmtu + int(tab["plen"][last_row[0]])
+        size = dlen if dlen is not None else npk * pmtu
+        # Every packet but the last carries exactly one MTU; a payload that disagrees is not data.
+        expect = np.where(psn == end - 1, size - (npk - 1) * pmtu, pmtu)
+        good = plen == expect
+        if not good.all():
+            st.malformed += int((~good).sum())
+        buf = np.zeros(max(size, 0), np.uint8)
+        dst = (psn - start) * pmtu
+        for from_new in (True, False):
+            m = good & (src_is_new[rows] == from_new)
+            if m.any():
+                _fast.copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(tab["src_off"][rows][m]),
+                                  buf, np.ascontiguousarray(dst[m]), np.ascontiguousarray(plen[m]))
+        present = np.zeros(npk, bool)
+        present[(psn - start)[good]] = True
+        holes = _holes(present, pmtu, size)
+        st.lost_packets += int((~present).sum())
+        st.messages += 1
+        with_imm = imm = None
+        if closed:
+            with_imm = bool(opcodes.HAS_IMMDT[op[psn == end - 1][0]])
+            imm = int(tab["imm"][last_row[0]]) if with_imm else None
+        msg = RdmaMessage(
+            qp=qp.key, sport=st.sport, psn=start, npkts=npk, data=buf, holes=holes,
+            va=int(tab["va"][head]) if head is not None else None,
+            rkey=int(tab["rkey"][head]) if head is not None else None,
+            dlen=dlen if head is not None else None,
+            imm_raw=imm, with_imm=with_imm,
+            ts_ns=int(tab["ts"][rows].min()) if len(rows) else 0,
+            length_known=length_known and (dlen is not None),
+        )
+        if not msg.complete:
+            st.incomplete += 1
+        return msg
+
+    @staticmethod
+    def _hold(tab: dict, src_is_new: np.ndarray, data, slab: np.ndarray):
+        """Copies the payloads of rows still waiting into a fresh slab (one copy per held packet)."""
+        if not len(tab["psn"]):
+            return {}, np.zeros(0, np.uint8)
+        plen = tab["plen"]
+        new_off = np.zeros(len(plen), np.int64)
+        if len(plen) > 1:
+            np.cumsum(plen[:-1], out=new_off[1:])
+        out = np.zeros(int(plen.sum()), np.uint8)
+        for from_new in (True, False):
+            m = src_is_new == from_new
+            if m.any():
+                _fast.copy_ranges(data if from_new else slab, np.ascontiguousarray(tab["src_off"][m]), out,
+                                  np.ascontiguousarray(new_off[m]), np.ascontiguousarray(plen[m]))
+        tab = dict(tab)
+        tab["src_off"] = new_off
+        return tab, out
+
+
+def _holes(present: np.ndarray, pmtu: int, size: int) -> list[tuple[int, int]]:
+    """Byte ranges of the message not covered by the packets present."""
+    if present.all():
+        return []
+    miss = ~present
+    edges = np.diff(np.concatenate([[0], miss.view(np.int8), [0]]))
+    starts = np.nonzero(edges == 1)[0]
+    stops = np.nonzero(edges == -1)[0]
+    out = []
+    for a, b in zip(starts.tolist(), stops.tolist()):
+        lo = a * pmtu
+        hi = min(b * pmtu, size)
+        if hi > lo:
+            out.append((lo, hi - lo))
+    return out
