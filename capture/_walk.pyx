@@ -1,0 +1,204 @@
+# cython: language_level=3
+"""Sequential walks over pcap records and pcapng blocks (layouts: capture/formats.py).
+
+One call walks as many records or blocks as fit the output arrays and stops at the end of the
+data, when the arrays are full, at a block the caller must parse itself (pcapng section header
+and interface description) or at the first damaged record/block. Every step advances `pos` by
+at least one whole header, so a walk always ends. The caller turns the status and the two
+context values `a`, `b` into an error message.
+"""
+
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+
+cpdef enum Status:
+    END = 0          # walked to the end of the data
+    FULL = 1         # output arrays full; pos is the next record/block
+    AT_SHB = 2       # pos is a section header block
+    AT_IDB = 3       # pos is an interface description block (already length-checked)
+    CUT_HEADER = 10  # fewer bytes left than a record/block header; a = bytes left
+    SHORT = 11       # block length below its minimum; a = length, b = minimum
+    UNALIGNED = 12   # block length not a multiple of 4; a = length
+    PAST_END = 13    # record/block runs past the end; a = its length, b = bytes left
+    TRAILER = 14     # trailing block length differs; a = trailing, b = leading
+    CAPLEN_BODY = 15 # captured length does not fit the block; a = caplen, b = room
+    CAPLEN_MAX = 16  # captured length beyond the sanity limit; a = caplen, b = limit
+    IFACE = 17       # unknown interface id; a = id, b = interfaces in the section
+
+
+cdef inline uint32_t rd32(const uint8_t *p, bint big) noexcept nogil:
+    # Assembled from bytes so it is right on any host; gcc turns it into one load (+ bswap).
+    if big:
+        return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
+    return (<uint32_t>p[3] << 24) | (<uint32_t>p[2] << 16) | (<uint32_t>p[1] << 8) | p[0]
+
+
+cdef inline uint32_t rd16(const uint8_t *p, bint big) noexcept nogil:
+    if big:
+        return (<uint32_t>p[0] << 8) | p[1]
+    return (<uint32_t>p[1] << 8) | p[0]
+
+
+def walk_pcap(const uint8_t[::1] buf, Py_ssize_t pos, bint big, uint64_t frac_per_sec,
+              int64_t max_caplen, int64_t[::1] offset, int64_t[::1] caplen,
+              int64_t[::1] wirelen, uint64_t[::1] ts, Py_ssize_t n):
+    """Walks 16-byte-header pcap records from pos, filling the arrays from index n.
+
+    ts is seconds * frac_per_sec + fraction (raw units). Returns (n, pos, status, a, b).
+    """
+    cdef Py_ssize_t end = buf.shape[0], cap = offset.shape[0]
+    cdef const uint8_t *p
+    cdef int64_t incl, a = 0, b = 0
+    cdef Status status = END
+    with nogil:
+        while True:
+            if pos == end:
+                status = END
+                break
+            if n == cap:
+                status = FULL
+                break
+            if end - pos < 16:
+                status = CUT_HEADER
+                a = end - pos
+                break
+            p = &buf[pos]
+            incl = rd32(p + 8, big)
+            if incl > max_caplen:
+                status = CAPLEN_MAX
+                a = incl
+                b = max_caplen
+                break
+            if incl > end - pos - 16:
+                status = PAST_END
+                a = incl
+                b = end - pos - 16
+                break
+            offset[n] = pos + 16
+            caplen[n] = incl
+            wirelen[n] = rd32(p + 12, big)
+            ts[n] = <uint64_t>rd32(p, big) * frac_per_sec + rd32(p + 4, big)
+            n += 1
+            pos += 16 + incl
+    return n, pos, status, a, b
+
+
+def walk_pcapng(const uint8_t[::1] buf, Py_ssize_t pos, bint big, int32_t iface_base,
+                int32_t n_ifaces, int64_t spb_snaplen, int64_t max_caplen,
+                int64_t[::1] offset, int64_t[::1] caplen, int64_t[::1] wirelen,
+                uint64_t[::1] ts, int32_t[::1] iface, Py_ssize_t n):
+    """Walks pcapng blocks of one section (big-endian if `big`) from pos, filling from index n.
+
+    Packets of EPB, SPB and obsolete PB are recorded; interface ids are checked against the
+    section's `n_ifaces` and stored as iface_base + id. SPBs belong to interface 0, whose
+    snaplen (0: none) caps their captured length. Other block types are skipped.
+    Returns (n, pos, status, a, b, skipped).
+    """
+    cdef Py_ssize_t end = buf.shape[0], cap = offset.shape[0]
+    cdef const uint8_t *p
+    cdef uint32_t btype, local
+    cdef int64_t blen, need, room, incl, orig, a = 0, b = 0, skipped = 0
+    cdef Status status = END
+    with nogil:
+        while True:
+            if pos == end:
+                status = END
+                break
+            if n == cap:
+                status = FULL
+                break
+            if end - pos < 8:
+                status = CUT_HEADER
+                a = end - pos
+                break
+            p = &buf[pos]
+            btype = rd32(p, big)
+            if btype == 0x0A0D0D0A:
+                # A new section may change the byte order: the caller reads it.
+                status = AT_SHB
+                break
+            blen = rd32(p + 4, big)
+            need = 12
+            if btype == 1:
+                need = 20
+            elif btype == 6 or btype == 2:
+                need = 32
+            elif btype == 3:
+                need = 16
+            if blen < need:
+                status = SHORT
+                a = blen
+                b = need
+                break
+            if blen & 3:
+                status = UNALIGNED
+                a = blen
+                break
+            if blen > end - pos:
+                status = PAST_END
+                a = blen
+                b = end - pos
+                break
+            if rd32(p + blen - 4, big) != blen:
+                status = TRAILER
+                a = rd32(p + blen - 4, big)
+                b = blen
+                break
+            if btype == 1:
+                status = AT_IDB
+                break
+            if btype == 6 or btype == 2:
+                if btype == 6:
+                    local = rd32(p + 8, big)
+                else:
+                    # obsolete PB: 16-bit interface id, then a 16-bit drops count
+                    local = rd16(p + 8, big)
+                if local >= <uint32_t>n_ifaces:
+                    status = IFACE
+                    a = local
+                    b = n_ifaces
+                    break
+                incl = rd32(p + 20, big)
+                room = blen - 32
+                if incl > max_caplen:
+                    status = CAPLEN_MAX
+                    a = incl
+                    b = max_caplen
+                    break
+                if incl > room:
+                    status = CAPLEN_BODY
+                    a = incl
+                    b = room
+                    break
+                offset[n] = pos + 28
+                caplen[n] = incl
+                wirelen[n] = rd32(p + 24, big)
+                ts[n] = (<uint64_t>rd32(p + 12, big) << 32) | rd32(p + 16, big)
+                iface[n] = iface_base + <int32_t>local
+                n += 1
+            elif btype == 3:
+                if n_ifaces == 0:
+                    status = IFACE
+                    a = 0
+                    b = 0
+                    break
+                orig = rd32(p + 8, big)
+                incl = orig
+                if spb_snaplen > 0 and incl > spb_snaplen:
+                    incl = spb_snaplen
+                if incl > blen - 16:
+                    incl = blen - 16
+                if incl > max_caplen:
+                    status = CAPLEN_MAX
+                    a = incl
+                    b = max_caplen
+                    break
+                offset[n] = pos + 12
+                caplen[n] = incl
+                wirelen[n] = orig
+                ts[n] = 0
+                iface[n] = iface_base
+                n += 1
+            else:
+                skipped += 1
+            pos += blen
+    return n, pos, status, a, b, skipped

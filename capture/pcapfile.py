@@ -1,0 +1,217 @@
+"""Memory-mapped pcap and pcapng readers yielding `FrameBatch`es.
+
+The file is mapped once; a batch's `data` is a view of the mapping covering its frames, so no
+frame byte is copied. The record/block walk runs in Cython (`_walk.pyx`); this module keeps
+the per-file state, converts timestamps and turns walk statuses into errors that name the
+file and the byte offset. A damaged file yields every good frame before the damage, then
+raises `CaptureError`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mirrorckpt.capture import _walk
+from mirrorckpt.capture._walk import Status
+from mirrorckpt.capture import formats as fmt
+from mirrorckpt.capture.batch import CaptureError, FrameBatch
+from mirrorckpt.capture.pcapng import PcapngBlocks
+
+DEFAULT_BATCH_FRAMES = 65536
+
+
+@dataclass
+class CaptureStats:
+    frames: int = 0
+    truncated: int = 0  # frames with caplen < wirelen
+    bytes: int = 0  # captured bytes
+    wire_bytes: int = 0
+    skipped_blocks: int = 0  # pcapng blocks that carry no packet (NRB, ISB, custom, ...)
+
+
+class PcapRecords:
+    """Walk state of one classic pcap file."""
+
+    def __init__(self, name: str, buf: np.ndarray, magic: int):
+        self.name = name
+        self.buf = buf
+        self.big = magic in (fmt.PCAP_MAGIC_US_SWAPPED, fmt.PCAP_MAGIC_NS_SWAPPED)
+        self.nanosecond = magic in (fmt.PCAP_MAGIC_NS, fmt.PCAP_MAGIC_NS_SWAPPED)
+        if len(buf) < fmt.PCAP_HEADER_SIZE:
+            raise CaptureError(f"{name}: pcap file header is cut short "
+                               f"({len(buf)} of {fmt.PCAP_HEADER_SIZE} bytes)")
+        hdr = buf[: fmt.PCAP_HEADER_SIZE].view(fmt.pcap_header_dtype(">" if self.big else "<"))[0]
+        if hdr["version_major"] != 2:
+            raise CaptureError(f"{name}: pcap version {hdr['version_major']}."
+                               f"{hdr['version_minor']} at byte 4 (only 2.x is defined)")
+        # The upper bits of the link type field carry FCS information, not the link type.
+        self.linktype = int(hdr["linktype"]) & 0xFFFF
+        self.snaplen = int(hdr["snaplen"])
+        self.pos = fmt.PCAP_HEADER_SIZE
+        self.skipped = 0
+
+    @property
+    def linktypes(self) -> dict[int, int]:
+        return {0: self.linktype}
+
+    def fill(self, offset, caplen, wirelen, ts_ns, iface) -> tuple[int, CaptureError | None, bool]:
+        ticks = ts_ns.view(np.uint64)  # filled in place, then scaled to ns
+        start = self.pos
+        n, self.pos, status, a, b = _walk.walk_pcap(
+            self.buf, start, self.big, 10**9 if self.nanosecond else 10**6, fmt.MAX_CAPLEN,
+            offset, caplen, wirelen, ticks, 0)
+        if not self.nanosecond:
+            ticks[:n] *= np.uint64(1000)
+        iface[:n] = 0
+        error = None
+        if status >= Status.CUT_HEADER:
+            where = f"{self.name}: record at byte {self.pos}"
+            if status == Status.CUT_HEADER:
+                msg = f"{where} is cut short: {a} bytes left, a record header needs 16"
+            elif status == Status.CAPLEN_MAX:
+                msg = f"{where} has captured length {a} (more than {b})"
+            else:
+                msg = f"{where} has captured length {a} but only {b} bytes follow its header"
+            error = CaptureError(msg)
+        return n, error, status == Status.END
+
+
+def _format(name: str, buf: np.ndarray):
+    """The walk state for the file's format, from its first bytes."""
+    if len(buf) == 0:
+        raise CaptureError(f"{name}: not a pcap or pcapng file (the file is empty)")
+    head = buf[:4].tobytes()
+    if len(head) == 4:
+        magic = struct.unpack("<I", head)[0]
+        if magic == fmt.BT_SHB:
+            return PcapngBlocks(name, buf)
+        if magic in (fmt.PCAP_MAGIC_US, fmt.PCAP_MAGIC_NS, fmt.PCAP_MAGIC_US_SWAPPED,
+                     fmt.PCAP_MAGIC_NS_SWAPPED):
+            return PcapRecords(name, buf, magic)
+        if magic in (fmt.PCAP_MAGIC_MODIFIED, fmt.PCAP_MAGIC_MODIFIED_SWAPPED):
+            raise CaptureError(f"{name}: modified (Kuznetzov) pcap is not supported; "
+                               "convert it with editcap")
+    first = buf[:16].tobytes().hex(" ")
+    raise CaptureError(f"{name}: not a pcap or pcapng file (first bytes {first})")
+
+
+class CaptureReader:
+    """Iterable of `FrameBatch`es of up to `batch_frames` frames; `.stats` counts what was read."""
+
+    def __init__(self, path, batch_frames: int = DEFAULT_BATCH_FRAMES):
+        if int(batch_frames) < 1:
+            raise ValueError(f"batch_frames must be at least 1, not {batch_frames}")
+        self.name = str(path)
+        self.batch_frames = int(batch_frames)
+        self.stats = CaptureStats()
+        self._mm = None
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size:
+                    self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise CaptureError(f"{self.name}: cannot open: {e.strerror}") from e
+        if self._mm is not None and hasattr(self._mm, "madvise"):
+            self._mm.madvise(mmap.MADV_SEQUENTIAL)
+        self._buf = np.frombuffer(self._mm, np.uint8) if self._mm is not None else np.zeros(0, np.uint8)
+        try:
+            self._walk = _format(self.name, self._buf)
+        except CaptureError:
+            self.close()
+            raise
+        self._pending: CaptureError | None = None
+        self._done = False
+
+    def __enter__(self) -> "CaptureReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unmaps the file; a batch still held keeps the mapping alive until it is dropped."""
+        self._walk = None
+        self._buf = None
+        self._done = True
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views exported to batches: the mapping goes when they do
+            self._mm = None
+
+    @property
+    def linktypes(self) -> dict[int, int]:
+        return self._walk.linktypes if self._walk is not None else {}
+
+    def __iter__(self) -> "CaptureReader":
+        return self
+
+    def __next__(self) -> FrameBatch:
+        cols = self._next_columns()
+        offset = cols[0]
+        # The batch's data covers its own frames only, so a stage that copies it copies little.
+        lo = int(offset[0])
+        hi = int((offset + cols[1]).max())
+        return self._batch(self._buf[lo:hi], offset - lo, cols)
+
+    def _batch(self, data, offset, cols) -> FrameBatch:
+        _, caplen, wirelen, ts_ns, iface = cols
+        batch = FrameBatch(data=data, offset=offset, caplen=caplen, wirelen=wirelen, ts_ns=ts_ns,
+                           iface=iface, source=self.name, first_index=self.stats.frames,
+                           linktypes=dict(self._walk.linktypes))
+        s = self.stats
+        s.frames += len(batch)
+        s.truncated += int(np.count_nonzero(batch.truncated))
+        s.bytes += int(caplen.sum())
+        s.wire_bytes += int(wirelen.sum())
+        return batch
+
+    def _next_columns(self):
+        """The next batch's columns with offsets into the whole file; raises at the end/error."""
+        while True:
+            if self._pending is not None:
+                error, self._pending, self._done = self._pending, None, True
+                raise error
+            if self._done:
+                raise StopIteration
+            k = self.batch_frames
+            cols = (np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64),
+                    np.empty(k, np.int64), np.empty(k, np.int32))
+            n, self._pending, self._done = self._walk.fill(*cols)
+            self.stats.skipped_blocks = self._walk.skipped
+            if n:
+                return tuple(c[:n] for c in cols)
+            # No frame: the walk ended or hit damage, which the next pass raises.
+            if not (self._done or self._pending):
+                raise AssertionError(f"{self.name}: walk stalled at byte {self._walk.pos}")
+
+
+def open_capture(path, batch_frames: int = DEFAULT_BATCH_FRAMES) -> CaptureReader:
+    """Opens a pcap or pcapng file (format from its first bytes)."""
+    return CaptureReader(path, batch_frames)
+
+
+def read_all(path) -> FrameBatch:
+    """Every frame of a capture in one batch (tests and tools; the mapping lives as long as it)."""
+    reader = CaptureReader(path)
+    parts = []
+    try:
+        while True:
+            try:
+                parts.append(reader._next_columns())
+            except StopIteration:
+                break
+        buf = reader._buf
+        cols = tuple(np.concatenate([p[i] for p in parts]) if parts else
+                     np.zeros(0, np.int32 if i == 4 else np.int64) for i in range(5))
+        return reader._batch(buf, cols[0], cols)
+    finally:
+        reader.close()
