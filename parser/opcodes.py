@@ -52,9 +52,9 @@ TABLE: dict[int, Opcode] = {o.code: o for o in [
 
 
 def name(code: int) -> str:
-    """IBTA name of an opcode, or its hex code (``0xaa``) when it is not in the table."""
+    """IBTA name of an opcode, or its hex code (``0xAA``) when it is not in the table."""
     op = TABLE.get(int(code))
-    return op.name if op else f"0x{int(code):02x}"
+    return op.name if op else f"0x{int(code):02X}"
 
 
 def _lut(attr: str) -> np.ndarray:

@@ -1,0 +1,285 @@
+"""NCCL sends from RDMA WRITE messages: CTS pairing, the split (adaptive-routing) form, protocols.
+
+One NCCL connection (sender S -> receiver R, one channel) is one RC QP pair: data flows S -> R,
+and R posts "clear to send" (CTS) FIFO entries R -> S on the same pair; both directions use
+the same UDP source port, which is what pairs them here (``ConnKey``). A send is one RDMA WRITE
+WITH IMMEDIATE (immediate = size), or in the split form a bulk WRITE without immediate closed by
+a 0-byte WRITE WITH IMMEDIATE at VA 0. The k-th CTS of a connection announces the buffer of its
+k-th send, which gives the send number (``seq``) and slot when the receiver's egress is mirrored;
+LL and LL128 sends also carry their connection step in every line's flag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mirrorckpt.parser import nccl_versions, protocols
+from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
+from mirrorckpt.parser.reassembly import QpKey, RdmaMessage, _addr
+
+
+@dataclass(frozen=True)
+class ConnKey:
+    sender: bytes  # 16-byte address
+    receiver: bytes
+    sport: int
+
+    def __str__(self) -> str:
+        return f"{_addr(self.sender)}->{_addr(self.receiver)}:{self.sport}"
+
+
+@dataclass
+class Cts:
+    idx: int
+    addr: int
+    size: int
+    rkey: int
+    nreqs: int
+    tag: int  # the data sender's rank
+
+
+@dataclass
+class NcclSend:
+    connection: ConnKey
+    qp: QpKey
+    protocol: str | None  # "LL", "LL128", "Simple"; None for an empty step on an unknown connection
+    data: np.ndarray  # user bytes (LL/LL128 flags removed)
+    holes: list[tuple[int, int]]  # missing user-byte ranges
+    wire_bytes: int
+    size: int | None  # immediate (bytes sent), None when the closing packet was lost
+    va: int | None
+    form: str  # "normal", "split" (adaptive-routing form), "empty" (0-byte step)
+    flag: int | None = None  # LL/LL128: connection step + 1
+    seq: int | None = None  # 1-based send number on the connection (from its CTS)
+    cts: Cts | None = None
+    ts_ns: int = 0
+    length_known: bool = True
+
+    @property
+    def complete(self) -> bool:
+        return not self.holes and self.length_known
+
+    @property
+    def step(self) -> int | None:
+        """Connection step counter of this send (flag - 1, or CTS idx - 1)."""
+        if self.flag is not None:
+            return self.flag - 1
+        return self.seq - 1 if self.seq is not None else None
+
+    def sha256(self) -> str | None:
+        return hashlib.sha256(self.data.tobytes()).hexdigest() if self.complete else None
+
+
+@dataclass
+class _Conn:
+    key: ConnKey
+    cts: dict[int, Cts] = field(default_factory=dict)  # idx -> entry
+    by_addr: dict[int, list[int]] = field(default_factory=dict)  # addr -> unmatched idx, in order
+    bulk: list[RdmaMessage] = field(default_factory=list)  # split-form pieces awaiting their close
+    protocol: str | None = None
+
+
+class NcclDecoder:
+    """Turns RDMA messages (any QP, any order across QPs) into NCCL sends, per connection."""
+
+    def __init__(self, version: str = "2.18", protocol: str | None = None, p2p_protocol: str = "Simple"):
+        self.version = nccl_versions.version(version)
+        self.cts_header = nccl_versions.cts_header(self.version)
+        self.protocol = protocol  # None: decided per send from its content
+        self.p2p_protocol = p2p_protocol
+        self.conns: dict[ConnKey, _Conn] = {}
+        self.cts_posts = 0
+        self.orphan_bulk = 0  # split-form pieces whose closing immediate never came
+
+    def _conn(self, key: ConnKey) -> _Conn:
+        c = self.conns.get(key)
+        if c is None:
+            c = self.conns[key] = _Conn(key)
+        return c
+
+    def feed(self, messages: list[RdmaMessage]) -> list[NcclSend]:
+        # CTS first: a receiver posts it before the data it announces, whatever the QP order.
+        data_msgs = []
+        for m in messages:
+            if not self._take_cts(m):
+                data_msgs.append(m)
+        out = []
+        for m in data_msgs:
+            out += self._data(m)
+        return out
+
+    def flush(self) -> list[NcclSend]:
+        """Split-form pieces never closed become incomplete sends of unknown size."""
+        out = []
+        for c in self.conns.values():
+            if c.bulk:
+                out.append(self._join(c, None))
+        return out
+
+    # -- CTS -----------------------------------------------------------------------------------
+
+    def _take_cts(self, m: RdmaMessage) -> bool:
+        h = self.cts_header
+        if m.with_imm or m.dlen is None or m.dlen == 0 or m.dlen % h.size or not m.complete:
+            return False
+        if m.dlen > h.size * 8:
+            return False
+        e = h.unpack(m.data, 0)
+        # A real CTS: a positive size no larger than a Simple slice pair, a request count matching
+        # the WRITE length, a small tag (a rank) and a running index.
+        if not (0 < e["size"] <= 1 << 24 and e["nreqs"] * h.size == m.dlen and e["tag"] < 1 << 20
+                and e["idx"] >= 1 and e["addr"] != 0):
+            return False
+        conn = self._conn(ConnKey(m.qp.dst, m.qp.src, m.sport))
+        cts = Cts(idx=int(e["idx"]), addr=int(e["addr"]), size=int(e["size"]), rkey=int(e["rkey"]),
+                  nreqs=int(e["nreqs"]), tag=int(e["tag"]))
+        conn.cts[cts.idx] = cts
+        conn.by_addr.setdefault(cts.addr, []).append(cts.idx)
+        self.cts_posts += 1
+        return True
+
+    def _match_cts(self, c: _Conn, va: int | None) -> Cts | None:
+        if va is None:
+            return None
+        pending = c.by_addr.get(va)
+        if not pending:
+            return None
+        return c.cts.get(pending.pop(0))
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def _data(self, m: RdmaMessage) -> list[NcclSend]:
+        c = self._conn(ConnKey(m.qp.src, m.qp.dst, m.sport))
+        out = []
+        if m.with_imm is False or (m.with_imm is None and m.va != 0):
+            # Bulk piece of the split form (or a piece whose closing packet was lost).
+            if c.bulk and not self._continues(c.bulk, m):
+                out.append(self._join(c, None))
+            c.bulk.append(m)
+            return out
+        size = self._imm(m)
+        if m.va == 0 and m.dlen == 0 and m.rkey == 0 and size:
+            out.append(self._join(c, m))  # the 0-byte closing WRITE of the split form
+            return out
+        if c.bulk:
+            out.append(self._join(c, None))
+        out.append(self._make(c, m.data, m.holes, [m], size, m.va,
+                              "empty" if (m.dlen == 0 and not size) else "normal", m.length_known))
+        return out
+
+    def _imm(self, m: RdmaMessage) -> int | None:
+        if m.imm_raw is None:
+            return None
+        return nccl_versions.decode_imm(m.imm_raw, self.version)
+
+    @staticmethod
+    def _continues(bulk: list[RdmaMessage], m: RdmaMessage) -> bool:
+        """Pieces of one split send have consecutive PSNs and VAs."""
+        last = bulk[-1]
+        if m.psn != last.psn + last.npkts:
+            return False
+        if m.va is not None and bulk[0].va is not None:
+            return m.va == bulk[0].va + sum(len(p.data) for p in bulk)
+        return True
+
+    def _join(self, c: _Conn, close: RdmaMessage | None) -> NcclSend:
+        pieces, c.bulk = c.bulk, []
+        size = self._imm(close) if close is not None else None
+        pos = 0
+        holes: list[tuple[int, int]] = []
+        chunks = []
+        known = close is not None
+        for p in pieces:
+            chunks.append(p.data)
+            holes += [(pos + a, n) for a, n in p.holes]
+            known = known and p.length_known
+            pos += len(p.data)
+        data = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
+        if size is not None and size != len(data):
+            if size > len(data):
+                holes.append((len(data), size - len(data)))
+                data = np.concatenate([data, np.zeros(size - len(data), np.uint8)])
+            else:
+                data = data[:size]
+        if close is None:
+            self.orphan_bulk += len(pieces)
+        va = pieces[0].va if pieces else None
+        return self._make(c, data, holes, pieces + ([close] if close is not None else []), size, va,
+                          "split", known)
+
+    def _make(self, c: _Conn, wire: np.ndarray, wire_holes, msgs, size, va, form, length_known) -> NcclSend:
+        cts = self._match_cts(c, va)
+        # An empty step has no bytes to tell its protocol: it takes its connection's.
+        if len(wire):
+            proto = self.protocol or detect(wire, wire_holes)
+            c.protocol = proto
+        else:
+            proto = self.protocol or c.protocol
+        user, holes, flag = decode(proto, wire, wire_holes)
+        return NcclSend(
+            connection=c.key, qp=msgs[0].qp if msgs else None, protocol=proto, data=user, holes=holes,
+            wire_bytes=len(wire), size=size, va=va, form=form, flag=flag,
+            seq=cts.idx if cts else None, cts=cts, ts_ns=min(m.ts_ns for m in msgs) if msgs else 0,
+            length_known=length_known,
+        )
+
+
+def _line_mask(nbytes: int, line: int, wire_holes) -> np.ndarray:
+    """Lines of ``line`` bytes untouched by any wire hole."""
+    ok = np.ones(-(-nbytes // line), bool)
+    for a, n in wire_holes:
+        ok[a // line: -(-(a + n) // line)] = False
+    return ok
+
+
+def decode(proto: str, wire: np.ndarray, wire_holes) -> tuple[np.ndarray, list[tuple[int, int]], int | None]:
+    """User bytes, their holes (lost wire bytes and lines whose flags disagree) and the flag."""
+    if proto in (protocols.SIMPLE, None) or not len(wire):
+        return wire, list(wire_holes), None
+    unit = LL_LINE_BYTES if proto == protocols.LL else LL128_LINE_BYTES
+    if len(wire) % unit:
+        # Not whole lines: the length itself is damaged; nothing in it can be trusted.
+        n = protocols.data_bytes(proto, len(wire) - len(wire) % unit) if len(wire) >= unit else 0
+        return np.zeros(n, np.uint8), [(0, n)] if n else [], None
+    ok = _line_mask(len(wire), unit, wire_holes)
+    # Flags are only trusted from lines that arrived.
+    dec = (protocols.ll_decode if proto == protocols.LL else protocols.ll128_decode)(
+        wire, expect_flag=_majority_flag(proto, wire, ok))
+    dec.line_ok &= ok
+    return dec.data, dec.holes, dec.flag
+
+
+def _flags(proto: str, wire: np.ndarray) -> np.ndarray:
+    if proto == protocols.LL:
+        w = wire.view("<u4").reshape(-1, 4)
+        return np.where(w[:, 1] == w[:, 3], w[:, 1].astype(np.int64), -1)
+    w = wire.view("<u8").reshape(-1, LL128_LINE_BYTES // 8)
+    return w[:, LL128_FLAG_OFFSET // 8].astype(np.int64)
+
+
+def _majority_flag(proto: str, wire: np.ndarray, ok: np.ndarray) -> int | None:
+    f = _flags(proto, wire)[ok]
+    f = f[f > 0]
+    if not f.size:
+        return None
+    vals, counts = np.unique(f, return_counts=True)
+    return int(vals[np.argmax(counts)])
+
+
+def detect(wire: np.ndarray, wire_holes) -> str | None:
+    """Protocol from the payload: most LL lines carry two equal non-zero flags, most LL128 lines
+    one non-zero u64 flag in word 15, the same across the message; anything else is Simple."""
+    for proto, unit in ((protocols.LL128, LL128_GROUP_WIRE), (protocols.LL, LL_LINE_BYTES)):
+        if len(wire) % unit:
+            continue
+        line = LL_LINE_BYTES if proto == protocols.LL else LL128_LINE_BYTES
+        ok = _line_mask(len(wire), line, wire_holes)
+        if not ok.any():
+            continue
+        flag = _majority_flag(proto, wire, ok)
+        if flag is not None and (_flags(proto, wire)[ok] == flag).mean() > 0.5:
+            return proto
+    return protocols.SIMPLE if len(wire) else None

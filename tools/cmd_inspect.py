@@ -1,0 +1,125 @@
+"""`mirrorckpt inspect CAPTURE [--json]`: what a capture holds, layer by layer.
+
+Exit codes: 0 fine; 1 no RoCEv2 traffic at all; 2 not a readable capture; 3 the capture is
+damaged part-way (everything before the damage is reported).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+import click
+
+from mirrorckpt.capture.batch import CaptureError
+from mirrorckpt.capture.pcapfile import open_capture
+from mirrorckpt.parser.packet_path import PacketPath
+
+
+def summarize(path: str, icrc: bool = True, nccl_version: str = "2.18") -> tuple[dict, str | None]:
+    """Runs the packet path over a capture; returns the report and the damage message, if any."""
+    pp = PacketPath(icrc=icrc, nccl_version=nccl_version)
+    msgs, sends, damage = [], [], None
+    with open_capture(path) as reader:
+        try:
+            for batch in reader:
+                m, s = pp.feed(batch)
+                msgs += m
+                sends += s
+        except CaptureError as e:
+            damage = str(e)
+    m, s = pp.flush()
+    msgs += m
+    sends += s
+    c = pp.counters
+    roce_packets = sum(c.by_opcode().values())
+    report = {
+        "capture": str(path),
+        "frames": c.frames,
+        "truncated_frames": c.truncated_frames,
+        "bytes": c.bytes,
+        "roce": {
+            "packets": roce_packets,
+            "by_opcode": c.by_opcode(),
+            "icrc_checked": icrc,
+            "icrc_failed": c.icrc_failed,
+            "icrc": dict(sorted(c.icrc.items())),
+        },
+        "other": {k: v for k, v in sorted(c.classes.items()) if v and not k.startswith("roce:")},
+        "malformed": {k: v for k, v in sorted(c.malformed.items()) if v},
+        "qps": [dict(qp=str(q.key), **{k: v for k, v in vars(q.stats).items()})
+                for q in pp.reassembler.qps.values()],
+        "messages": [{
+            "qp": str(x.qp), "psn": x.psn, "va": x.va, "bytes": len(x.data), "dlen": x.dlen,
+            "imm": x.imm_raw, "complete": x.complete, "missing_bytes": x.missing_bytes,
+        } for x in msgs],
+        "cts_posts": pp.nccl.cts_posts,
+        "sends": [{
+            "connection": str(x.connection), "protocol": x.protocol, "ll_flag": x.flag,
+            "seq": x.seq, "form": x.form, "size": x.size, "bytes": len(x.data),
+            "wire_bytes": x.wire_bytes, "complete": x.complete,
+            "missing_bytes": sum(n for _, n in x.holes), "sha256": x.sha256(),
+        } for x in sends],
+    }
+    return report, damage
+
+
+def render(r: dict) -> str:
+    out = [f"{r['capture']}: {r['frames']} frames ({r['truncated_frames']} truncated), {r['bytes']} bytes"]
+    ro = r["roce"]
+    icrc = f"{ro['icrc_failed']} ICRC failures" if ro["icrc_checked"] else "ICRC not checked"
+    out.append(f"RoCEv2: {ro['packets']} packets, {icrc}")
+    for k, v in ro["by_opcode"].items():
+        out.append(f"  {k:<36} {v}")
+    if r["other"]:
+        out.append("other traffic: " + ", ".join(f"{k} {v}" for k, v in r["other"].items()))
+    if r["malformed"]:
+        out.append("malformed: " + ", ".join(f"{k} {v}" for k, v in r["malformed"].items()))
+    out.append("QPs (data):")
+    for q in r["qps"]:
+        out.append(f"  {q['qp']} sport {q['sport']}: {q['packets']} packets, PSN {q['psn_first']}..{q['psn_last']}, "
+                   f"MTU {q['pmtu']}, lost {q['lost_packets']}, dup {q['duplicates']}, "
+                   f"reordered {q['reordered']}, {q['messages']} messages ({q['incomplete']} incomplete)")
+    inc = [m for m in r["messages"] if not m["complete"]]
+    out.append(f"RDMA messages: {len(r['messages'])} ({len(inc)} incomplete), CTS posts {r['cts_posts']}")
+    for m in inc:
+        out.append(f"  incomplete: {m['qp']} PSN {m['psn']}: {m['missing_bytes']} of {m['bytes']} bytes missing")
+    by_conn = defaultdict(list)
+    for s in r["sends"]:
+        by_conn[s["connection"]].append(s)
+    out.append(f"NCCL sends: {len(r['sends'])}")
+    for conn, ss in by_conn.items():
+        protos = sorted({s["protocol"] for s in ss})
+        flags = [s["ll_flag"] for s in ss if s["ll_flag"] is not None]
+        bad = sum(not s["complete"] for s in ss)
+        fl = f", flags {min(flags)}..{max(flags)}" if flags else ""
+        out.append(f"  {conn}: {len(ss)} sends ({'/'.join(protos)}{fl}), "
+                   f"{sum(s['bytes'] for s in ss)} data bytes, {bad} incomplete")
+    return "\n".join(out)
+
+
+@click.command()
+@click.argument("capture", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the summary.")
+@click.option("--no-icrc", is_flag=True, help="Skip the ICRC check (every packet is taken as intact).")
+@click.option("--nccl-version", default="2.18", show_default=True, help="NCCL version that produced the traffic.")
+def inspect(capture, as_json, no_icrc, nccl_version):
+    """Decode CAPTURE: frames, RoCE packets, QPs, RDMA messages and NCCL sends."""
+    try:
+        report, damage = summarize(capture, icrc=not no_icrc, nccl_version=nccl_version)
+    except CaptureError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:
+        click.echo(f"error: {capture}: {e.strerror or e}", err=True)
+        sys.exit(2)
+    if damage:
+        report["damage"] = damage
+    click.echo(json.dumps(report, indent=1) if as_json else render(report))
+    if damage:
+        click.echo(f"error: {damage} (everything before it is reported above)", err=True)
+        sys.exit(3)
+    if report["roce"]["packets"] == 0:
+        click.echo(f"error: {capture}: no RoCEv2 traffic (UDP port 4791) in {report['frames']} frames", err=True)
+        sys.exit(1)
