@@ -90,7 +90,7 @@ def render(r: dict) -> str:
         by_conn[s["connection"]].append(s)
     out.append(f"NCCL sends: {len(r['sends'])}")
     for conn, ss in by_conn.items():
-        protos = sorted({s["protocol"] for s in ss})
+        protos = sorted({s["protocol"] or "?" for s in ss})
         flags = [s["ll_flag"] for s in ss if s["ll_flag"] is not None]
         bad = sum(not s["complete"] for s in ss)
         fl = f", flags {min(flags)}..{max(flags)}" if flags else ""
