@@ -35,10 +35,7 @@ class Channel:
         self.recv_seq = 0
         self._wlock = threading.Lock()
         self.closed = False
-        try:
-            self.peer = "%s:%s" % sock.getpeername()[:2]
-        except OSError:
-            self.peer = "?"
+        self.peer = peer_name(sock)
         sock.settimeout(POLL)
 
     @property
@@ -102,6 +99,15 @@ class Channel:
         except OSError:
             pass
         self.sock.close()
+
+
+def peer_name(sock) -> str:
+    """host:port of the peer, for log lines."""
+    try:
+        addr = sock.getpeername()
+    except OSError:
+        return "?"
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr or "local")
 
 
 class Replies:

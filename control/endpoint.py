@@ -22,7 +22,7 @@ from typing import Callable
 from . import auth
 from . import messages as m
 from . import wire
-from .channel import POLL, Channel, RemoteError, Replies, RequestTimeout  # noqa: F401 - re-exported
+from .channel import POLL, Channel, RemoteError, Replies, RequestTimeout, peer_name  # noqa: F401 - re-exported
 from .outbox import Outbox, OutboxClosed, QueueFull  # noqa: F401 - re-exported
 from .wire import ConnectionClosed, ProtocolError
 
@@ -224,7 +224,7 @@ class ControlServer:
             log.info("%s: connection closed: %s", chan.peer if chan is not None else "?", e)
         except (ssl.SSLError, OSError) as e:
             self.rejected += 1
-            log.warning("rejected %s: TLS/socket error: %s; connection closed", _peer_of(sock), e)
+            log.warning("rejected %s: TLS/socket error: %s; connection closed", peer_name(sock), e)
         except Exception as e:  # noqa: BLE001 - nothing escapes a server thread
             _internal_error(chan.peer if chan is not None else "control", e)
         finally:
@@ -251,13 +251,6 @@ class ControlServer:
                 chan.send(m.make(m.PONG, re=msg.rid))
             return
         _run_handler(self.handlers, msg, chan, chan)
-
-
-def _peer_of(sock) -> str:
-    try:
-        return "%s:%s" % sock.getpeername()[:2]
-    except OSError:
-        return "?"
 
 
 class ControlClient:
