@@ -1,0 +1,116 @@
+"""LL, LL128 and Simple payload codecs: layouts, round trips, damaged lines -> holes."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mirrorckpt.parser import protocols as P
+from mirrorckpt.parser.headers import LL_LINE
+
+payload = st.binary(min_size=0, max_size=9000).map(lambda b: np.frombuffer(b, np.uint8))
+
+
+# --- LL ----------------------------------------------------------------------------------------
+
+
+def test_ll_line_layout_matches_header_table():
+    data = np.arange(1, 13, dtype=np.uint8)  # 12 bytes: one full line, one half line
+    wire = P.ll_encode(data, flag=0x01020304)
+    assert wire.size == 32
+    l0, l1 = LL_LINE.unpack(wire.tobytes(), 0), LL_LINE.unpack(wire.tobytes(), 16)
+    assert l0 == {"data_lo": 0x04030201, "flag1": 0x01020304, "data_hi": 0x08070605, "flag2": 0x01020304}
+    assert l1["data_lo"] == 0x0C0B0A09 and l1["data_hi"] == 0  # bytes past n are zero
+    assert l1["flag1"] == l1["flag2"] == 0x01020304
+
+
+@settings(max_examples=60, deadline=None)
+@given(payload, st.integers(0, 2**32 - 1))
+def test_ll_round_trip(data, flag):
+    wire = P.ll_encode(data, flag)
+    assert wire.size == P.wire_bytes("LL", data.size)
+    assert P.data_bytes("LL", wire.size) >= data.size
+    dec = P.ll_decode(wire, data.size, expect_flag=flag)
+    assert np.array_equal(dec.data, data) and dec.line_ok.all() and dec.holes == []
+    assert P.ll_decode(wire, data.size).flag == (flag if data.size else None)
+
+
+def test_ll_bad_lines_become_holes():
+    data = np.arange(100, dtype=np.uint8)  # 13 lines, last holds 4 bytes
+    wire = P.ll_encode(data, 7).copy()
+    wire[16 * 2 + 12] ^= 1  # line 2: second flag differs from the first
+    wire[16 * 12 + 4: 16 * 12 + 8] = 0  # line 12: both flags stale... first flag only
+    wire[16 * 12 + 12: 16 * 12 + 16] = 0  # ...and the second: self-consistent but not the flag
+    dec = P.ll_decode(wire, 100)
+    assert dec.flag == 7
+    assert np.flatnonzero(~dec.line_ok).tolist() == [2, 12]
+    assert dec.holes == [(16, 8), (96, 4)]
+    assert P.ll_decode(wire, 100, expect_flag=8).holes == [(0, 100)]
+
+
+def test_ll_decode_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="16-byte lines"):
+        P.ll_decode(np.zeros(20, np.uint8))
+    with pytest.raises(ValueError, match="at most 16 bytes"):
+        P.ll_decode(np.zeros(32, np.uint8), nbytes=17)
+
+
+# --- LL128 -------------------------------------------------------------------------------------
+
+
+def test_ll128_permutation_follows_the_doc_table():
+    pos = P.LL128_DATA_POS
+    assert np.array_equal(pos[:120], np.arange(120))  # line 0 words 0-14
+    assert pos[120] == 4 * 128 + 112  # tail of line 0 in word 14 of line 4
+    assert pos[512] == 4 * 128 and pos[623] == 4 * 128 + 111  # line 4 words 0-13
+    assert pos[960] == 1024 and pos[960 + 120] == 12 * 128 + 112 and pos[1472] == 12 * 128
+    assert sorted(set(range(2048)) - set(pos.tolist())) == [128 * L + b for L in range(16) for b in range(120, 128)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(payload, st.integers(0, 2**64 - 1))
+def test_ll128_round_trip(data, flag):
+    wire = P.ll128_encode(data, flag)
+    assert wire.size == P.wire_bytes("LL128", data.size)
+    flags = wire.view("<u8").reshape(-1, 16)[:, 15]
+    assert (flags == np.uint64(flag)).all()
+    dec = P.ll128_decode(wire, data.size, expect_flag=flag)
+    assert np.array_equal(dec.data, data) and dec.line_ok.all() and dec.holes == []
+
+
+def test_ll128_bad_line_maps_to_scattered_data_bytes():
+    data = np.arange(875, dtype=np.uint32).view(np.uint8)  # 3500 bytes, 2 groups
+    wire = P.ll128_encode(data, 5).copy()
+    wire[4 * 128 + 120] ^= 0xFF  # flag of line 4 of group 0
+    wire[2048 + 13 * 128 + 127] ^= 0x01  # flag of line 13 of group 1
+    dec = P.ll128_decode(wire, 3500)
+    assert dec.flag == 5 and np.flatnonzero(~dec.line_ok).tolist() == [4, 16 + 13]
+    # line 4: data [512,624) and the tail [120,128) of line 0; group 1 line 13 (q=1, second half):
+    # data 1920+[1584,1696) and 1920+[960+128+120, +8)
+    assert dec.holes == [(120, 8), (512, 112), (1920 + 1208, 8)]  # 1920+1584 = 3504: past the end
+    assert np.array_equal(np.delete(dec.data, np.r_[120:128, 512:624, 3128:3136]),
+                          np.delete(data, np.r_[120:128, 512:624, 3128:3136]))
+
+
+def test_ll128_rejects_partial_groups():
+    with pytest.raises(ValueError, match="2048-byte groups"):
+        P.ll128_decode(np.zeros(1024, np.uint8))
+
+
+# --- Simple and sizes ----------------------------------------------------------------------------
+
+
+@given(payload)
+def test_simple_is_identity(data):
+    assert np.array_equal(P.simple_decode(P.encode("Simple", data)), data)
+    assert P.wire_bytes("Simple", data.size) == data.size == P.data_bytes("Simple", data.size)
+
+
+def test_wire_sizes():
+    assert [P.wire_bytes("LL", n) for n in (0, 1, 8, 9, 7712, 12288)] == [0, 16, 16, 32, 15424, 24576]
+    assert [P.wire_bytes("ll128", n) for n in (0, 1, 1920, 1921)] == [0, 2048, 2048, 4096]
+    assert np.array_equal(P.wire_bytes("LL", np.array([20000, 7232])), [40000, 14464])
+    with pytest.raises(ValueError, match="not a multiple of 2048"):
+        P.data_bytes("LL128", 100)
+    with pytest.raises(ValueError, match="protocol 'LL256'"):
+        P.wire_bytes("LL256", 1)
