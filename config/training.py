@@ -1,0 +1,269 @@
+"""What the trainer's optimizer step is made of: optimizer, LR schedule, clipping, fp16 loss scaling,
+and how the appliance persists the replica.
+
+Plain dataclasses that round-trip through dicts (JSON, TOML, control-plane headers). Construction
+validates and names the offending field; nothing here imports torch except the LR-schedule check,
+which reads the scheduler's own signature so the accepted arguments cannot drift from torch's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+GRAD_DTYPES = ("float32", "bfloat16", "float16")
+
+# torch.optim.lr_scheduler classes that are fully described by keyword arguments. Left out:
+# LambdaLR/MultiplicativeLR (callables), SequentialLR/ChainedScheduler (other schedulers),
+# ReduceLROnPlateau (needs a metric the wire does not carry).
+SCHEDULERS = (
+    "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR", "PolynomialLR",
+    "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "CyclicLR", "OneCycleLR",
+)
+_SCHEDULER_ARGS_REFUSED = ("optimizer", "lr_lambda", "scale_fn", "verbose")
+
+
+class SpecError(ValueError):
+    """A training or persistence setting is invalid; the message names the field."""
+
+
+def _need(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise SpecError(f"{where}: {msg}")
+
+
+def _number(where: str, name: str, v, *, lo=None, lo_open=False, hi=None, hi_open=False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    _need(ok, where, f"{name} must be a finite number, got {v!r}")
+    if lo is not None:
+        _need(v > lo if lo_open else v >= lo, where, f"{name} must be {'>' if lo_open else '>='} {lo}, got {v!r}")
+    if hi is not None:
+        _need(v < hi if hi_open else v <= hi, where, f"{name} must be {'<' if hi_open else '<='} {hi}, got {v!r}")
+
+
+def _from_dict(cls, d: dict, where: str):
+    if not isinstance(d, dict):
+        raise SpecError(f"{where}: expected a table/dict, got {type(d).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    _need(not unknown, where, f"unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return cls(**d)
+
+
+@dataclass
+class OptimizerSpec:
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # sgd
+    dampening: float = 0.0  # sgd
+    nesterov: bool = False  # sgd
+    amsgrad: bool = False  # adam/adamw
+    maximize: bool = False
+    foreach: bool = False  # default: the per-parameter for-loop implementation
+    fused: bool = False
+
+    def __post_init__(self):
+        w = "optimizer"
+        _need(self.name in OPTIMIZERS, w, f"name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
+        _number(w, "lr", self.lr, lo=0)
+        self.betas = tuple(self.betas)
+        _need(len(self.betas) == 2, w, f"betas must be two numbers, got {self.betas!r}")
+        for i, b in enumerate(self.betas):
+            _number(w, f"betas[{i}]", b, lo=0, hi=1, hi_open=True)
+        _number(w, "eps", self.eps, lo=0)
+        _number(w, "weight_decay", self.weight_decay, lo=0)
+        _number(w, "momentum", self.momentum, lo=0)
+        _number(w, "dampening", self.dampening, lo=0)
+        for flag in ("nesterov", "amsgrad", "maximize", "foreach", "fused"):
+            _need(isinstance(getattr(self, flag), bool), w, f"{flag} must be true or false")
+        _need(not (self.foreach and self.fused), w, "foreach and fused are mutually exclusive")
+        if self.name == "sgd":
+            _need(not self.amsgrad, w, "amsgrad applies to adam/adamw only")
+            _need(not self.nesterov or (self.momentum > 0 and self.dampening == 0), w,
+                  "nesterov needs momentum > 0 and dampening == 0")
+        else:
+            _need(self.momentum == 0 and self.dampening == 0 and not self.nesterov, w,
+                  f"momentum/dampening/nesterov apply to sgd only, not {self.name}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "OptimizerSpec":
+        return _from_dict(OptimizerSpec, d, "optimizer")
+
+
+@dataclass
+class LRScheduleSpec:
+    name: str = "none"  # "none" or a torch.optim.lr_scheduler class name from SCHEDULERS
+    kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        w = "lr_schedule"
+        if self.name == "none":
+            _need(not self.kwargs, w, "name 'none' takes no kwargs")
+            return
+        _need(self.name in SCHEDULERS, w, f"name must be 'none' or one of {', '.join(SCHEDULERS)}, got {self.name!r}")
+        _need(isinstance(self.kwargs, dict), w, f"kwargs must be a table/dict, got {type(self.kwargs).__name__}")
+        refused = sorted(set(self.kwargs) & set(_SCHEDULER_ARGS_REFUSED))
+        _need(not refused, w, f"{self.name}: argument(s) {', '.join(refused)} cannot be given in a config")
+        import torch.optim.lr_scheduler as lrs  # only here: the signature is torch's, not a copy
+
+        sig = inspect.signature(getattr(lrs, self.name).__init__)
+        accepted = [p for p in sig.parameters if p not in ("self", "optimizer") and p not in _SCHEDULER_ARGS_REFUSED]
+        unknown = sorted(set(self.kwargs) - set(accepted))
+        _need(not unknown, w, f"{self.name} got unknown argument(s) {', '.join(unknown)} (accepts: {', '.join(accepted)})")
+        missing = [p for p in accepted if sig.parameters[p].default is inspect.Parameter.empty
+                   and sig.parameters[p].kind is not inspect.Parameter.VAR_KEYWORD and p not in self.kwargs]
+        _need(not missing, w, f"{self.name} needs argument(s) {', '.join(missing)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kwargs": dict(self.kwargs)}
+
+    @staticmethod
+    def from_dict(d: dict) -> "LRScheduleSpec":
+        return _from_dict(LRScheduleSpec, d, "lr_schedule")
+
+
+@dataclass
+class ClipSpec:
+    max_norm: float = 1.0
+    norm_type: float = 2.0
+
+    def __post_init__(self):
+        _number("clip", "max_norm", self.max_norm, lo=0, lo_open=True)
+        ok = self.norm_type == math.inf or (isinstance(self.norm_type, (int, float)) and self.norm_type > 0)
+        _need(ok, "clip", f"norm_type must be > 0 or inf, got {self.norm_type!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "ClipSpec":
+        return _from_dict(ClipSpec, d, "clip")
+
+
+@dataclass
+class LossScaleSpec:
+    """fp16 dynamic loss scaling, torch.amp.GradScaler's defaults."""
+
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    # Whether the trainer calls lr_scheduler.step() on an iteration whose optimizer step was
+    # skipped for inf/nan (the usual `scaler.step(opt); sched.step()` loop does).
+    scheduler_step_on_skip: bool = True
+
+    def __post_init__(self):
+        w = "loss_scale"
+        _number(w, "init_scale", self.init_scale, lo=0, lo_open=True)
+        _number(w, "growth_factor", self.growth_factor, lo=1, lo_open=True)
+        _number(w, "backoff_factor", self.backoff_factor, lo=0, lo_open=True, hi=1, hi_open=True)
+        _need(isinstance(self.growth_interval, int) and not isinstance(self.growth_interval, bool)
+              and self.growth_interval >= 1, w, f"growth_interval must be an integer >= 1, got {self.growth_interval!r}")
+        _need(isinstance(self.scheduler_step_on_skip, bool), w, "scheduler_step_on_skip must be true or false")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "LossScaleSpec":
+        return _from_dict(LossScaleSpec, d, "loss_scale")
+
+
+@dataclass
+class PersistSpec:
+    directory: str = "checkpoints"
+    every_iterations: int | None = 1  # checkpoint when this many iterations passed since the last one
+    every_seconds: float | None = None  # ... or this much time; either triggers
+    keep_last: int = 3
+    memory_budget_bytes: int = 4 << 30  # staging copies in flight may not exceed this
+
+    def __post_init__(self):
+        w = "persist"
+        _need(isinstance(self.directory, str) and self.directory != "", w, "directory must be a non-empty path")
+        if self.every_iterations is not None:
+            _need(isinstance(self.every_iterations, int) and not isinstance(self.every_iterations, bool)
+                  and self.every_iterations >= 1, w, f"every_iterations must be an integer >= 1, got {self.every_iterations!r}")
+        if self.every_seconds is not None:
+            _number(w, "every_seconds", self.every_seconds, lo=0, lo_open=True)
+        _need(isinstance(self.keep_last, int) and self.keep_last >= 1, w, f"keep_last must be an integer >= 1, got {self.keep_last!r}")
+        _need(isinstance(self.memory_budget_bytes, int) and self.memory_budget_bytes > 0, w,
+              f"memory_budget_bytes must be a positive integer, got {self.memory_budget_bytes!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "PersistSpec":
+        return _from_dict(PersistSpec, d, "persist")
+
+
+@dataclass
+class TrainingSpec:
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    lr_schedule: LRScheduleSpec = field(default_factory=LRScheduleSpec)
+    clip: ClipSpec | None = None
+    loss_scale: LossScaleSpec | None = None  # fp16 only; defaults to LossScaleSpec() for fp16
+    persist: PersistSpec | None = None
+    grad_dtype: str = "float32"  # gradient dtype on the wire; bf16/fp16 mean fp32 master copies
+
+    def __post_init__(self):
+        w = "training"
+        _need(self.grad_dtype in GRAD_DTYPES, w, f"grad_dtype must be one of {', '.join(GRAD_DTYPES)}, got {self.grad_dtype!r}")
+        if self.grad_dtype == "float16":
+            if self.loss_scale is None:
+                self.loss_scale = LossScaleSpec()
+        else:
+            _need(self.loss_scale is None, w, f"loss_scale applies to float16 gradients only, not {self.grad_dtype}")
+        for name, cls in (("optimizer", OptimizerSpec), ("lr_schedule", LRScheduleSpec)):
+            _need(isinstance(getattr(self, name), cls), w, f"{name} must be a {cls.__name__}")
+
+    @property
+    def separable(self) -> bool:
+        """True when one iteration's step can run bucket by bucket with the same bits: the optimizer
+        is per-parameter and nothing couples the buckets (no global-norm clipping, no fp16 inf check)."""
+        return self.optimizer.name in OPTIMIZERS and self.clip is None and self.grad_dtype != "float16"
+
+    def to_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.to_dict(),
+            "lr_schedule": self.lr_schedule.to_dict(),
+            "clip": self.clip.to_dict() if self.clip else None,
+            "loss_scale": self.loss_scale.to_dict() if self.loss_scale else None,
+            "persist": self.persist.to_dict() if self.persist else None,
+            "grad_dtype": self.grad_dtype,
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> "TrainingSpec":
+        if not isinstance(d, dict):
+            raise SpecError(f"training: expected a table/dict, got {type(d).__name__}")
+        known = {"optimizer", "lr_schedule", "clip", "loss_scale", "persist", "grad_dtype"}
+        unknown = sorted(set(d) - known)
+        _need(not unknown, "training", f"unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+
+        def sub(key, cls):
+            v = d.get(key)
+            return None if v is None else cls.from_dict(v)
+
+        return TrainingSpec(
+            optimizer=OptimizerSpec.from_dict(d.get("optimizer", {})),
+            lr_schedule=LRScheduleSpec.from_dict(d.get("lr_schedule") or {}),
+            clip=sub("clip", ClipSpec),
+            loss_scale=sub("loss_scale", LossScaleSpec),
+            persist=sub("persist", PersistSpec),
+            grad_dtype=d.get("grad_dtype", "float32"),
+        )

@@ -1,0 +1,416 @@
+"""The CPU replica: fp32 master parameters and the real torch optimizer, stepped with the reduced
+gradients read off the wire exactly as the trainer steps (ARCHITECTURE.md, "Trainer semantics").
+
+The invariant: outside a bucket-by-bucket iteration in progress, the replica's state is the
+trainer's state after ``iterations_done`` complete iterations. An incomplete iteration is never
+applied: the replica turns stale and refuses every later iteration until ``resync``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config.layout import BucketSpec, JobLayout, numpy_dtype
+from ..config.training import TrainingSpec
+from ..parser.iteration import ReducedIteration
+from . import fingerprint as fp
+from .dcp_keys import ReplicaState, rng_tensor, to_checkpoint
+from .optim import LossScaler, build_optimizer, build_scheduler, fresh_state
+
+MASTER_DTYPES = ("float32", "bfloat16", "float16")  # model dtypes; the masters are always fp32
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ReplicaStale(RuntimeError):
+    """The replica missed gradient data at ``iteration`` and needs ``resync``."""
+
+    def __init__(self, step: int, iteration: int, holes: dict | None = None):
+        self.step, self.iteration, self.holes = step, iteration, dict(holes or {})
+        missing = sum(n for hs in self.holes.values() for _, n in hs)
+        what = (f"{len(self.holes)} bucket(s) incomplete, {missing} element(s) missing" if self.holes
+                else "iteration not received")
+        super().__init__(f"replica stale at iteration {iteration} (optimizer step {step}): {what}; "
+                         "a resync from a checkpoint or the trainer is needed")
+
+
+class LayoutMismatch(ValueError):
+    """Gradient data or a state does not fit the job layout; nothing was applied."""
+
+
+def wire_tensor(flat, grad_dtype: str) -> torch.Tensor:
+    """A bucket's flat wire buffer as a torch tensor of the gradient dtype (no copy)."""
+    if isinstance(flat, torch.Tensor):
+        t = flat
+        if grad_dtype == "bfloat16" and t.dtype in (torch.int16, torch.uint16):
+            t = t.view(torch.bfloat16)
+        return t
+    a = np.asarray(flat)
+    if grad_dtype == "bfloat16":
+        a = a.view(np.int16)  # torch views int16 bits as bfloat16; uint16 views are less supported
+    if a.flags.writeable:
+        t = torch.from_numpy(a)
+    else:
+        with warnings.catch_warnings():  # read-only capture buffers: we only ever read them
+            warnings.simplefilter("ignore")
+            t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if grad_dtype == "bfloat16" else t
+
+
+@dataclass
+class _Pending:
+    """An iteration being applied bucket by bucket."""
+
+    iteration: int
+    buckets: list[BucketSpec]
+    done: dict[int, np.ndarray | None] = field(default_factory=dict)  # buffered flats when not separable
+    journal: list[tuple[int, torch.Tensor, dict | None]] = field(default_factory=list)  # undo data
+    meta: dict = field(default_factory=dict)
+
+
+class Replica:
+    def __init__(self, layout: JobLayout, training: TrainingSpec, initial_params):
+        if layout.grad_dtype != training.grad_dtype:
+            raise LayoutMismatch(f"layout grad_dtype {layout.grad_dtype!r} differs from training "
+                                 f"grad_dtype {training.grad_dtype!r}")
+        for p in layout.params:
+            if p.dtype not in MASTER_DTYPES:
+                raise LayoutMismatch(f"parameter {p.name}: dtype {p.dtype!r} is not one of {', '.join(MASTER_DTYPES)}")
+        names = [p.name for p in layout.params]
+        if len(set(names)) != len(names):
+            raise LayoutMismatch("layout parameter names are not unique")
+        self.layout, self.training = layout, training
+        self.names = names
+        self.params = [torch.zeros(p.shape, dtype=torch.float32) for p in layout.params]
+        self._grads = [torch.empty_like(p) for p in self.params]
+        self.separable = training.separable
+        self._fresh_optimizer()
+        self.iterations_done = 0
+        self.step = 0
+        self.stale: ReplicaStale | None = None
+        self._pending: _Pending | None = None
+        self.rng: dict[str, torch.Tensor] = {}
+        self.data_position = None
+        if isinstance(initial_params, (ReplicaState, str, Path)):
+            self.load_state(initial_params)
+        else:
+            self._set_params(initial_params)
+
+    @classmethod
+    def from_initial_weights(cls, layout: JobLayout, training: TrainingSpec, flat_or_dict) -> "Replica":
+        """Weights seen on the wire (e.g. DDP's start-up broadcast), fresh optimizer at step 0.
+        A flat buffer holds the parameters concatenated in layout order (bf16 as uint16 bits)."""
+        if isinstance(flat_or_dict, dict):
+            return cls(layout, training, flat_or_dict)
+        flat = flat_or_dict
+        is_bf16 = (isinstance(flat, np.ndarray) and flat.dtype in (np.uint16, np.int16)) or (
+            isinstance(flat, torch.Tensor) and flat.dtype in (torch.bfloat16, torch.int16, torch.uint16))
+        t = wire_tensor(flat, "bfloat16" if is_bf16 else "float32").reshape(-1)
+        if t.numel() != layout.total_numel:
+            raise LayoutMismatch(f"initial weights hold {t.numel()} elements, the layout {layout.total_numel}")
+        out, pos = {}, 0
+        for p in layout.params:
+            out[p.name] = t[pos:pos + p.numel].view(p.shape)
+            pos += p.numel
+        return cls(layout, training, out)
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def iteration(self) -> int:
+        """Last applied 0-based iteration (-1 before the first)."""
+        return self.iterations_done - 1
+
+    def _fresh_optimizer(self):
+        self.optimizer = build_optimizer(self.training.optimizer, self.params)
+        self.scheduler = build_scheduler(self.training.lr_schedule, self.optimizer)
+        self.scaler = LossScaler(self.training.loss_scale) if self.training.loss_scale else None
+
+    @torch.no_grad()
+    def _set_params(self, tensors: dict):
+        if not isinstance(tensors, dict):
+            raise TypeError(f"initial parameters must be a dict name -> tensor, a ReplicaState or a "
+                            f"checkpoint path, got {type(tensors).__name__}")
+        missing = [n for n in self.names if n not in tensors]
+        extra = [n for n in tensors if n not in set(self.names)]
+        if missing or extra:
+            raise LayoutMismatch(f"parameters do not match the layout: missing {missing[:5]}, unexpected {extra[:5]}")
+        for spec, p in zip(self.layout.params, self.params):
+            v = tensors[spec.name]
+            if not isinstance(v, torch.Tensor):
+                v = np.asarray(v)
+                v = wire_tensor(v, "bfloat16" if v.dtype in (np.uint16, np.int16) else "float32")
+            if v.numel() != spec.numel or (v.dim() > 1 and tuple(v.shape) != spec.shape):
+                raise LayoutMismatch(f"parameter {spec.name}: shape {tuple(v.shape)}, layout says {spec.shape}")
+            p.copy_(v.reshape(spec.shape))  # exact widening for bf16/fp16
+
+    @torch.no_grad()
+    def load_state(self, state) -> None:
+        """Replace the whole state (params, optimizer, scheduler, loss scale, counters) from a
+        ReplicaState (a trainer registration) or a checkpoint directory / root."""
+        if isinstance(state, (str, Path)):
+            from .restore import read_state
+
+            state = read_state(state)
+        tr = (state.training or {}).get("optimizer", {}).get("name")
+        if tr is not None and tr != self.training.optimizer.name:
+            raise LayoutMismatch(f"state was made by optimizer {tr!r}, the training spec says "
+                                 f"{self.training.optimizer.name!r}")
+        self._set_params(state.params)
+        self._fresh_optimizer()  # scheduler built before the optimizer state is loaded, as torch expects
+        self.optimizer.load_state_dict(self._indexed_optim(state.optim))
+        if self.scheduler is not None:
+            if state.lr_scheduler is None:
+                raise LayoutMismatch(f"state has no lr_scheduler state, the training spec configures "
+                                     f"{self.training.lr_schedule.name}")
+            self.scheduler.load_state_dict(state.lr_scheduler)
+        elif state.lr_scheduler is not None:
+            raise LayoutMismatch("state carries lr_scheduler state, the training spec configures none")
+        if self.scaler is not None:
+            if state.loss_scale is not None:
+                self.scaler.load_state_dict(state.loss_scale)
+            elif state.iterations_done > 0:
+                raise LayoutMismatch("fp16 state without loss-scale state after iteration 0")
+        self.iterations_done, self.step = int(state.iterations_done), int(state.step)
+        self.rng = {k: rng_tensor(v, f"rng.{k}") for k, v in (state.rng or {}).items()}
+        self.data_position = state.data_position
+        self._pending = None
+
+    def resync(self, state) -> None:
+        """Leave the stale state: load a complete state, then accept iterations after it."""
+        self.load_state(state)
+        self.stale = None
+
+    def _indexed_optim(self, optim: dict) -> dict:
+        """Name-keyed optimizer state (get_state_dict's form) to torch's index-keyed form."""
+        try:
+            groups, st = optim["param_groups"], optim.get("state", {})
+        except (KeyError, TypeError):
+            raise LayoutMismatch("optimizer state needs 'param_groups' and 'state'") from None
+        if len(groups) != 1:
+            raise LayoutMismatch(f"optimizer state has {len(groups)} param groups; the replica keeps one")
+        index = {n: i for i, n in enumerate(self.names)}
+        gnames = list(groups[0].get("params", []))
+        if sorted(gnames) != sorted(self.names):
+            bad = sorted(set(gnames) ^ set(self.names))[:5]
+            raise LayoutMismatch(f"optimizer param group does not list the layout's parameters (differs in {bad})")
+        unknown = [n for n in st if n not in index]
+        if unknown:
+            raise LayoutMismatch(f"optimizer state for unknown parameter(s) {unknown[:5]}")
+        for n, s in st.items():
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != self.layout.params[index[n]].shape:
+                    raise LayoutMismatch(f"optimizer state {n}.{k}: shape {tuple(v.shape)}, layout says "
+                                         f"{self.layout.params[index[n]].shape}")
+        group = {k: v for k, v in groups[0].items() if k != "params"}
+        group["params"] = list(range(len(self.names)))
+        return {"state": {index[n]: dict(s) for n, s in st.items()}, "param_groups": [group]}
+
+    def state(self) -> ReplicaState:
+        """The current state by reference (no copies)."""
+        if self._pending is not None:
+            raise RuntimeError(f"iteration {self._pending.iteration} is half applied (bucket by bucket); "
+                               "the state is consistent only between iterations")
+        spec = self.training.optimizer
+        sd = self.optimizer.state_dict()
+        ostate = {}
+        for i, (n, p) in enumerate(zip(self.names, self.params)):
+            s = sd["state"].get(i)
+            ostate[n] = dict(s) if s else fresh_state(spec, p)
+        groups = []
+        for g in sd["param_groups"]:
+            g = dict(g)
+            g["params"] = [self.names[i] for i in g["params"]]
+            groups.append(g)
+        return ReplicaState(
+            params=dict(zip(self.names, self.params)),
+            optim={"state": ostate, "param_groups": groups},
+            iterations_done=self.iterations_done,
+            step=self.step,
+            lr_scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
+            loss_scale=self.scaler.state_dict() if self.scaler is not None else None,
+            rng=dict(self.rng),
+            data_position=self.data_position,
+            layout=self.layout.to_dict(),
+            training=self.training.to_dict(),
+        )
+
+    def state_dict_for_checkpoint(self) -> dict:
+        """Nested DCP state dict {"model", "optim", "extra"} (see updater.dcp_keys); references."""
+        return to_checkpoint(self.state())
+
+    def state_sha256(self) -> tuple[str, str]:
+        return fp.state_sha256(self.params, self.optimizer)
+
+    def fingerprints(self, optimizer: bool = False) -> dict[str, int]:
+        """updater.fingerprint.fingerprint per tensor, keyed by DCP flat key ("model.<name>" and,
+        with ``optimizer``, "optim.state.<name>.<key>")."""
+        out = {f"model.{n}": fp.fingerprint(p) for n, p in zip(self.names, self.params)}
+        if optimizer:
+            for n, p in zip(self.names, self.params):
+                for k, v in sorted(self.optimizer.state.get(p, {}).items()):
+                    if isinstance(v, torch.Tensor):
+                        out[f"optim.state.{n}.{k}"] = fp.fingerprint(v)
+        return out
+
+    # ---- applying iterations ---------------------------------------------------------------
+
+    def _refuse_if_stale(self):
+        if self.stale is not None:
+            s = self.stale
+            raise ReplicaStale(s.step, s.iteration, s.holes)
+
+    def _go_stale(self, iteration: int, holes: dict):
+        self.stale = ReplicaStale(self.step, iteration, holes)
+        raise self.stale
+
+    def _check_next(self, index: int):
+        if index < self.iterations_done:
+            raise ValueError(f"iteration {index} is already applied (replica is at {self.iterations_done} iterations)")
+        if index > self.iterations_done:
+            self._go_stale(self.iterations_done, {})  # iterations in between never arrived
+
+    def _check_bucket(self, iteration: int, b: int, bucket: BucketSpec, flat) -> torch.Tensor:
+        want_dtype = numpy_dtype(self.layout.grad_dtype)
+        n = self.layout.bucket_count(bucket)
+        if isinstance(flat, np.ndarray):
+            ok_dtype = flat.dtype == want_dtype or (self.layout.grad_dtype == "bfloat16" and flat.dtype == np.int16)
+            if not ok_dtype:
+                raise LayoutMismatch(f"iteration {iteration} bucket {b}: dtype {flat.dtype}, layout says "
+                                     f"{self.layout.grad_dtype} ({want_dtype})")
+        t = wire_tensor(flat, self.layout.grad_dtype)
+        if t.dtype != _TORCH_DTYPES[self.layout.grad_dtype]:
+            raise LayoutMismatch(f"iteration {iteration} bucket {b}: dtype {t.dtype}, layout says {self.layout.grad_dtype}")
+        if t.dim() != 1 or t.numel() != n:
+            raise LayoutMismatch(f"iteration {iteration} bucket {b}: {t.numel()} elements "
+                                 f"(shape {tuple(t.shape)}), layout says {n}")
+        return t
+
+    def _check_buckets(self, it: ReducedIteration) -> list[torch.Tensor]:
+        buckets = self.layout.bucket_list(it.index)
+        if len(it.buckets) != len(buckets):
+            raise LayoutMismatch(f"iteration {it.index}: {len(it.buckets)} buckets, layout says {len(buckets)}")
+        return [self._check_bucket(it.index, b, spec, flat) for b, (spec, flat) in enumerate(zip(buckets, it.buckets))]
+
+    def _load_grads(self, bucket: BucketSpec, flat: torch.Tensor) -> list[int]:
+        idx = []
+        for i, a, z in self.layout.bucket_slices(bucket):
+            self._grads[i].copy_(flat[a:z].view(self._grads[i].shape))  # bf16/fp16 -> fp32 is exact, as .float()
+            idx.append(i)
+        return idx
+
+    def _optimizer_step(self, idx: list[int]):
+        """optimizer.step() over the parameters ``idx``; the others carry no gradient and are skipped."""
+        for i in idx:
+            self.params[i].grad = self._grads[i]
+        try:
+            if self.training.clip is not None:
+                c = self.training.clip
+                torch.nn.utils.clip_grad_norm_([self.params[i] for i in idx], c.max_norm, c.norm_type)
+            self.optimizer.step()
+        finally:
+            for i in idx:
+                self.params[i].grad = None
+
+    def _step_all(self) -> bool:
+        """The trainer's step over all parameters once every gradient is loaded; False if fp16 skipped."""
+        idx = list(range(len(self.params)))
+        found_inf = self.scaler.unscale_(self._grads) if self.scaler is not None else False
+        if not found_inf:
+            self._optimizer_step(idx)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        return not found_inf
+
+    def _finish(self, index: int, stepped: bool, meta: dict):
+        if stepped:
+            self.step += 1
+        if self.scheduler is not None and (stepped or self.scaler.spec.scheduler_step_on_skip):
+            self.scheduler.step()
+        self.iterations_done = index + 1
+        rng = (meta or {}).get("rng")
+        if isinstance(rng, dict):
+            for k, v in rng.items():
+                try:
+                    self.rng[str(k)] = rng_tensor(v, f"rng.{k}")
+                except TypeError:
+                    pass  # metadata we cannot store must not stop the replica; the state is still exact
+        if (meta or {}).get("data_position") is not None:
+            self.data_position = meta["data_position"]
+
+    def apply(self, it: ReducedIteration) -> bool:
+        """Apply one complete iteration; returns whether an optimizer step was taken (fp16 may skip).
+        Raises ReplicaStale, without touching the state, if ``it`` is incomplete or one was missed."""
+        self._refuse_if_stale()
+        if self._pending is not None:
+            if it.index == self._pending.iteration and not it.complete:
+                self._abort_pending(it.holes)
+            raise RuntimeError(f"iteration {self._pending.iteration} is being applied bucket by bucket; "
+                               f"finish it with apply_bucket before apply({it.index})")
+        self._check_next(it.index)
+        if not it.complete:
+            self._go_stale(it.index, it.holes)
+        flats = self._check_buckets(it)
+        for spec, flat in zip(self.layout.bucket_list(it.index), flats):
+            self._load_grads(spec, flat)
+        stepped = self._step_all()
+        self._finish(it.index, stepped, it.meta)
+        return stepped
+
+    def apply_bucket(self, iteration: int, bucket_index: int, flat, meta: dict | None = None) -> bool:
+        """Apply one complete bucket of ``iteration`` as soon as it is reduced. When the step is
+        per-parameter separable the bucket's parameters are stepped now (bit-identical to apply());
+        otherwise the bucket is buffered and the step runs with the last bucket. Returns True when
+        this bucket completed the iteration."""
+        self._refuse_if_stale()
+        p = self._pending
+        if p is not None and p.iteration != iteration:
+            self._abort_pending({})  # the earlier iteration can no longer complete
+        if p is None:
+            self._check_next(iteration)
+            p = _Pending(iteration, self.layout.bucket_list(iteration))
+        if not 0 <= bucket_index < len(p.buckets):
+            raise LayoutMismatch(f"iteration {iteration}: bucket {bucket_index} out of range (layout has {len(p.buckets)})")
+        if bucket_index in p.done:
+            raise ValueError(f"iteration {iteration} bucket {bucket_index} was already applied")
+        t = self._check_bucket(iteration, bucket_index, p.buckets[bucket_index], flat)
+        self._pending = p
+        if self.separable:
+            idx = self._load_grads(p.buckets[bucket_index], t)
+            for i in idx:
+                st = self.optimizer.state.get(self.params[i])
+                saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()} if st else None
+                p.journal.append((i, self.params[i].clone(), saved))
+            self._optimizer_step(idx)
+            p.done[bucket_index] = None
+        else:
+            p.done[bucket_index] = t.clone()  # the capture buffer may be reused before the last bucket
+        p.meta.update(meta or {})
+        if len(p.done) < len(p.buckets):
+            return False
+        if self.separable:
+            stepped = True
+        else:
+            for b, spec in enumerate(p.buckets):
+                self._load_grads(spec, p.done[b])
+            stepped = self._step_all()
+        self._pending = None
+        self._finish(iteration, stepped, p.meta)
+        return True
+
+    @torch.no_grad()
+    def _abort_pending(self, holes: dict):
+        """Undo the buckets already stepped and turn stale at the pending iteration."""
+        p, self._pending = self._pending, None
+        for i, saved_param, saved_state in reversed(p.journal):
+            param = self.params[i]
+            param.copy_(saved_param)
+            if saved_state is None:
+                self.optimizer.state.pop(param, None)
+            else:
+                self.optimizer.state[param] = saved_state
+        self._go_stale(p.iteration, holes)
