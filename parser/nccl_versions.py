@@ -327,6 +327,14 @@ def cts_size(proto: str, kind: str, v: "str | NcclVersion", arm: bool = False) -
     return step_bytes(proto, v, arm) * slice_steps(proto, kind)
 
 
+def recv_post_depth(nsubs: int) -> int:
+    """Receives (CTS) the proxy posts ahead of the data: ``min(NCCL_STEPS, 16 / nsubs)``, never past
+    the collective's last step; changes CTS/data interleaving only (v2.18.6-1:src/transport/net.cc:418,924,1074,1085)."""
+    if nsubs < 1:
+        raise ValueError(f"proxy sub-operation count {nsubs} is below 1")
+    return min(NCCL_STEPS, 16 // nsubs)
+
+
 # --- 6.1 CTS FIFO -----------------------------------------------------------------------------
 
 NET_IB_MAX_RECVS = 8  # entries per FIFO slot. v2.18.6-1:src/transport/net_ib.cc:318,340
@@ -410,6 +418,15 @@ def decode_imm(raw_be_u32, v: "str | NcclVersion"):
     raw = np.asarray(raw_be_u32, dtype=np.uint32)
     out = raw.byteswap() if imm_byte_order(v) == "little" else raw
     return int(out) if out.ndim == 0 else out
+
+
+def imm_is_request_id(v: "str | NcclVersion", receiver_side_matching: bool = False) -> bool:
+    """2.29.7+: with NCCL_IB_RECEIVER_SIDE_MATCHING_SCHEME=1 (forced by NCCL_IB_OOO_RQ=1 or
+    NCCL_IB_RESILIENCY_PORT_FAILOVER=1) the immediate is the 0-based send count, not the size
+    (v2.30.7-1:src/transport/net_ib/p2p.cc:120-128, common.cc:66-75). Needs the patch level:
+    "2.29" alone counts as 2.29.0."""
+    v = version(v)
+    return receiver_side_matching and (v.major, v.minor, v.patch) >= (2, 29, 7)
 
 
 def encode_imm(size: int, v: "str | NcclVersion") -> int:

@@ -194,6 +194,8 @@ def test_split_write_and_immediate():
     assert np.array_equal(nv.decode_imm(np.array([raw_le, 0], np.uint32), "2.12"), [24576, 0])
     assert nv.encode_imm(24576, "2.18") == raw_le
     assert nv.split_data_on_qps_default("2.19") and not nv.split_data_on_qps_default("2.20")
+    assert nv.imm_is_request_id("2.29.7", True) and not nv.imm_is_request_id("2.29.3", True)
+    assert not nv.imm_is_request_id("2.30", False) and [nv.recv_post_depth(n) for n in (1, 2, 4)] == [8, 8, 4]
 
 
 # --- properties over all plans ----------------------------------------------------------------
