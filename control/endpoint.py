@@ -53,7 +53,7 @@ def _internal_error(what: str, e: BaseException) -> None:
 def _check_handlers(handlers: dict, sender: str) -> dict:
     for t in handlers:
         spec = m.REGISTRY.get(t)
-        if spec is None or t in m.HANDSHAKE or spec.sender not in (m.ANY, sender):
+        if spec is None or t in m.HANDSHAKE or t == m.PING or spec.sender not in (m.ANY, sender):
             raise ValueError(f"no handler can be registered for message type {t!r} here")
     return dict(handlers)
 
@@ -83,8 +83,8 @@ class ControlServer:
 
     ``handlers`` maps a message type (``messages.REGISTER``...) to ``handler(msg, channel)``,
     called in the connection's thread for valid authenticated messages only; a returned message
-    is sent as the reply when the trainer asked for one (``msg.rid``). PING is answered by the
-    server itself. Call ``start()`` (or use it as a context manager); ``port=0`` picks a free port.
+    is sent as the reply when the trainer asked for one (``msg.rid``). PING is always answered by
+    the server itself. Call ``start()`` (or use it as a context manager); ``port=0`` picks a free port.
     """
 
     def __init__(self, host: str, port: int, secret: bytes | str, handlers: dict[str, Handler],
@@ -112,6 +112,8 @@ class ControlServer:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "ControlServer":
+        if self._listener is not None:
+            return self
         s = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((self.host, self.port))
@@ -246,9 +248,8 @@ class ControlServer:
     def _dispatch(self, chan: Channel, msg: m.Message) -> None:
         if msg.re is not None and self.replies.deliver(msg, chan):
             return
-        if msg.type == m.PING and m.PING not in self.handlers:
-            if msg.rid is not None:
-                chan.send(m.make(m.PONG, re=msg.rid))
+        if msg.type == m.PING:  # always answered: the trainer's keepalive doubles as its liveness check
+            chan.send(m.make(m.PONG, re=msg.rid))
             return
         _run_handler(self.handlers, msg, chan, chan)
 
@@ -304,6 +305,8 @@ class ControlClient:
         return self._connected.is_set()
 
     def start(self) -> "ControlClient":
+        if self._threads:
+            return self
         for target, name in ((self._run, "control-client"), (self._write, "control-writer")):
             t = threading.Thread(target=target, name=name, daemon=True)
             self._threads.append(t)
@@ -422,22 +425,20 @@ class ControlClient:
     def _write(self) -> None:
         last = time.monotonic()
         while True:
+            chan = self._wait_channel()  # nothing leaves the queue while there is no connection
+            if chan is None:
+                return
             msg = self.outbox.get(POLL)
             if msg is None:
                 if self.outbox.closed:
                     return
-                chan = self._chan
-                if chan is not None and time.monotonic() - last > self.ping_interval:
+                if time.monotonic() - last > self.ping_interval:
                     last = time.monotonic()
                     try:
                         chan.send(m.make(m.PING))  # keeps the appliance's idle timer from firing
                     except (ConnectionClosed, ProtocolError):
                         pass
                 continue
-            chan = self._wait_channel()
-            if chan is None:  # closing: leave it queued
-                self.outbox.put_back(msg)
-                return
             if msg.rid is not None:
                 self.replies.sent_on(msg.rid, chan)
             try:
