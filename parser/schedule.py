@@ -248,7 +248,8 @@ class RingPlan(ABC):
             raise ValueError(f"ring position {rank_pos} is outside 0..{self.nranks - 1}")
 
     def messages(self, rank_pos: int, channel: int) -> list[RingStep]:
-        """Network messages ring position ``rank_pos`` sends on ``channel``, in wire order."""
+        """Network messages ring position ``rank_pos`` sends on ``channel``, in wire order
+        (cached: do not modify the list)."""
         self._check(rank_pos)
         key = (rank_pos, channel)
         if key not in self._cache:
@@ -260,19 +261,20 @@ class RingPlan(ABC):
         msgs = self.messages(rank_pos, channel)
         return msgs[-1].conn_step + nv.slice_steps(self.protocol, self.kind) if msgs else 0
 
-    def _slices(self, nelem: int) -> list[int]:
-        """Pieces of a chunk of ``nelem`` elements, one network message each (doc 4.1)."""
+    def _slices(self, n: int) -> list[int]:
+        """Pieces of a chunk of ``n`` kernel units (elements; bytes for broadcast/all-gather), one
+        network message each; Simple: ``max(divUp(n, 16*slicesPerChunk)*16, stepSize*stepsPerSlice/32)``
+        per slice (doc 4.1, v2.18.6-1:src/collectives/device/prims_simple.h:185-187)."""
         if self.protocol != SIMPLE:
             return [nelem]
         per_slice = nv.slice_steps(SIMPLE, self.kind)
         per_chunk = nv.chunk_steps(SIMPLE, self.kind) // per_slice
         step_elems = nv.step_bytes(SIMPLE, self.version, self.arm) // self._unit
-        size = max(div_up(nelem, 16 * per_chunk) * 16, step_elems * per_slice // 32)
+        size = max(div_up(n, 16 * per_chunk) * 16, step_elems * per_slice // 32)
         out, done = [], 0
         for _ in range(per_chunk):
-            n = min(size, nelem - done)
-            out.append(n)
-            done += n
+            out.append(min(size, n - done))
+            done += out[-1]
         return out
 
     # Element size the kernel runs with: the user's for reductions, 1 for byte-moving collectives.
