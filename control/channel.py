@@ -7,6 +7,7 @@ serialised by a lock, so pushes from other threads interleave whole frames only)
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 
@@ -28,7 +29,9 @@ class Channel:
         self.preauth_max_frame = preauth_max_frame
         self.stall_timeout = stall_timeout
         self.stop = stop if stop is not None else threading.Event()
-        self.source = wire.SocketSource(sock, stall_timeout, idle_timeout, self.stop)
+        # OpenSSL objects must not be read and written concurrently: TLS serialises its I/O.
+        self.io_lock = threading.Lock() if isinstance(sock, ssl.SSLSocket) else None
+        self.source = wire.SocketSource(sock, stall_timeout, idle_timeout, self.stop, self.io_lock)
         self.session = None  # auth.Session once the handshake is done
         self.peer_role: str | None = None
         self.send_seq = 0
@@ -62,16 +65,16 @@ class Channel:
         with self._wlock:
             buffers = self.seal(msg)
             try:
-                wire.send_buffers(self.sock, buffers, self.stall_timeout, self.stop)
+                wire.send_buffers(self.sock, buffers, self.stall_timeout, self.stop, self.io_lock)
             except Exception:
-                self.close()  # a frame cut in half leaves the stream unusable
+                self.abort()  # a frame cut in half leaves the stream unusable
                 raise
         return msg.seq
 
     def send_raw(self, data: bytes) -> None:
         """Write bytes as they are (tests: hostile frames)."""
         with self._wlock:
-            wire.send_buffers(self.sock, [data], self.stall_timeout, self.stop)
+            wire.send_buffers(self.sock, [data], self.stall_timeout, self.stop, self.io_lock)
 
     def recv(self) -> m.Message:
         """Read, verify and check the next message. Raises ProtocolError or ConnectionClosed."""
@@ -90,14 +93,18 @@ class Channel:
     def set_deadline(self, seconds: float | None) -> None:
         self.source.deadline = None if seconds is None else time.monotonic() + seconds
 
-    def close(self) -> None:
-        if self.closed:
-            return
+    def abort(self) -> None:
+        """End the connection from any thread. Only shuts the socket down: the reader thread
+        still uses the descriptor and closes it (closing here could let a new socket reuse it)."""
         self.closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def close(self) -> None:
+        """Shut down and release the socket; only the thread that reads the channel calls this."""
+        self.abort()
         self.sock.close()
 
 

@@ -133,7 +133,7 @@ class ControlServer:
         with self._lock:
             conns, threads = list(self._conns), list(self._threads)
         for c in conns:
-            c.close()
+            c.abort()  # each connection thread closes its own socket
         for t in [self._acceptor, *threads]:
             if t is not None and t is not threading.current_thread():
                 t.join(timeout)
@@ -188,7 +188,7 @@ class ControlServer:
                     log.error("control server: accept failed; listener closed")
                 return
             with self._lock:
-                full = len(self._conns) >= self.max_connections
+                full = len(self._threads) >= self.max_connections
             if full:
                 log.warning("%s:%s: refused: already %d connections", addr[0], addr[1], self.max_connections)
                 sock.close()
@@ -218,14 +218,19 @@ class ControlServer:
                 msg = chan.recv()
                 self._dispatch(chan, msg)
         except ProtocolError as e:
-            self.rejected += 1
+            if self._stop.is_set():
+                log.info("%s: closed by shutdown: %s", peer_name(sock), e.describe())
+                return
+            with self._lock:
+                self.rejected += 1
             who = chan.peer_role if chan is not None and chan.peer_role else "unauthenticated"
             log.warning("rejected %s (%s): %s; connection closed",
                         chan.peer if chan is not None else "?", who, e.describe())
         except ConnectionClosed as e:
             log.info("%s: connection closed: %s", chan.peer if chan is not None else "?", e)
         except (ssl.SSLError, OSError) as e:
-            self.rejected += 1
+            with self._lock:
+                self.rejected += 1
             log.warning("rejected %s: TLS/socket error: %s; connection closed", peer_name(sock), e)
         except Exception as e:  # noqa: BLE001 - nothing escapes a server thread
             _internal_error(chan.peer if chan is not None else "control", e)
@@ -242,7 +247,11 @@ class ControlServer:
     def _tls(self, sock: socket.socket) -> socket.socket:
         sock.settimeout(self.handshake_timeout)
         tls = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        tls.do_handshake()
+        try:
+            tls.do_handshake()
+        except BaseException:
+            tls.close()  # the TLS socket owns the descriptor now
+            raise
         return tls
 
     def _dispatch(self, chan: Channel, msg: m.Message) -> None:
@@ -273,7 +282,7 @@ class ControlClient:
                  max_frame: int = wire.MAX_FRAME, ssl_context: ssl.SSLContext | None = None,
                  server_hostname: str | None = None,
                  on_connect: Callable[["ControlClient"], list] | None = None):
-        if role == auth.APPLIANCE_ROLE or not m._ROLE.fullmatch(role):
+        if role == auth.APPLIANCE_ROLE or not m.ROLE.fullmatch(role):
             raise ValueError(f"invalid trainer role {role!r}")
         self.host, self.port = host, port
         self.secret = auth.normalize_secret(secret)
@@ -341,7 +350,7 @@ class ControlClient:
         self.outbox.close()
         chan = self._chan
         if chan is not None:
-            chan.close()
+            chan.abort()  # the connection thread closes the socket
         for t in self._threads:
             t.join(5.0)
 

@@ -36,7 +36,7 @@ PONG = "PONG"
 
 CLIENT, SERVER, ANY = "client", "server", "any"  # client = trainer, server = appliance
 U64 = (1 << 64) - 1
-_ROLE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+ROLE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 _HEX32 = re.compile(r"[0-9a-f]{64}")
 MAX_STR = 4096
 
@@ -67,7 +67,7 @@ def _kind_error(kind: str, v) -> str | None:
     if kind == "str":
         return None if isinstance(v, str) and len(v) <= MAX_STR else f"a string of at most {MAX_STR} characters"
     if kind == "role":
-        return None if isinstance(v, str) and _ROLE.fullmatch(v) else "a role name ([a-z][a-z0-9_-]*)"
+        return None if isinstance(v, str) and ROLE.fullmatch(v) else "a role name ([a-z][a-z0-9_-]*)"
     if kind == "hex32":
         return None if isinstance(v, str) and _HEX32.fullmatch(v) else "64 lowercase hex digits"
     if kind == "dict":

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import math
+import select
 import socket
+import ssl
 import struct
 import time
 from dataclasses import dataclass
@@ -171,12 +173,23 @@ class SocketSource:
     """
 
     def __init__(self, sock: socket.socket, stall_timeout: float, idle_timeout: float | None = None,
-                 stop=None):
+                 stop=None, io_lock=None):
         self.sock = sock
         self.stall_timeout = stall_timeout
         self.idle_timeout = idle_timeout
         self.deadline: float | None = None
         self.stop = stop
+        self.io_lock = io_lock  # TLS: shared with the writers; held only while data is there
+
+    def _recv_into(self, view: memoryview) -> int:
+        if self.io_lock is None:
+            return self.sock.recv_into(view)
+        if not self.sock.pending():
+            ready, _, _ = select.select([self.sock], [], [], self.sock.gettimeout())
+            if not ready:
+                raise socket.timeout("no data")
+        with self.io_lock:
+            return self.sock.recv_into(view)
 
     def read_into(self, view: memoryview, started: bool) -> None:
         n, got = len(view), 0
@@ -185,8 +198,8 @@ class SocketSource:
             if self.stop is not None and self.stop.is_set():
                 raise ConnectionClosed("endpoint stopping")
             try:
-                k = self.sock.recv_into(view[got:])
-            except (socket.timeout, BlockingIOError):
+                k = self._recv_into(view[got:])
+            except (socket.timeout, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 now = time.monotonic()
                 if self.deadline is not None and now > self.deadline:
                     raise PeerTimeout("handshake not completed in time") from None
@@ -439,7 +452,8 @@ def frame_bytes(header: bytes, payload: bytes = b"", tag: bytes = b"") -> bytes:
     return b"".join(bytes(p) for p in pack(header, [payload], len(payload), tag))
 
 
-def send_buffers(sock: socket.socket, buffers: list, stall_timeout: float, stop=None) -> None:
+def send_buffers(sock: socket.socket, buffers: list, stall_timeout: float, stop=None,
+                 io_lock=None) -> None:
     """Write all buffers on a socket with a short poll timeout; a peer that stops reading for
     ``stall_timeout`` seconds is given up on (the frame is then cut and the socket unusable)."""
     for buf in buffers:
@@ -449,8 +463,12 @@ def send_buffers(sock: socket.socket, buffers: list, stall_timeout: float, stop=
             if stop is not None and stop.is_set():
                 raise ConnectionClosed("endpoint stopping")
             try:
-                k = sock.send(view[sent:sent + (1 << 24)])
-            except (socket.timeout, BlockingIOError):
+                if io_lock is None:
+                    k = sock.send(view[sent:sent + (1 << 24)])
+                else:
+                    with io_lock:
+                        k = sock.send(view[sent:sent + (1 << 20)])
+            except (socket.timeout, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 if time.monotonic() - last > stall_timeout:
                     raise PeerTimeout(f"peer did not read for {stall_timeout:g} s") from None
                 continue

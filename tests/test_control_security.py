@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import socket
+import ssl
+import subprocess
 import struct
 import threading
 import time
@@ -417,3 +420,60 @@ def test_client_refuses_an_appliance_with_another_secret(log):
             cli.close()
         assert srv.rejected >= 1
     assert any("connection failed (AuthError" in x for x in rejections(log))
+
+
+# ---------------------------------------------------------------------------- TLS (optional layer)
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "2",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return d / "cert.pem", d / "key.pem"
+
+
+def test_tls_under_the_hmac_session(certs, state, log):
+    cert, key = certs
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    pushed, intact = [], []
+    big = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB per part
+    handlers = state.handlers() | {
+        m.GOCKPT_PART: lambda msg, p: intact.append(torch.equal(msg.tensors["w"], big + msg.body["index"]))}
+    with ControlServer("127.0.0.1", 0, SECRET, handlers, ssl_context=server_ctx,
+                       handshake_timeout=2.0).start() as srv:
+        # a client speaking plain TCP to the TLS port is refused
+        p = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        p.sendall(m.to_bytes(m.make(m.HELLO, role="trainer", nonce="00" * 32)))
+        assert wait_for(lambda: srv.rejected == 1)
+        p.close()
+        assert "TLS" in rejections(log)[-1]
+        cli = ControlClient("127.0.0.1", srv.port, SECRET, ssl_context=client_ctx,
+                            handlers={m.FALLBACK_REQUEST: lambda msg, c: pushed.append(msg.body["step"])})
+        with cli:
+            assert cli.wait_connected(10)
+            stop = threading.Event()
+
+            def push():  # the appliance writes while the trainer writes
+                step = 0
+                while not stop.is_set() and step < 200:
+                    srv.push(m.make(m.FALLBACK_REQUEST, reason="x", step=step, parts=2))
+                    step += 1
+
+            assert wait_for(lambda: srv.peers())
+            t = threading.Thread(target=push)
+            t.start()
+            for i in range(8):
+                cli.send(m.make(m.GOCKPT_PART, {"w": big + i}, step=1, index=i, parts=8))
+            assert cli.request(m.make(m.GOCKPT_DONE, step=1, parts=8), timeout=20).type == m.ACK
+            stop.set()
+            t.join(10)
+            assert wait_for(lambda: len(pushed) >= 1)
+    assert intact == [True] * 8
+    assert srv.rejected == 1
+    assert pushed == sorted(pushed)
