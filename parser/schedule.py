@@ -266,7 +266,7 @@ class RingPlan(ABC):
         network message each; Simple: ``max(divUp(n, 16*slicesPerChunk)*16, stepSize*stepsPerSlice/32)``
         per slice (doc 4.1, v2.18.6-1:src/collectives/device/prims_simple.h:185-187)."""
         if self.protocol != SIMPLE:
-            return [nelem]
+            return [n]
         per_slice = nv.slice_steps(SIMPLE, self.kind)
         per_chunk = nv.chunk_steps(SIMPLE, self.kind) // per_slice
         step_elems = nv.step_bytes(SIMPLE, self.version, self.arm) // self._unit
