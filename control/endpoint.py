@@ -44,6 +44,11 @@ def setup_logging(level: int = logging.INFO, stream=None) -> logging.Logger:
     return logger
 
 
+def one_line(text: str, limit: int) -> str:
+    """Peer- or handler-supplied text made safe for a single log line."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")[:limit]
+
+
 def _internal_error(what: str, e: BaseException) -> None:
     # A bug of ours, not the peer's: one line, the traceback only when debugging.
     log.error("%s: internal error %s: %s", what, type(e).__name__, e,
@@ -70,9 +75,13 @@ def _run_handler(handlers: dict, msg: m.Message, chan: Channel, ctx) -> None:
         try:
             out = handler(msg, ctx)
         except Exception as e:  # noqa: BLE001 - a handler's failure is answered, not fatal
-            log.warning("%s: handler for %s refused it: %s: %s", chan.peer, msg.type,
-                        type(e).__name__, str(e)[:200])
-            out = m.make(m.ERROR, reason=f"{type(e).__name__}: {str(e)[:500]}", code="handler")
+            why = f"{type(e).__name__}: {e}"
+            log.warning("%s: handler for %s refused it: %s", chan.peer, msg.type, one_line(why, 200))
+            out = m.make(m.ERROR, reason=why[:m.MAX_STR], code="handler")
+        if out is not None and not isinstance(out, m.Message):
+            log.error("%s: handler for %s returned %s, not a Message; no reply sent",
+                      chan.peer, msg.type, type(out).__name__)
+            out = None
     if out is not None and msg.rid is not None:
         out.re = msg.rid
         chan.send(out)

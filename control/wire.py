@@ -399,6 +399,8 @@ def encode_tensors(tensors: dict) -> tuple[list[dict], list, int]:
     """(tensor table, payload pieces, payload length); pieces are views, not copies."""
     table, pieces, pos = [], [], 0
     for name, value in tensors.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+            raise ValueError(f"tensor name {name!r:.40} must be a string of 1 to {MAX_NAME} characters")
         dtype, arr = tensor_to_wire(value)
         pad = (-pos) % ALIGN
         if pad and arr.nbytes:

@@ -333,7 +333,7 @@ def test_client_round_trip_push_and_handler_errors(state, log):
     pushed = []
 
     def failing(msg, peer):
-        raise ValueError("layout does not match the wire")
+        raise ValueError("layout does not match the wire\nsecond line")
 
     handlers = state.handlers() | {m.REGISTER: failing}
     with ControlServer("127.0.0.1", 0, SECRET, handlers).start() as srv:
@@ -352,6 +352,48 @@ def test_client_round_trip_push_and_handler_errors(state, log):
             assert cli.connected  # a refused message does not cost the connection
     assert [e[0] for e in state.events] == [m.STEP_META]
     assert srv.rejected == 0
+    refused = [x for x in rejections(log) if "refused it" in x]
+    assert len(refused) == 1 and "\n" not in refused[0] and "layout does not match" in refused[0]
+
+
+def test_client_drops_a_hostile_appliance_and_reconnects(log):
+    """The trainer side checks frames just as strictly: a tampered push costs the connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    seen = []
+
+    def fake_appliance():
+        for attempt in range(2):
+            sock, _ = listener.accept()
+            chan = Channel(sock, m.SERVER, stall_timeout=5)
+            auth.server_handshake(chan, SECRET, {"trainer"})
+            data = bytearray(chan.seal_bytes(m.make(m.FALLBACK_REQUEST, reason="x", step=attempt, parts=2)))
+            if attempt == 0:
+                data[20] ^= 0x20  # tampered on the way
+            chan.send_raw(bytes(data))
+            try:
+                chan.source.idle_timeout = 10
+                while True:
+                    chan.recv()
+            except (wire.ConnectionClosed, wire.ProtocolError):
+                pass
+            chan.close()
+            if attempt == 1:
+                return
+
+    t = threading.Thread(target=fake_appliance)
+    t.start()
+    cli = ControlClient("127.0.0.1", listener.getsockname()[1], SECRET, backoff_initial=0.01,
+                        handlers={m.FALLBACK_REQUEST: lambda msg, c: seen.append(msg.body["step"])}).start()
+    try:
+        assert wait_for(lambda: seen)
+        assert cli.connections == 2
+    finally:
+        cli.close()
+        t.join(10)
+        listener.close()
+    assert seen == [1]
+    assert any(x.startswith("rejected appliance") and "BadMac" in x for x in rejections(log))
 
 
 def test_request_times_out_when_no_reply_comes(log):
