@@ -48,6 +48,10 @@ class Channel:
     def seal(self, msg: m.Message) -> list:
         """Encode, number and tag ``msg``; the caller holds the write lock (or owns the channel)."""
         header, pieces, n = m.encode(msg, self.send_seq)
+        limit = self.max_frame if self.session is not None else self.preauth_max_frame
+        if 4 + len(header) + n + wire.TAG_LEN > limit:
+            raise ValueError(f"{msg.type} frame of {4 + len(header) + n} bytes exceeds the "
+                             f"{limit}-byte frame limit; split it")
         tag = self.session.sign(header, pieces, n) if self.session is not None else b""
         msg.seq = self.send_seq
         self.send_seq += 1

@@ -335,11 +335,20 @@ class ControlClient:
         return self._connected.wait(timeout)
 
     def send(self, msg: m.Message, timeout: float | None = None) -> bool:
-        """Queue ``msg``; False when the queue policy dropped it (STEP_META). See ``Outbox.put``."""
+        """Queue ``msg``; False when the queue policy dropped it (STEP_META). See ``Outbox.put``.
+        A message too large for one frame is refused here (ValueError), not after queueing."""
+        self._check_size(msg)
         return self.outbox.put(msg, timeout)
+
+    def _check_size(self, msg: m.Message) -> None:
+        bound = wire.payload_bound(msg.tensors)
+        if bound + 4096 > self.max_frame:  # the exact check (header included) runs when sealing
+            raise ValueError(f"{msg.type} with {bound} payload bytes may exceed the {self.max_frame}-byte "
+                             f"frame limit; split it into more parts")
 
     def request(self, msg: m.Message, timeout: float = 10.0) -> m.Message:
         """Send ``msg`` and wait for the reply; ERROR replies raise ``RemoteError``."""
+        self._check_size(msg)
         msg.rid = self.replies.new()
         try:
             self.outbox.put(msg, timeout)

@@ -414,6 +414,15 @@ def encode_tensors(tensors: dict) -> tuple[list[dict], list, int]:
     return table, pieces, pos
 
 
+def payload_bound(tensors: dict) -> int:
+    """Upper bound of the payload bytes ``encode_tensors`` would produce (nothing is copied)."""
+    total = 0
+    for value in tensors.values():
+        n = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else np.asarray(value).nbytes
+        total += n + ALIGN
+    return total
+
+
 def decode_tensors(table: list[dict], payload: np.ndarray) -> dict[str, torch.Tensor]:
     """Torch tensors sharing memory with ``payload`` (call after ``check_table``)."""
     out = {}
@@ -446,6 +455,8 @@ def dumps_header(header: dict) -> bytes:
 def pack(header: bytes, pieces: list, payload_len: int, tag: bytes = b"") -> list:
     """The buffers of one frame, in order (the payload pieces are not copied)."""
     length = 4 + len(header) + payload_len + len(tag)
+    if length > 0xFFFFFFFF:
+        raise ValueError(f"a frame of {length} bytes does not fit the 32-bit length prefix")
     return [_U32.pack(length) + _U32.pack(len(header)) + header, *pieces, tag]
 
 

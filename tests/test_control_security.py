@@ -451,6 +451,25 @@ def test_client_queue_policy_while_disconnected(log):
         cli.close()
 
 
+def test_oversized_messages_are_refused_at_the_call(log):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = ControlClient("127.0.0.1", port, SECRET, max_frame=1 << 20)  # not started: no network
+    with pytest.raises(ValueError, match="split it"):
+        cli.send(m.make(m.GOCKPT_PART, {"w": torch.zeros(1 << 18)}, step=1, index=0, parts=1))
+    assert len(cli.outbox) == 0
+    assert cli.send(m.make(m.GOCKPT_PART, {"w": torch.zeros(1 << 16)}, step=1, index=0, parts=1))
+    # the exact check when a frame is sealed, header included
+    a, b = socket.socketpair()
+    chan = Channel(a, m.CLIENT, preauth_max_frame=200)
+    with pytest.raises(ValueError, match="frame limit"):
+        chan.seal(m.make(m.ERROR, reason="x" * 300))
+    assert chan.send_seq == 0  # nothing was numbered
+    a.close()
+    b.close()
+
+
 def test_client_refuses_an_appliance_with_another_secret(log):
     other = b"some-other-appliance-secret-000"
     with ControlServer("127.0.0.1", 0, other, {}).start() as srv:
