@@ -169,26 +169,50 @@ def _is_leaf(v) -> bool:
     return not any(isinstance(x, torch.Tensor) or not _is_leaf(x) for x in v)
 
 
-def flatten(sd: Mapping) -> dict[str, object]:
-    """{dcp flat key: value} in DCP's traversal order."""
-    out: dict[str, object] = {}
+def map_leaves(sd: Mapping, fn) -> dict:
+    """Copy of the nested state dict with every stored value replaced by fn(dcp flat key, value)."""
 
     def walk(path: str, v):
         if isinstance(v, Mapping):
-            for k, x in v.items():
-                walk(f"{path}.{k}", x)
-        elif _is_leaf(v):
-            out[path] = v
-        else:
-            for i, x in enumerate(v):
-                walk(f"{path}.{i}", x)
+            return {k: walk(f"{path}.{k}", x) for k, x in v.items()}
+        if _is_leaf(v):
+            return fn(path, v)
+        return [walk(f"{path}.{i}", x) for i, x in enumerate(v)]
 
-    for k, v in sd.items():
-        walk(str(k), v)
+    return {k: walk(str(k), v) for k, v in sd.items()}
+
+
+def flatten(sd: Mapping) -> dict[str, object]:
+    """{dcp flat key: value} in DCP's traversal order."""
+    out: dict[str, object] = {}
+    map_leaves(sd, lambda k, v: out.__setitem__(k, v))
     return out
 
 
-def required_keys(layout: dict, training: dict, step: int) -> list[str]:
+def unflatten(flat: dict[str, object], paths: dict[str, tuple]) -> dict:
+    """Nested dict from flat keys and DCP's planner_data (flat key -> path of keys and list indices)."""
+    root: dict = {}
+    for key, value in flat.items():
+        path = paths.get(key, tuple(key.split(".")))
+        node = root
+        for part, nxt in zip(path[:-1], path[1:]):
+            if isinstance(node, list):
+                while len(node) <= part:
+                    node.append(None)
+                if node[part] is None:
+                    node[part] = [] if isinstance(nxt, int) else {}
+                node = node[part]
+            else:
+                node = node.setdefault(part, [] if isinstance(nxt, int) else {})
+        last = path[-1]
+        if isinstance(node, list):
+            while len(node) <= last:
+                node.append(None)
+        node[last] = value
+    return root
+
+
+def required_keys(layout: dict, training: dict) -> list[str]:
     """Flat keys every committed checkpoint of this layout/training must hold."""
     from ..config.training import OptimizerSpec
     from .optim import state_keys

@@ -1,0 +1,236 @@
+"""Verifying committed checkpoints and loading them: into a Replica (read_state) or into the
+trainer's own model and optimizer (load_into, through dcp.load)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .ckptdir import dcp_module, latest, resolve  # noqa: F401  (latest is part of the API)
+from .dcp_keys import FORMAT, ReplicaState, from_checkpoint, loads, required_keys, unflatten
+from .manifest import MANIFEST, ManifestError, hash_file, quick_check, read_manifest, tensor_sha256
+
+_BATCH_BYTES = 256 << 20  # verify reads tensors in batches of about this size
+
+
+class CheckpointError(ValueError):
+    """A checkpoint failed verification or cannot be loaded; the message names what failed."""
+
+
+@dataclass
+class Report:
+    path: str
+    ok: bool = True
+    problems: list[str] = field(default_factory=list)
+    step: int | None = None  # iterations applied
+    optimizer_step: int | None = None
+    files: int = 0
+    tensors: int = 0
+    bytes: int = 0
+
+    def fail(self, msg: str) -> None:
+        self.ok = False
+        self.problems.append(msg)
+
+    @property
+    def first_problem(self) -> str | None:
+        return self.problems[0] if self.problems else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _read_flat(d: Path, keys: list[str], md) -> dict:
+    """dcp.load of the given flat keys (tensors allocated from the metadata, other values filled in)."""
+    dcp = dcp_module()
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    flat = {}
+    for k in keys:
+        m = md.state_dict_metadata[k]
+        flat[k] = torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "chunks") else None
+    dcp.load(flat, storage_reader=dcp.FileSystemReader(d), planner=DefaultLoadPlanner(), no_dist=True)
+    return flat
+
+
+def _check_files(d: Path, m: dict, r: Report) -> None:
+    present = set(os.listdir(d)) - {MANIFEST}
+    for name in sorted(present - set(m["files"])):
+        r.fail(f"{d / name}: not listed in the manifest")
+    for name, info in sorted(m["files"].items()):
+        p = d / name
+        if not p.is_file():
+            r.fail(f"{p}: missing")
+            continue
+        items = sorted(((k, it) for k, it in m["items"].items() if it["file"] == name), key=lambda x: x[1]["offset"])
+        size, sha, parts = hash_file(p, [(k, it["offset"], it["length"]) for k, it in items])
+        r.files += 1
+        r.bytes += size
+        if size == info["size"] and sha == info["sha256"]:
+            continue
+        what = f"{size} bytes, manifest says {info['size']}" if size != info["size"] else "sha256 does not match the manifest"
+        bad = [k for k, it in items if it["offset"] + it["length"] > size or parts.get(k) != it["sha256"]]
+        r.fail(f"{p}: {what}" + (f"; first damaged value: {bad[0]}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else "")
+                                 if bad else "; damage outside the stored values"))
+
+
+def verify(checkpoint_dir, tensors: bool = True) -> Report:
+    """Check one checkpoint directory: manifest, every file's size and sha256, DCP metadata against the
+    manifest, the required keys, and (``tensors``) every tensor's values read back through dcp.load."""
+    d = Path(checkpoint_dir)
+    r = Report(str(d))
+    if not d.is_dir():
+        r.fail(f"{d}: not a directory")
+        return r
+    try:
+        m = read_manifest(d)
+    except ManifestError as e:
+        r.fail(str(e))
+        return r
+    r.step, r.optimizer_step = m["step"], m.get("optimizer_step")
+    _check_files(d, m, r)
+    if not r.ok:
+        return r  # nothing in a damaged directory is unpickled
+    dcp = dcp_module()
+    try:
+        md = dcp.FileSystemReader(d).read_metadata()
+    except Exception as e:
+        r.fail(f"{d}/.metadata: unreadable: {type(e).__name__}: {e}")
+        return r
+    stored = md.state_dict_metadata
+    for k, t in m["tensors"].items():
+        s = stored.get(k)
+        if s is None or not hasattr(s, "chunks"):
+            r.fail(f"{d}: tensor {k} is in the manifest but not stored as a tensor")
+        elif list(s.size) != t["shape"] or str(s.properties.dtype).removeprefix("torch.") != t["dtype"]:
+            r.fail(f"{d}: tensor {k}: stored {list(s.size)} {s.properties.dtype}, manifest says {t['shape']} {t['dtype']}")
+    for k in sorted(k for k, s in stored.items() if hasattr(s, "chunks") and k not in m["tensors"]):
+        r.fail(f"{d}: tensor {k} is stored but not in the manifest")
+    missing = [k for k in required_keys(m.get("layout") or {}, m.get("training") or {}) if k not in stored]
+    if missing:
+        r.fail(f"{d}: required key {missing[0]} missing" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if not r.ok:
+        return r
+    extra = _read_flat(d, ["extra.format", "extra.iterations_done", "extra.step"], md)
+    if extra["extra.format"] != FORMAT:
+        r.fail(f"{d}: extra.format is {extra['extra.format']!r}, expected {FORMAT!r}")
+    if (extra["extra.iterations_done"], extra["extra.step"]) != (m["step"], m.get("optimizer_step")):
+        r.fail(f"{d}: extra.iterations_done/step {extra['extra.iterations_done']}/{extra['extra.step']} differ from "
+               f"the manifest's {m['step']}/{m.get('optimizer_step')}")
+    if not tensors:
+        return r
+    batch, size = [], 0
+    keys = list(m["tensors"])
+    for i, k in enumerate(keys):
+        batch.append(k)
+        size += stored[k].size.numel() * stored[k].properties.dtype.itemsize
+        if size < _BATCH_BYTES and i < len(keys) - 1:
+            continue
+        values = _read_flat(d, batch, md)
+        for key in batch:
+            if tensor_sha256(values[key]) != m["tensors"][key]["sha256"]:
+                r.fail(f"{d}: tensor {key}: values read back do not match the manifest sha256")
+        r.tensors += len(batch)
+        batch, size = [], 0
+    return r
+
+
+def summarize(checkpoint_dir) -> Report:
+    """The cheap check a reader does before trusting a directory: manifest valid, files present
+    with their sizes. No data is hashed (that is verify)."""
+    d = Path(checkpoint_dir)
+    r = Report(str(d))
+    try:
+        m = read_manifest(d)
+    except ManifestError as e:
+        r.fail(str(e))
+        return r
+    r.step, r.optimizer_step = m["step"], m.get("optimizer_step")
+    r.files, r.tensors = len(m["files"]), len(m["tensors"])
+    r.bytes = sum(f["size"] for f in m["files"].values())
+    problem = quick_check(d)
+    if problem:
+        r.fail(problem)
+    return r
+
+
+def _verified(path, check: bool) -> Path:
+    d = resolve(path)
+    if check:
+        r = verify(d)
+        if not r.ok:
+            raise CheckpointError(f"checkpoint failed verification: {r.first_problem}")
+    else:
+        try:
+            read_manifest(d)
+        except ManifestError as e:
+            raise CheckpointError(str(e)) from None
+    return d
+
+
+def read_state(path, verify_first: bool = True) -> ReplicaState:
+    """The full replica state stored in a checkpoint directory (or a root's latest checkpoint)."""
+    d = _verified(path, verify_first)
+    md = dcp_module().FileSystemReader(d).read_metadata()
+    flat = _read_flat(d, list(md.state_dict_metadata), md)
+    return from_checkpoint(unflatten(flat, md.planner_data), where=str(d))
+
+
+@dataclass
+class Resumed:
+    """What load_into restored, and what only the trainer itself can apply."""
+
+    path: Path
+    iterations_done: int
+    step: int
+    rng: dict[str, torch.Tensor]  # trainer RNG states by name, when they were sent
+    data_position: object
+    missing_buffers: list[str]  # model buffers the checkpoint cannot hold (not on the wire)
+
+
+def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, root_or_dir, scheduler=None,
+              scaler=None, verify_first: bool = True) -> Resumed:
+    """Resume a trainer from the latest committed checkpoint under ``root_or_dir`` (or that checkpoint
+    directory): model parameters and optimizer state through get_state_dict/dcp.load/set_state_dict,
+    then the LR scheduler and a torch.amp.GradScaler when given."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dcp = dcp_module()
+    d = _verified(root_or_dir, verify_first)
+    md = dcp.FileSystemReader(d).read_metadata()
+    msd, osd = get_state_dict(model, optimizer)
+    sd = {"model": msd, "optim": osd}
+    from .dcp_keys import flatten
+
+    wanted = flatten(sd)
+    absent = [k for k in wanted if k not in md.state_dict_metadata]
+    buffers = {f"model.{n}" for n, _ in model.named_buffers()}
+    not_buffers = [k for k in absent if k not in buffers]
+    if not_buffers:
+        raise CheckpointError(f"{d}: the checkpoint has no {not_buffers[0]}"
+                              + (f" (+{len(not_buffers) - 1} more)" if len(not_buffers) > 1 else "")
+                              + "; it was written for a different model or optimizer")
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(d), planner=DefaultLoadPlanner(allow_partial_load=bool(absent)),
+             no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    keys = [k for k in md.state_dict_metadata if k.startswith("extra.")]
+    ex = unflatten(_read_flat(d, keys, md), md.planner_data)["extra"]
+    if scheduler is not None:
+        if "lr_scheduler" not in ex:
+            raise CheckpointError(f"{d}: no lr_scheduler state, but a scheduler was given")
+        scheduler.load_state_dict(loads(ex["lr_scheduler"]))
+    if scaler is not None:
+        if "loss_scale" not in ex:
+            raise CheckpointError(f"{d}: no loss-scale state (not an fp16 job), but a scaler was given")
+        ls, spec = loads(ex["loss_scale"]), loads(ex["training"])["loss_scale"]
+        scaler.load_state_dict({"scale": ls["scale"], "_growth_tracker": ls["growth_tracker"],
+                                "growth_factor": spec["growth_factor"], "backoff_factor": spec["backoff_factor"],
+                                "growth_interval": spec["growth_interval"]})
+    return Resumed(path=d, iterations_done=int(ex["iterations_done"]), step=int(ex["step"]),
+                   rng=dict(ex.get("rng") or {}),
+                   data_position=loads(ex["data_position"]) if "data_position" in ex else None,
+                   missing_buffers=sorted(absent))
