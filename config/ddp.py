@@ -1,0 +1,156 @@
+"""What PyTorch DDP (2.13, default options, no buffers) puts through the communicator, as data.
+
+The parser uses this to know the job's collective sequence; the generator's emulation
+(``tools/generator/ddp.py``) performs the same calls. Facts (torch 2.13 distributed.py,
+c10d comm.cpp/reducer.cpp):
+
+1. ``_verify_params_across_processes``: all-gather of each rank's parameter count (int64[1]),
+   then a broadcast from rank 0 of every parameter's sizes then strides (int64).
+2. ``_sync_module_states``: the parameters broadcast from rank 0 in groups of
+   ``compute_bucket_assignment_by_size(params, [250 MiB])``, each group flattened.
+3. Iteration 0: one bucket holding every parameter (limits ``[sys.maxsize]``).
+4. Before iteration 1: ``sync_bucket_indices`` broadcasts from rank 0 int32
+   ``[indices..., num_buckets]`` and int32 per-bucket parameter counts (the rebuilt layout).
+5. Every iteration: one SUM all-reduce per bucket, in bucket order, in the gradient dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, dtype_size
+
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+ALLREDUCE, BROADCAST, ALLGATHER = "allreduce", "broadcast", "allgather"
+
+
+@dataclass(frozen=True)
+class CollSpec:
+    """One collective of the job, in issue order."""
+
+    kind: str  # allreduce | broadcast | allgather
+    count: int  # elements (all-gather: per rank)
+    dtype: str
+    label: str  # grad | param_count | shapes | init_params:K | rebuild_indices | rebuild_sizes | ...
+    root: int = 0  # broadcast root (global rank)
+    iteration: int | None = None
+    bucket: int | None = None
+    protocol: str | None = None  # None: the ring's protocol
+
+
+def size_groups(nbytes: list[int], limit: int) -> list[list[int]]:
+    """c10d's compute_bucket_assignment_by_size for one dtype and one limit: tensors join the
+    open group in order, and a group closes once its size reaches the limit."""
+    out, cur, size = [], [], 0
+    for i, n in enumerate(nbytes):
+        cur.append(i)
+        size += n
+        if size >= limit:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def broadcast_groups(layout: JobLayout) -> list[list[int]]:
+    """Parameter index groups of ``_sync_module_states``' coalesced broadcasts."""
+    es = dtype_size(layout.grad_dtype)
+    return size_groups([p.numel * es for p in layout.params], BROADCAST_BUCKET_BYTES)
+
+
+def startup(layout: JobLayout) -> list[CollSpec]:
+    """DDP construction: parameter-count all-gather, shapes broadcast, parameter broadcasts."""
+    ndims = sum(len(p.shape) for p in layout.params)
+    out = [
+        CollSpec(ALLGATHER, 1, "int64", "param_count"),
+        CollSpec(BROADCAST, 2 * ndims, "int64", "shapes"),
+    ]
+    for k, g in enumerate(broadcast_groups(layout)):
+        out.append(CollSpec(BROADCAST, sum(layout.params[i].numel for i in g), layout.grad_dtype,
+                            f"init_params:{k}"))
+    return out
+
+
+def rebuild(layout: JobLayout) -> list[CollSpec]:
+    """The two broadcasts of ``sync_bucket_indices`` before iteration 1."""
+    return [
+        CollSpec(BROADCAST, len(layout.params) + 1, "int32", "rebuild_indices"),
+        CollSpec(BROADCAST, len(layout.buckets), "int32", "rebuild_sizes"),
+    ]
+
+
+def iteration(layout: JobLayout, i: int) -> list[CollSpec]:
+    return [CollSpec(ALLREDUCE, layout.bucket_count(b), layout.grad_dtype, "grad", iteration=i, bucket=k)
+            for k, b in enumerate(layout.bucket_list(i))]
+
+
+# -- reading DDP's payloads back -------------------------------------------------------------
+
+
+def parse_shapes(meta: np.ndarray, count: int | None = None) -> list[tuple[int, ...]]:
+    """Parameter shapes from the int64 sizes-then-strides payload.
+
+    Each parameter is ``dims`` sizes followed by ``dims`` contiguous strides; the split is found
+    by backtracking so the whole payload parses into exactly ``count`` parameters (the count the
+    all-gather carried). Size-1 dimensions can make two splits valid, e.g. (7, 1)+(1,) and
+    (7,)+(1, 1); the one with more dimensions first is taken: the element counts, which are what
+    place gradients, agree in every valid split of the same count."""
+    vals = [int(v) for v in meta]
+
+    def contiguous(shape):
+        st, acc = [], 1
+        for s in reversed(shape):
+            st.append(acc)
+            acc *= max(s, 1)
+        return tuple(reversed(st))
+
+    def walk(pos, left):
+        if pos == len(vals):
+            return [] if left in (None, 0) else None
+        if left == 0:
+            return None
+        for d in range((len(vals) - pos) // 2, 0, -1):
+            shape = tuple(vals[pos:pos + d])
+            if any(s < 0 for s in shape) or tuple(vals[pos + d:pos + 2 * d]) != contiguous(shape):
+                continue
+            rest = walk(pos + 2 * d, None if left is None else left - 1)
+            if rest is not None:
+                return [shape] + rest
+        return None
+
+    if len(vals) > 4096:
+        raise ValueError("shape payload too long to parse")
+    shapes = walk(0, count)
+    if shapes is None:
+        raise ValueError(f"int64 payload of {len(vals)} values is not DDP's sizes-and-strides list"
+                         + (f" of {count} parameters" if count is not None else ""))
+    return shapes
+
+
+def parse_rebuild(indices: np.ndarray, sizes: np.ndarray, nparams: int) -> list[BucketSpec]:
+    """The rebuilt bucket layout from sync_bucket_indices' two payloads (validated)."""
+    idx = [int(v) for v in indices]
+    if not idx or idx[-1] != len(sizes) or sum(int(s) for s in sizes) != len(idx) - 1:
+        raise ValueError("rebuild broadcasts disagree: bucket count or sizes do not match the indices")
+    flat = idx[:-1]
+    if sorted(flat) != list(range(nparams)):
+        raise ValueError(f"rebuild indices are not a permutation of the {nparams} parameters")
+    out, pos = [], 0
+    for n in sizes:
+        out.append(BucketSpec(tuple(flat[pos:pos + int(n)])))
+        pos += int(n)
+    return out
+
+
+def layout_from_wire(shapes: list[tuple[int, ...]], grad_dtype: str,
+                     names: list[str] | None = None) -> JobLayout:
+    """A layout known from the start-up broadcasts: DDP's one-bucket first iteration, parameters
+    in order; the rebuilt buckets are filled in later from the rebuild broadcasts."""
+    names = names or [f"param{i}" for i in range(len(shapes))]
+    params = [ParamSpec(n, tuple(s), "float32") for n, s in zip(names, shapes)]
+    one = [BucketSpec(tuple(range(len(params))))]
+    return JobLayout(params=params, buckets=list(one), first_buckets=list(one), grad_dtype=grad_dtype)

@@ -1,0 +1,290 @@
+"""The job configuration file (TOML): the ring, the DDP layout, training, persistence, mirrors.
+
+Every key is checked against a schema; an error names the file, the table and the key
+("job.toml: [ring] nranks: expected an integer >= 2, got 'two'"). ``config/example.toml`` is the
+documented example. ``dump_job`` writes the same format (the generator writes one per run).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mirrorckpt.config.layout import DTYPES, PROTOCOLS, BucketSpec, JobLayout, MirrorSpec, ParamSpec, RingSpec
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message locates the problem."""
+
+
+# key -> (type description, validator returning the value or raising ValueError, required)
+def _int(lo=None):
+    def f(v):
+        if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo):
+            raise ValueError(f"expected an integer{f' >= {lo}' if lo is not None else ''}, got {v!r}")
+        return v
+    return f
+
+
+def _num(lo=None):
+    def f(v):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or (lo is not None and v < lo):
+            raise ValueError(f"expected a number{f' >= {lo}' if lo is not None else ''}, got {v!r}")
+        return v
+    return f
+
+
+def _str(choices=None):
+    def f(v):
+        if not isinstance(v, str) or (choices and v not in choices):
+            want = f"one of {', '.join(choices)}" if choices else "a string"
+            raise ValueError(f"expected {want}, got {v!r}")
+        return v
+    return f
+
+
+def _bool(v):
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false, got {v!r}")
+    return v
+
+
+def _int_list(v):
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ValueError(f"expected a list of integers, got {v!r}")
+    return v
+
+
+def _int_lists(v):
+    if not isinstance(v, list) or not all(isinstance(x, list) for x in v):
+        raise ValueError(f"expected a list of integer lists, got {v!r}")
+    return [_int_list(x) for x in v]
+
+
+def _addr(v):
+    try:
+        return str(ipaddress.ip_address(v))
+    except (ValueError, TypeError):
+        raise ValueError(f"expected an IPv4 or IPv6 address, got {v!r}") from None
+
+
+def _addr_list(v):
+    if not isinstance(v, list):
+        raise ValueError(f"expected a list of addresses, got {v!r}")
+    return [_addr(x) for x in v]
+
+
+def _table(v):
+    if not isinstance(v, dict):
+        raise ValueError(f"expected a table, got {v!r}")
+    return v
+
+
+SCHEMA = {
+    "ring": {
+        "nranks": (_int(2), True), "nchannels": (_int(1), False), "protocol": (_str(PROTOCOLS), False),
+        "nccl_version": (_str(), False), "nthreads": (_int(32), False), "orders": (_int_lists, False),
+        "addresses": (_addr_list, False),
+    },
+    "job": {
+        "kind": (_str(("ddp", "allreduce")), False), "startup": (_bool, False),
+        "grad_dtype": (_str(tuple(DTYPES)), False), "counts": (_int_list, False),
+        "params": (list, False), "buckets": (_table, False),
+    },
+    "job.params": {"name": (_str(), True), "shape": (_int_list, True), "dtype": (_str(tuple(DTYPES)), False)},
+    "job.buckets": {"first": (_int_lists, False), "after_rebuild": (_int_lists, True)},
+    "mirror": {"rank": (_int(0), True), "direction": (_str(("egress", "ingress", "both")), False),
+               "source": (_str(), False)},
+    "persist": {"directory": (_str(), True), "every_iterations": (_int(1), False),
+                "every_seconds": (_num(0), False), "keep_last": (_int(1), False),
+                "memory_budget_bytes": (_int(0), False)},
+    "control": {"listen": (_str(), False), "secret_file": (_str(), False), "fallback_parts": (_int(1), False),
+                "fingerprint_every": (_int(1), False)},
+    "metrics": {"listen": (_str(), False)},
+    "capture": {"backend": (_str(("file", "afpacket", "dpdk")), False), "batch_frames": (_int(1), False),
+                "queue_batches": (_int(1), False), "window": (_int(1), False)},
+}
+TOP = {"ring": _table, "job": _table, "training": _table, "persist": _table, "mirror": list, "control": _table,
+       "metrics": _table, "capture": _table}
+
+
+def _check(where: str, section: str, d: dict) -> dict:
+    schema = SCHEMA[section]
+    for k in d:
+        if k not in schema:
+            raise ConfigError(f"{where}: unknown key {k!r} (known: {', '.join(schema)})")
+    out = {}
+    for k, (check, required) in schema.items():
+        if k not in d:
+            if required:
+                raise ConfigError(f"{where}: missing key {k!r}")
+            continue
+        try:
+            out[k] = check(d[k]) if check not in (list, dict) else d[k]
+        except ValueError as e:
+            raise ConfigError(f"{where} {k}: {e}") from None
+        if check is list and not isinstance(d[k], list):
+            raise ConfigError(f"{where} {k}: expected an array of tables, got {d[k]!r}")
+    return out
+
+
+@dataclass
+class JobConfig:
+    ring: RingSpec
+    kind: str = "ddp"
+    startup: bool = True
+    layout: JobLayout | None = None
+    counts: list[int] | None = None  # plain all-reduce jobs
+    grad_dtype: str = "float32"
+    training: dict = field(default_factory=dict)
+    persist: dict = field(default_factory=dict)
+    mirrors: list[MirrorSpec] = field(default_factory=list)
+    control: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    capture: dict = field(default_factory=dict)
+    path: str = ""
+
+    def model(self):
+        from mirrorckpt.parser.collectives import JobModel
+
+        if self.kind == "ddp":
+            return JobModel.ddp(self.ring, self.layout, with_startup=self.startup)
+        return JobModel.allreduces(self.ring, self.counts, self.grad_dtype)
+
+    def ranks(self) -> dict[bytes, int]:
+        """Address (16 bytes, IPv4 as mapped IPv6) -> rank."""
+        out = {}
+        for r, a in self.ring.addresses.items():
+            ip = ipaddress.ip_address(a)
+            out[(ip if ip.version == 6 else ipaddress.IPv6Address(f"::ffff:{ip}")).packed] = r
+        return out
+
+
+def load_job(path) -> JobConfig:
+    p = Path(path)
+    name = p.name
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{name}: {e.strerror}") from None
+    return parse_job(raw, name)
+
+
+def parse_job(raw: dict, name: str = "config") -> JobConfig:
+    for k, check in TOP.items():
+        if k in raw and not isinstance(raw[k], dict if check is _table else list):
+            raise ConfigError(f"{name}: [{k}] must be a {'table' if check is _table else 'array of tables'}")
+    for k in raw:
+        if k not in TOP:
+            raise ConfigError(f"{name}: unknown table [{k}] (known: {', '.join(TOP)})")
+    if "ring" not in raw:
+        raise ConfigError(f"{name}: missing table [ring]")
+    r = _check(f"{name}: [ring]", "ring", raw["ring"])
+    addresses = dict(enumerate(r.pop("addresses", [])))
+    if addresses and len(addresses) != r["nranks"]:
+        raise ConfigError(f"{name}: [ring] addresses: {len(addresses)} given for {r['nranks']} ranks")
+    try:
+        ring = RingSpec(nranks=r["nranks"], nchannels=r.get("nchannels", 1), protocol=r.get("protocol", "LL"),
+                        nccl_version=r.get("nccl_version", "2.18"), nthreads=r.get("nthreads"),
+                        ring_orders=r.get("orders"), addresses=addresses)
+    except ValueError as e:
+        raise ConfigError(f"{name}: [ring] {e}") from None
+    j = _check(f"{name}: [job]", "job", raw.get("job", {}))
+    cfg = JobConfig(ring=ring, kind=j.get("kind", "ddp"), startup=j.get("startup", True),
+                    grad_dtype=j.get("grad_dtype", "float32"), path=name)
+    if cfg.kind == "ddp":
+        cfg.layout = _layout(name, j, cfg.grad_dtype)
+    else:
+        if "counts" not in j:
+            raise ConfigError(f"{name}: [job] kind = \"allreduce\" needs counts = [elements, ...]")
+        cfg.counts = j["counts"]
+    for i, m in enumerate(raw.get("mirror", [])):
+        mm = _check(f"{name}: [[mirror]] #{i + 1}", "mirror", _table_or(name, "mirror", m))
+        if mm["rank"] >= ring.nranks:
+            raise ConfigError(f"{name}: [[mirror]] #{i + 1} rank: {mm['rank']} is outside the ring "
+                              f"(ranks 0..{ring.nranks - 1})")
+        cfg.mirrors.append(MirrorSpec(mm["rank"], mm.get("direction", "both"), mm.get("source", "")))
+    for sec in ("persist", "control", "metrics", "capture"):
+        if sec in raw:
+            setattr(cfg, sec, _check(f"{name}: [{sec}]", sec, raw[sec]))
+    cfg.training = raw.get("training", {})
+    return cfg
+
+
+def _table_or(name, sec, v):
+    if not isinstance(v, dict):
+        raise ConfigError(f"{name}: [[{sec}]] entries must be tables, got {v!r}")
+    return v
+
+
+def _layout(name: str, j: dict, grad_dtype: str) -> JobLayout:
+    if "params" not in j:
+        raise ConfigError(f"{name}: [job] kind = \"ddp\" needs [[job.params]] (name, shape) entries")
+    params = []
+    for i, p in enumerate(j["params"]):
+        pp = _check(f"{name}: [[job.params]] #{i + 1}", "job.params", _table_or(name, "job.params", p))
+        params.append(ParamSpec(pp["name"], tuple(pp["shape"]), pp.get("dtype", "float32")))
+    if "buckets" in j:
+        b = _check(f"{name}: [job.buckets]", "job.buckets", j["buckets"])
+        after = [BucketSpec(tuple(x)) for x in b["after_rebuild"]]
+        first = [BucketSpec(tuple(x)) for x in b.get("first", [list(range(len(params)))])]
+    else:  # DDP 2.13: one bucket at first; the rebuilt layout must be given for a multi-bucket model
+        first = after = [BucketSpec(tuple(range(len(params))))]
+    try:
+        return JobLayout(params=params, buckets=after, first_buckets=first, grad_dtype=grad_dtype)
+    except ValueError as e:
+        raise ConfigError(f"{name}: [job.buckets] {e}") from None
+
+
+# -- writing --------------------------------------------------------------------------------
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def dump_job(cfg: JobConfig) -> str:
+    r = cfg.ring
+    lines = ["# mirrorckpt job configuration", "[ring]", f"nranks = {r.nranks}", f"nchannels = {r.nchannels}",
+             f"protocol = {_toml_value(r.protocol)}", f"nccl_version = {_toml_value(r.nccl_version)}"]
+    if r.nthreads:
+        lines.append(f"nthreads = {r.nthreads}")
+    if r.ring_orders:
+        lines.append(f"orders = {_toml_value(r.ring_orders)}")
+    if r.addresses:
+        lines.append(f"addresses = {_toml_value([r.addresses[i] for i in range(r.nranks)])}")
+    lines += ["", "[job]", f"kind = {_toml_value(cfg.kind)}", f"startup = {_toml_value(cfg.startup)}",
+              f"grad_dtype = {_toml_value(cfg.grad_dtype)}"]
+    if cfg.kind == "allreduce":
+        lines.append(f"counts = {_toml_value(cfg.counts)}")
+    else:
+        lay = cfg.layout
+        for p in lay.params:
+            lines += ["", "[[job.params]]", f"name = {_toml_value(p.name)}", f"shape = {_toml_value(list(p.shape))}"]
+            if p.dtype != "float32":
+                lines.append(f"dtype = {_toml_value(p.dtype)}")
+        lines += ["", "[job.buckets]", f"first = {_toml_value([list(b.params) for b in lay.bucket_list(0)])}",
+                  f"after_rebuild = {_toml_value([list(b.params) for b in lay.buckets])}"]
+    for sec in ("training", "persist", "control", "metrics", "capture"):
+        d = getattr(cfg, sec)
+        if d:
+            lines += ["", f"[{sec}]"] + [f"{k} = {_toml_value(v)}" for k, v in d.items()]
+    for m in cfg.mirrors:
+        lines += ["", "[[mirror]]", f"rank = {m.rank}", f"direction = {_toml_value(m.direction)}"]
+        if m.source:
+            lines.append(f"source = {_toml_value(m.source)}")
+    return "\n".join(lines) + "\n"

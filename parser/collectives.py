@@ -1,0 +1,106 @@
+"""The job's collectives in issue order, on its ring: what the state machine expects to see.
+
+A ``JobModel`` is a start-up prefix, an optional set of collectives issued once before
+iteration 1 (DDP's bucket rebuild), and per iteration the gradient all-reduces. Collective
+``i`` and its NCCL ring plan are computed on demand, so the sequence has no end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mirrorckpt.config import ddp
+from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST, CollSpec
+from mirrorckpt.config.layout import JobLayout, RingSpec, dtype_size
+from mirrorckpt.parser import schedule
+
+
+@dataclass
+class JobModel:
+    ring: RingSpec
+    layout: JobLayout | None = None  # None: gradient all-reduces are given by `per_iteration`
+    startup: list[CollSpec] = field(default_factory=list)
+    before_iteration_1: list[CollSpec] = field(default_factory=list)
+    per_iteration: list[CollSpec] | None = None  # used when there is no layout
+    iterations: int | None = None  # how many iterations the sequence holds (None: no end)
+
+    @staticmethod
+    def ddp(ring: RingSpec, layout: JobLayout, with_startup: bool = True, iterations: int | None = None):
+        """A DDP job: start-up collectives, the rebuild broadcasts, one all-reduce per bucket."""
+        return JobModel(ring, layout, ddp.startup(layout) if with_startup else [],
+                        ddp.rebuild(layout) if with_startup else [], iterations=iterations)
+
+    @staticmethod
+    def allreduces(ring: RingSpec, counts: list[int], dtype: str, iterations: int | None = None):
+        """Plain all-reduces (no DDP): each iteration all-reduces ``counts`` in order."""
+        per = [CollSpec(ALLREDUCE, n, dtype, "grad", bucket=k) for k, n in enumerate(counts)]
+        return JobModel(ring, None, per_iteration=per, iterations=iterations)
+
+    def __post_init__(self):
+        self._cache: dict[int, CollSpec | None] = {}
+        self._plans: dict[tuple, schedule.RingPlan] = {}
+
+    def _iteration(self, i: int) -> list[CollSpec]:
+        if self.layout is not None:
+            grads = ddp.iteration(self.layout, i)
+        else:
+            grads = [CollSpec(c.kind, c.count, c.dtype, c.label, c.root, i, c.bucket, c.protocol)
+                     for c in self.per_iteration]
+        return (self.before_iteration_1 if i == 1 else []) + grads
+
+    def grads(self, i: int) -> list[CollSpec]:
+        """Iteration ``i``'s gradient all-reduces, bucket by bucket."""
+        return [c for c in self._iteration(i) if c.label == "grad"]
+
+    def _locate(self, k: int) -> tuple[int, int]:
+        """(iteration, position in it) of the k-th collective after the start-up. Iterations 0
+        and 1 may differ in length; from 2 on every iteration has the same collectives."""
+        for i in (0, 1):
+            n = len(self._iteration(i))
+            if k < n:
+                return i, k
+            k -= n
+        n = len(self._iteration(2))
+        return 2 + k // n, k % n
+
+    def __getitem__(self, index: int) -> CollSpec | None:
+        """Collective ``index`` (0-based, issue order), or None past the end of the sequence."""
+        if index < 0:
+            raise IndexError(index)
+        if index < len(self.startup):
+            return self.startup[index]
+        c = self._cache.get(index)
+        if c is None:
+            i, j = self._locate(index - len(self.startup))
+            if self.iterations is not None and i >= self.iterations:
+                return None
+            c = self._cache[index] = self._iteration(i)[j]
+        return c
+
+    def first_of_iteration(self, i: int) -> int:
+        """Index of iteration ``i``'s first collective."""
+        n = [len(self._iteration(j)) for j in range(min(i, 3))]
+        if i <= 2:
+            return len(self.startup) + sum(n)
+        return len(self.startup) + n[0] + n[1] + (i - 2) * n[2]
+
+    def protocol(self, c: CollSpec) -> str:
+        return c.protocol or self.ring.protocol
+
+    def plan(self, c: CollSpec) -> schedule.RingPlan:
+        """The NCCL ring plan of a collective (cached by its shape)."""
+        key = (c.kind, c.count, c.dtype, c.root, self.protocol(c))
+        p = self._plans.get(key)
+        if p is None:
+            r = self.ring
+            args = (c.count, dtype_size(c.dtype), r.nranks, r.nchannels, self.protocol(c), r.nccl_version)
+            if c.kind == ALLREDUCE:
+                p = schedule.allreduce_plan(*args, nthreads=r.nthreads)
+            elif c.kind == BROADCAST:
+                p = schedule.broadcast_plan(*args, root=r.ring_index(0, c.root), nthreads=r.nthreads)
+            elif c.kind == ALLGATHER:
+                p = schedule.allgather_plan(*args, nthreads=r.nthreads)
+            else:
+                raise ValueError(f"unknown collective kind {c.kind!r}")
+            self._plans[key] = p
+        return p

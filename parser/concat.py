@@ -1,0 +1,160 @@
+"""The concatenator: each collective's result buffer, assembled from every mirror stream.
+
+Only messages that carry final values are used: the fully reduced all-gather phase of an
+all-reduce, any message of a broadcast (the root's data), the pieces of an all-gather. Every
+element records whether it was covered; a second copy of an element (the same send mirrored at
+two ports, or a reduced chunk forwarded along the ring) must carry the same bytes, otherwise the
+element is marked conflicting and the collective can never be complete. A collective is
+finished once the traffic has moved ``window`` collectives past it (or at the end); only then is
+it handed on, complete or not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST, CollSpec
+from mirrorckpt.config.layout import dtype_size, numpy_dtype
+from mirrorckpt.parser.collectives import JobModel
+from mirrorckpt.parser.nccl import NcclSend
+from mirrorckpt.parser.schedule import REDUCED
+from mirrorckpt.parser.statemachine import Placement
+
+
+def ranges(mask: np.ndarray) -> list[tuple[int, int]]:
+    """Runs of True as [(start, length)]."""
+    m = np.concatenate(([False], mask.astype(bool), [False]))
+    edges = np.flatnonzero(m[1:] != m[:-1])
+    return [(int(a), int(b - a)) for a, b in zip(edges[0::2], edges[1::2])]
+
+
+@dataclass
+class CollectiveResult:
+    index: int
+    spec: CollSpec
+    data: np.ndarray  # uint8, the result's bytes (all-gather: every rank's part, by rank)
+    covered: np.ndarray  # bool per element
+    conflict: np.ndarray  # bool per element: copies disagreed
+    pieces: int = 0
+    filled_by_p2p: list[tuple[int, int]] = field(default_factory=list)  # element ranges
+    conflicts: list[str] = field(default_factory=list)
+    last_ts: int = 0
+
+    @property
+    def count(self) -> int:
+        return int(self.covered.size)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.covered.all()) and not self.conflict.any()
+
+    @property
+    def coverage(self) -> float:
+        return float((self.covered & ~self.conflict).mean()) if self.covered.size else 1.0
+
+    @property
+    def holes(self) -> list[tuple[int, int]]:
+        return ranges(~self.covered | self.conflict)
+
+    def values(self) -> np.ndarray:
+        return self.data.view(numpy_dtype(self.spec.dtype))
+
+    def sha256(self) -> str | None:
+        return hashlib.sha256(self.data.tobytes()).hexdigest() if self.complete else None
+
+
+class Concatenator:
+    def __init__(self, model: JobModel, window: int = 8):
+        self.model = model
+        self.window = window
+        self.open: dict[int, CollectiveResult] = {}
+        self.next_out = 0  # lowest collective not yet handed on
+        self.frontier = -1  # highest collective any send was placed in
+        self.p2p: list[NcclSend] = []  # candidate extra sends for holes (point-to-point traffic)
+
+    def _result(self, i: int) -> CollectiveResult:
+        r = self.open.get(i)
+        if r is None:
+            c = self.model[i]
+            n = c.count * (self.model.ring.nranks if c.kind == ALLGATHER else 1)
+            r = self.open[i] = CollectiveResult(i, c, np.zeros(n * dtype_size(c.dtype), np.uint8),
+                                                np.zeros(n, bool), np.zeros(n, bool))
+        return r
+
+    def add(self, p: Placement) -> None:
+        if p.coll < self.next_out:
+            return  # already handed on: a late copy can no longer change it
+        self.frontier = max(self.frontier, p.coll)
+        c, st = p.spec, p.step
+        if c.kind == ALLREDUCE and st.phase != REDUCED:
+            return
+        if st.nelem == 0:
+            return
+        r = self._result(p.coll)
+        es = dtype_size(c.dtype)
+        start = st.offset
+        if c.kind == ALLGATHER:
+            origin = self.model.ring.orders()[p.channel][st.chunk]
+            start += origin * c.count
+        self._put(r, start, st.nelem, p.send.data[: st.nelem * es], p.send.holes, str(p.send.connection))
+        r.last_ts = max(r.last_ts, p.send.ts_ns)
+
+    def _put(self, r: CollectiveResult, start: int, n: int, data: np.ndarray, byte_holes, origin: str) -> None:
+        es = dtype_size(r.spec.dtype)
+        ok = np.ones(n, bool)
+        for a, ln in byte_holes:  # an element is only covered when all its bytes arrived
+            lo, hi = a // es, -(-(a + ln) // es)
+            ok[lo:min(hi, n)] = False
+        if len(data) < n * es:
+            ok[len(data) // es:] = False
+            data = np.concatenate([data, np.zeros(n * es - len(data), np.uint8)])
+        new = data.reshape(n, es)
+        old = r.data[start * es:(start + n) * es].reshape(n, es)
+        seen = r.covered[start:start + n] & ok
+        if seen.any():
+            differ = seen & (old != new).any(axis=1)
+            if differ.any():
+                r.conflict[start:start + n] |= differ
+                for a, ln in ranges(differ):
+                    r.conflicts.append(f"elements [{start + a}, {start + a + ln}) differ in the copy from {origin}")
+        put = ok & ~r.covered[start:start + n]
+        old[put] = new[put]
+        r.covered[start:start + n] |= ok
+        r.pieces += 1
+
+    def add_p2p(self, s: NcclSend) -> None:
+        """A send outside the ring (point-to-point): kept as a candidate to fill a collective's hole."""
+        if s.complete and len(s.data):
+            self.p2p.append(s)
+            del self.p2p[:-64]
+
+    def _fill_from_p2p(self, r: CollectiveResult) -> None:
+        """An extra send whose size is exactly the collective's one remaining hole fills it."""
+        holes = r.holes
+        if len(holes) != 1 or r.conflict.any():
+            return
+        a, n = holes[0]
+        es = dtype_size(r.spec.dtype)
+        for s in self.p2p:
+            if len(s.data) == n * es and s.ts_ns >= r.last_ts:
+                self.p2p.remove(s)
+                self._put(r, a, n, s.data, [], f"point-to-point send on {s.connection}")
+                r.filled_by_p2p.append((a, n))
+                return
+
+    def poll(self, final: bool = False) -> list[CollectiveResult]:
+        """Collectives finished (traffic moved ``window`` past them, or ``final``), in order."""
+        out = []
+        while final and self.next_out <= self.frontier or self.next_out + self.window <= self.frontier:
+            r = self.open.pop(self.next_out, None)
+            if r is None:
+                r = self._result(self.next_out)
+                self.open.pop(self.next_out)
+            if not r.complete:
+                self._fill_from_p2p(r)
+            out.append(r)
+            self.next_out += 1
+        return out

@@ -1,0 +1,193 @@
+"""The ring state machine: which collective, and which of its messages, each NCCL send is.
+
+Each ring connection (channel ``ch``, sender at ring position ``r``) has one step counter shared
+by every collective that uses it. Walking the job's collective sequence with NCCL's plans gives,
+per connection, the step range and the message count of every collective, so a send is placed
+by its connection step: from its LL/LL128 flag (``t = flag - 1``), else from its CTS index (the
+connection's message number), else as the message after the last one placed there, which is
+only accepted when its receive slot (VA) and size confirm it. A send whose size disagrees with
+the plan is never placed: it is counted as a mismatch, since it means the configuration does not
+describe the traffic.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mirrorckpt.config.ddp import CollSpec
+from mirrorckpt.parser import schedule
+from mirrorckpt.parser.collectives import JobModel
+from mirrorckpt.parser.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.schedule import RingStep
+
+# A send more than this many steps ahead of its connection is taken for garbage, not followed.
+MAX_AHEAD_STEPS = 1 << 20
+
+
+@dataclass
+class Placement:
+    coll: int  # collective index in the job model
+    spec: CollSpec
+    step: RingStep
+    channel: int
+    rank_pos: int
+    send: NcclSend
+    t: int  # absolute connection step
+
+
+@dataclass
+class _Track:
+    """Step accounting of one (channel, ring position) send connection."""
+
+    channel: int
+    pos: int
+    t0: list[int] = field(default_factory=list)  # per collective: first connection step
+    m0: list[int] = field(default_factory=list)  # per collective: first message number
+    n: list[int] = field(default_factory=list)  # per collective: messages on this connection
+    t_end: int = 0  # counter after the last collective tabulated
+    m_end: int = 0
+
+
+class RingStateMachine:
+    def __init__(self, model: JobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int]):
+        """``ranks``: address (16 bytes) -> global rank; ``channels``: ring connection -> channel."""
+        self.model = model
+        self.ranks = ranks
+        self.channels = channels
+        self.tracks: dict[tuple[int, int], _Track] = {}
+        self.last: dict[ConnKey, tuple[int, int]] = {}  # conn -> (t, message number) last placed
+        self.counts = Counter()  # placed, mismatch, unplaced reasons
+        self.mismatches: list[str] = []
+
+    # -- tables ----------------------------------------------------------------------------------
+
+    def track(self, channel: int, pos: int) -> _Track:
+        tr = self.tracks.get((channel, pos))
+        if tr is None:
+            tr = self.tracks[(channel, pos)] = _Track(channel, pos)
+        return tr
+
+    def _extend(self, tr: _Track, t: int | None = None, m: int | None = None, coll: int | None = None) -> bool:
+        """Tabulates collectives until step ``t``, message ``m`` or collective ``coll`` is
+        covered; False when the job's sequence ends first."""
+        while (t is not None and tr.t_end <= t) or (m is not None and tr.m_end <= m) or \
+                (coll is not None and len(tr.t0) <= coll):
+            c = self.model[len(tr.t0)]
+            if c is None:
+                return False
+            plan = self.model.plan(c)
+            msgs = plan.messages(tr.pos, tr.channel) if tr.channel in plan.channels else []
+            if msgs:
+                start = schedule.conn_step_start(tr.t_end, self.model.protocol(c), c.kind)
+                tr.t0.append(start)
+                tr.t_end = start + plan.conn_steps(tr.channel, tr.pos)
+            else:
+                tr.t0.append(tr.t_end)
+            tr.m0.append(tr.m_end)
+            tr.n.append(len(msgs))
+            tr.m_end += len(msgs)
+        return True
+
+    def expected(self, channel: int, pos: int, t: int) -> tuple[int, RingStep] | None:
+        """(collective index, message) at absolute connection step ``t``, or None (no message)."""
+        tr = self.track(channel, pos)
+        if not self._extend(tr, t=t):
+            return None
+        i = int(np.searchsorted(tr.t0, t, side="right")) - 1
+        while i >= 0 and tr.n[i] == 0:
+            i -= 1
+        if i < 0:
+            return None
+        c = self.model[i]
+        for st in self.model.plan(c).messages(pos, channel):
+            if tr.t0[i] + st.conn_step == t:
+                return i, st
+        return None
+
+    def by_message(self, channel: int, pos: int, m: int) -> tuple[int, RingStep, int] | None:
+        """(collective, message, absolute step) of the connection's message number ``m``."""
+        tr = self.track(channel, pos)
+        if not self._extend(tr, m=m):
+            return None
+        i = int(np.searchsorted(tr.m0, m, side="right")) - 1
+        while i >= 0 and tr.n[i] == 0:
+            i -= 1
+        if i < 0 or m - tr.m0[i] >= tr.n[i]:
+            return None
+        st = self.model.plan(self.model[i]).messages(pos, channel)[m - tr.m0[i]]
+        return i, st, tr.t0[i] + st.conn_step
+
+    def collective_steps(self, channel: int, pos: int, coll: int) -> tuple[int, int]:
+        """(first connection step, messages) of collective ``coll`` on a connection."""
+        tr = self.track(channel, pos)
+        if not self._extend(tr, coll=coll):
+            return 0, 0
+        return tr.t0[coll], tr.n[coll]
+
+    def message_number(self, channel: int, pos: int, coll: int, st: RingStep) -> int:
+        tr = self.track(channel, pos)
+        msgs = self.model.plan(self.model[coll]).messages(pos, channel)
+        return tr.m0[coll] + msgs.index(st)
+
+    # -- placing sends ---------------------------------------------------------------------------
+
+    def where(self, conn: ConnKey) -> tuple[int, int] | None:
+        """(channel, ring position of the sender) of a ring connection, None for other traffic."""
+        ch = self.channels.get(conn)
+        rank = self.ranks.get(conn.sender)
+        if ch is None or rank is None:
+            return None
+        return ch, self.model.ring.ring_index(ch, rank)
+
+    def place(self, s: NcclSend) -> Placement | None:
+        loc = self.where(s.connection)
+        if loc is None:
+            self.counts["not_ring"] += 1
+            return None
+        ch, pos = loc
+        last = self.last.get(s.connection)
+        t = m = None
+        if s.flag is not None:
+            t = self._unwrap_flag(s.flag - 1, last[0] if last else 0)
+        elif s.seq is not None:
+            m = s.seq - 1  # one CTS per message: its index counts the connection's messages
+        if t is None and m is None:
+            if last is None:
+                self.counts["unplaced_no_step"] += 1
+                return None
+            m = last[1] + 1  # the next message; confirmed below by size (and flag/slot if any)
+        if t is not None:
+            if last is not None and t > last[0] + MAX_AHEAD_STEPS:
+                self.counts["unplaced_implausible_step"] += 1
+                return None
+            hit = self.expected(ch, pos, t)
+            if hit is None:
+                self.counts["unplaced_no_message_at_step"] += 1
+                return None
+            coll, st = hit
+            m = self.message_number(ch, pos, coll, st)
+        else:
+            hit = self.by_message(ch, pos, m)
+            if hit is None:
+                self.counts["unplaced_past_end"] += 1
+                return None
+            coll, st, t = hit
+        if s.length_known and s.wire_bytes != st.wire_bytes:
+            self.counts["mismatch"] += 1
+            if len(self.mismatches) < 20:
+                self.mismatches.append(
+                    f"{s.connection} step {t}: {s.wire_bytes} wire bytes, but the configuration expects "
+                    f"{st.wire_bytes} ({self.model[coll].label} #{coll}, {st.phase} chunk {st.chunk})")
+            return None
+        self.last[s.connection] = (t, m) if last is None or t >= last[0] else last
+        self.counts["placed"] += 1
+        return Placement(coll, self.model[coll], st, ch, pos, s, t)
+
+    @staticmethod
+    def _unwrap_flag(t32: int, ref: int) -> int:
+        """LL flags are 32-bit: the step nearest the connection's last one."""
+        half = 1 << 31
+        return ref + ((t32 - ref + half) % (1 << 32)) - half
