@@ -9,7 +9,7 @@ Handshake (frames 0 and 1 of each direction; only the last one is tagged):
     appliance -> trainer    AUTH  {proof_a}      first tagged frame; the trainer checks both
 
 With T = the length-prefixed transcript (trainer role, nonce_t, appliance role, nonce_a):
-``proof_x = HMAC(secret, "proof|" + side_x + T)`` and ``key = HMAC(secret, "session|" + T)``.
+``proof_x = HMAC(secret, "proof|" + side_x + "|" + T)`` and ``key = HMAC(secret, "session|" + T)``.
 Both nonces are fresh per connection, so a proof or a frame is worthless in any other session,
 and the side label stops a peer from reflecting the other side's proof back. The secret must be
 high-entropy (e.g. 32 random bytes): a proof lets whoever saw it test guesses offline.
