@@ -73,10 +73,13 @@ class IterationAssembler:
 
 
 class Reassembly:
+    """``placer`` maps a wire unit to a ``Placement`` (default: the NCCL ring state machine; the
+    gloo decoder brings its own), so every transport shares the concatenator and what follows."""
+
     def __init__(self, model: JobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int],
-                 window: int | None = None):
+                 window: int | None = None, placer=None):
         self.model = model
-        self.sm = RingStateMachine(model, ranks, channels)
+        self.sm = placer if placer is not None else RingStateMachine(model, ranks, channels)
         self.concat = Concatenator(model, window if window is not None else default_window(model))
         self.iterations = IterationAssembler(model)
         self.startup = Startup()
@@ -88,7 +91,7 @@ class Reassembly:
             p = self.sm.place(s)
             if p is not None:
                 self.concat.add(p)
-            elif s.connection not in self.sm.channels:
+            elif isinstance(s, NcclSend) and s.connection not in self.sm.channels:
                 self.concat.add_p2p(s)
         return self._route(self.concat.poll())
 
