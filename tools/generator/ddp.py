@@ -269,6 +269,6 @@ class DDP:
         return JobLayout(
             params=[ParamSpec(n, tuple(p.shape), master_dtype) for n, p in zip(self.names, self.params)],
             buckets=buckets,
-            first_buckets=None if first == buckets else first,
+            first_buckets=first,  # always explicit: DDP 2.13's first iteration has its own layout
             grad_dtype=dtype_name(self.dtype),
         )
