@@ -55,7 +55,7 @@ class JobLayout:
     grad_dtype: str = "float32"  # gradient dtype on the wire
 
     def __post_init__(self):
-        for bl in (self.buckets, self.first_buckets or []):
+        for bl in [self.buckets] + ([self.first_buckets] if self.first_buckets is not None else []):
             seen = sorted(i for b in bl for i in b.params)
             if seen != list(range(len(self.params))):
                 raise ValueError("every parameter must sit in exactly one bucket")
