@@ -159,10 +159,11 @@ def sample_batch(n=300, seed=1, ts0=1_700_000_000_123_456_789) -> FrameBatch:
 def test_pcap_writer_round_trip(tmp_path, nanosecond):
     batch = sample_batch()
     path = tmp_path / "x.pcap"
-    with PcapWriter(path, nanosecond=nanosecond) as w:
+    with PcapWriter(path, nanosecond=nanosecond, linktype=101) as w:
         w.write_batch(batch)
         w.write(b"\x01" * 60, 1_700_000_001_000_000_999, wirelen=64)
     got = read_all(path)
+    assert got.linktypes == {0: 101}
     unit = 1 if nanosecond else 1000
     assert len(got) == len(batch) + 1
     assert all_frames(got)[:-1] == all_frames(batch)

@@ -24,24 +24,52 @@ from mirrorckpt.capture.writer import PcapngWriter, PcapWriter
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CAPTURES = sorted((SHARED / "captures" / "flowcheck").glob("*.pcapng"), key=lambda p: p.stat().st_size)
+N_SEEDS = 7
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def byte_order(data: bytes) -> str:
+    """struct prefix of an undamaged pcap or single-byte-order pcapng file."""
+    if data[:4] == b"\x0a\x0d\x0d\x0a":
+        return "<" if data[8:12] == b"\x4d\x3c\x2b\x1a" else ">"
+    return "<" if data[:4] in (b"\xd4\xc3\xb2\xa1", b"\x4d\x3c\xb2\xa1") else ">"
+
+
 def structure(data: bytes) -> list[tuple[int, int]]:
-    """(offset, length) of every pcap record or pcapng block of an undamaged little-endian file."""
+    """(offset, length) of every pcap record or pcapng block of an undamaged single-byte-order
+    file."""
+    order = byte_order(data)
     if data[:4] == b"\x0a\x0d\x0d\x0a":
         out, pos = [], 0
         while pos < len(data):
-            n = struct.unpack_from("<I", data, pos + 4)[0]
+            n = struct.unpack_from(order + "I", data, pos + 4)[0]
             out.append((pos, n))
             pos += n
         return out
     out, pos = [], 24
     while pos < len(data):
-        n = 16 + struct.unpack_from("<I", data, pos + 8)[0]
+        n = 16 + struct.unpack_from(order + "I", data, pos + 8)[0]
         out.append((pos, n))
         pos += n
     return out
+
+
+def big_endian_pcapng(frames: list[bytes], ts_us: list[int]) -> bytes:
+    def block(btype: int, body: bytes) -> bytes:
+        body += b"\0" * (-len(body) % 4)
+        return struct.pack(">II", btype, 12 + len(body)) + body + struct.pack(">I", 12 + len(body))
+    out = [block(fmt.BT_SHB, struct.pack(">IHHq", fmt.BYTE_ORDER_MAGIC, 1, 0, -1)),
+           block(fmt.BT_IDB, struct.pack(">HHI", 1, 0, 0))]
+    for f, t in zip(frames, ts_us):
+        out.append(block(fmt.BT_EPB, struct.pack(">IIIII", 0, t >> 32, t & 0xFFFFFFFF, len(f), len(f)) + f))
+    return b"".join(out)
+
+
+def big_endian_pcap(frames: list[bytes], ts_ns: list[int]) -> bytes:
+    out = [struct.pack(">IHHiIII", fmt.PCAP_MAGIC_NS, 2, 4, 0, 0, 65535, 1)]
+    for f, t in zip(frames, ts_ns):
+        out.append(struct.pack(">IIII", t // 10**9, t % 10**9, len(f), len(f)) + f)
+    return b"".join(out)
 
 
 class Seed(tuple):
@@ -54,7 +82,8 @@ class Seed(tuple):
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory) -> list[Seed]:
     """(content, file) of the two smallest real captures, plus pcap (ns and µs) and a
-    two-section, two-interface pcapng derived from them with the writers."""
+    two-section, two-interface pcapng derived from them with the writers, and big-endian
+    pcapng and pcap built here."""
     assert CAPTURES, f"no captures under {SHARED}"
     d = tmp_path_factory.mktemp("seeds")
     small = read_all(CAPTURES[0])
@@ -67,8 +96,16 @@ def seeds(tmp_path_factory) -> list[Seed]:
     with PcapngWriter(d / "a.pcapng", interfaces=[("a", 1, 0), ("b", 1, 128)]) as w:
         w.write_batch(small)
     out.append((d / "a.pcapng").read_bytes() * 2)
+    frames = [small.frame(i) for i in range(len(small))]
+    out.append(big_endian_pcapng(frames, (small.ts_ns // 1000).tolist()))
+    out.append(big_endian_pcap(frames, small.ts_ns.tolist()))
+    assert len(out) == N_SEEDS
     for i, content in enumerate(out):
         (d / f"seed{i}").write_bytes(content)
+    for i in (5, 6):  # the hand-built big-endian seeds read back as the frames they hold
+        got = read_all(d / f"seed{i}")
+        assert [got.frame(k) for k in range(len(got))] == frames
+        assert got.ts_ns.tolist() == (small.ts_ns if i == 6 else small.ts_ns // 1000 * 1000).tolist()
     return [Seed((content, d / f"seed{i}")) for i, content in enumerate(out)]
 
 
@@ -142,6 +179,7 @@ mutation = st.one_of(flip, cut, insert, delete, length_field)
 def mutate(data: bytes, ops) -> bytes:
     b = bytearray(data)
     units = structure(data)
+    order = byte_order(data)
     for kind, where, arg in ops:
         if not b:
             break
@@ -161,12 +199,12 @@ def mutate(data: bytes, ops) -> bytes:
             field, value = arg
             at = off + (n + field if field < 0 else field)
             if 0 <= at <= len(b) - 4:
-                struct.pack_into("<I", b, at, value)
+                struct.pack_into(order + "I", b, at, value)
     return bytes(b)
 
 
 @FUZZ
-@given(seed=st.integers(0, 4), ops=st.lists(mutation, min_size=1, max_size=4),
+@given(seed=st.integers(0, N_SEEDS - 1), ops=st.lists(mutation, min_size=1, max_size=4),
        batch_frames=st.sampled_from([1, 5, 64, 65536]))
 def test_mutated_captures_only_raise_capture_error(seeds, work, seed, ops, batch_frames):
     work.write_bytes(mutate(seeds[seed][0], ops))
@@ -174,7 +212,7 @@ def test_mutated_captures_only_raise_capture_error(seeds, work, seed, ops, batch
 
 
 @FUZZ
-@given(seed=st.integers(0, 4), where=st.floats(0, 1), batch_frames=st.sampled_from([1, 7, 65536]))
+@given(seed=st.integers(0, N_SEEDS - 1), where=st.floats(0, 1), batch_frames=st.sampled_from([1, 7, 65536]))
 def test_truncation_yields_exactly_the_whole_frames_before_the_cut(seeds, work, seed, where,
                                                                   batch_frames):
     data = seeds[seed][0]
@@ -186,7 +224,7 @@ def test_truncation_yields_exactly_the_whole_frames_before_the_cut(seeds, work, 
     work.write_bytes(data[:cut])
     whole = [(o, n) for o, n in units if o + n <= cut]
     packets = len(whole) if not pcapng else sum(
-        1 for o, _ in whole if struct.unpack_from("<I", data, o)[0] not in (fmt.BT_IDB, fmt.BT_SHB))
+        1 for o, _ in whole if data[o : o + 4] not in (b"\x0a\x0d\x0d\x0a", b"\x01\0\0\0", b"\0\0\0\x01"))
     frames, error = read_checked(work, batch_frames)
     assert frames == packets
     on_boundary = cut in {first} | {o + n for o, n in units}
@@ -197,7 +235,7 @@ def test_truncation_yields_exactly_the_whole_frames_before_the_cut(seeds, work, 
 
 
 @FUZZ
-@given(seed=st.integers(0, 4), data=st.data())
+@given(seed=st.integers(0, N_SEEDS - 1), data=st.data())
 def test_flipped_payload_bytes_change_no_structure(seeds, work, seed, data):
     original, path = seeds[seed]
     ref = read_all(path)  # the seed file is never rewritten, so its mapping stays valid
