@@ -153,6 +153,63 @@ class LossScaler:
             self.good_steps = 0
 
 
+class Job:
+    """The training job of one run: the shared model, its DDP, the masters and their optimizer."""
+
+    def __init__(self, spec: models.ModelSpec, ranks: int, seed: int, training: TrainingSpec, comm,
+                 batch_size: int, bucket_cap_mb: float | None):
+        self.spec, self.ranks, self.seed, self.training, self.batch_size = spec, ranks, seed, training, batch_size
+        self.dtype = TORCH_GRAD_DTYPES[training.grad_dtype]
+        self.low = self.dtype != torch.float32
+        self.model = models.build_model(spec, seed).to(self.dtype)
+        self.ddp = DDP(self.model, ranks, comm, bucket_cap_mb=bucket_cap_mb)
+        self.initial = [p.detach().clone() for p in self.ddp.params]
+        # bf16/fp16: the optimizer owns fp32 copies of the (broadcast) model parameters
+        self.masters = [p.detach().float().clone() for p in self.ddp.params] if self.low else self.ddp.params
+        self.optimizer = build_optimizer(self.masters, training.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, training.lr_schedule)
+        self.scaler = LossScaler(training.loss_scale) if training.grad_dtype == "float16" else None
+        self.steps_taken = 0
+
+    def rank_gradients(self, it: int, rank: int) -> tuple[list[torch.Tensor], float]:
+        """Forward and backward of ``rank`` on its shard: its local gradients and (unscaled) loss."""
+        x, y = models.make_batch(self.spec, self.seed, rank, it, self.batch_size, self.dtype)
+        self.model.zero_grad(set_to_none=True)
+        out = self.model(x)
+        if self.low:  # the loss in fp32, as mixed-precision trainers compute it
+            out, y = out.float(), (y.float() if y.is_floating_point() else y)
+        loss = models.compute_loss(self.spec, out, y)
+        scaled = loss * self.scaler.scale if self.scaler else loss
+        with self.ddp.record_ready_order() if rank == 0 else nullcontext():
+            scaled.backward()
+        grads = [p.grad for p in self.ddp.params]
+        self.model.zero_grad(set_to_none=True)
+        return grads, float(loss.detach())
+
+    def step(self) -> tuple[bool, float | None]:
+        """The optimizer step on the reduced gradients DDP left in .grad; (skipped, clip norm)."""
+        if self.low:
+            for m, p in zip(self.masters, self.ddp.params):
+                m.grad = p.grad.float()
+        found_inf = self.scaler.unscale([m.grad for m in self.masters]) if self.scaler else False
+        norm = None
+        if not found_inf:
+            if self.training.clip is not None:
+                norm = float(torch.nn.utils.clip_grad_norm_(self.masters, self.training.clip.max_norm,
+                                                             norm_type=self.training.clip.norm_type))
+            self.optimizer.step()
+            self.steps_taken += 1
+        if self.scaler:
+            self.scaler.update(found_inf)
+        if self.scheduler is not None and (not found_inf or self.training.loss_scale.scheduler_step_on_skip):
+            self.scheduler.step()
+        if self.low:
+            with torch.no_grad():
+                for m, p in zip(self.masters, self.ddp.params):
+                    p.copy_(m)
+        return found_inf, norm
+
+
 def run_training(model_spec: str, ranks: int, steps: int, seed: int, training: TrainingSpec | None = None,
                  comm: Comm | None = None, *, batch_size: int = 4, bucket_cap_mb: float | None = None,
                  force_overflow_at: int | None = None, threads: int = 1,
@@ -162,7 +219,8 @@ def run_training(model_spec: str, ranks: int, steps: int, seed: int, training: T
     Each rank runs forward and backward on its own data shard with the one shared model; DDP's
     collectives go through ``comm`` (default LocalComm); then the optimizer step of ARCHITECTURE.md
     "Trainer semantics". ``force_overflow_at`` (fp16 only) puts an inf into rank 0's gradient at
-    that 0-based iteration, so the step is skipped.
+    that 0-based iteration, so the step is skipped. ``threads``: torch intra-op threads while
+    training (the results depend on it).
     """
     training = training or TrainingSpec()
     spec = models.parse_spec(model_spec)
@@ -171,71 +229,32 @@ def run_training(model_spec: str, ranks: int, steps: int, seed: int, training: T
     if force_overflow_at is not None and training.grad_dtype != "float16":
         raise ValueError("force_overflow_at needs grad_dtype float16 (only fp16 skips steps)")
     recorder = RecordingComm(comm if comm is not None else LocalComm())
-    dtype = TORCH_GRAD_DTYPES[training.grad_dtype]
-    low = dtype != torch.float32
     config = {
         "model": spec.text, "ranks": ranks, "steps": steps, "seed": seed, "batch_size": batch_size,
         "bucket_cap_mb": bucket_cap_mb, "training": training.to_dict(), "force_overflow_at": force_overflow_at,
         "threads": threads, "torch": torch.__version__,
     }
+    iterations, reduced_all = [], []
     with intra_op_threads(threads):
-        model = models.build_model(spec, seed).to(dtype)
-        ddp = DDP(model, ranks, recorder, bucket_cap_mb=bucket_cap_mb)
-        initial = [p.detach().clone() for p in ddp.params]
-        # bf16/fp16: the optimizer owns fp32 copies of the (broadcast) model parameters
-        masters = [p.detach().float().clone() for p in ddp.params] if low else ddp.params
-        optimizer = build_optimizer(masters, training.optimizer)
-        scheduler = build_scheduler(optimizer, training.lr_schedule)
-        scaler = LossScaler(training.loss_scale) if training.grad_dtype == "float16" else None
-        iterations, reduced_all, step_count = [], [], 0
+        job = Job(spec, ranks, seed, training, recorder, batch_size, bucket_cap_mb)
         for it in range(steps):
-            ddp.begin_iteration(it)
-            scale = scaler.scale if scaler else None
-            grads, losses = [], []
-            for rank in range(ranks):
-                x, y = models.make_batch(spec, seed, rank, it, batch_size, dtype)
-                model.zero_grad(set_to_none=True)
-                out = model(x)
-                if low:  # the loss in fp32, as mixed-precision trainers compute it
-                    out, y = out.float(), (y.float() if y.is_floating_point() else y)
-                loss = models.compute_loss(spec, out, y)
-                scaled = loss * scale if scaler else loss
-                with ddp.record_ready_order() if rank == 0 else nullcontext():
-                    scaled.backward()
-                grads.append([p.grad for p in ddp.params])
-                losses.append(float(loss.detach()))
-            model.zero_grad(set_to_none=True)
+            job.ddp.begin_iteration(it)
+            scale = job.scaler.scale if job.scaler else None
+            grads, losses = zip(*(job.rank_gradients(it, rank) for rank in range(ranks)))
             if it == force_overflow_at:
                 grads[0][0].view(-1)[0] = float("inf")
-            reduced = ddp.reduce(it, grads)
+            reduced = job.ddp.reduce(it, grads)
             if keep_reduced:
                 reduced_all.append(reduced)
-            lr = float(optimizer.param_groups[0]["lr"])
-            if low:
-                for m, p in zip(masters, ddp.params):
-                    m.grad = p.grad.float()
-            found_inf = scaler.unscale([m.grad for m in masters]) if scaler else False
-            grad_norm = None
-            if not found_inf:
-                if training.clip is not None:
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                        masters, training.clip.max_norm, norm_type=training.clip.norm_type))
-                optimizer.step()
-                step_count += 1
-            if scaler:
-                scaler.update(found_inf)
-            if scheduler is not None and (not found_inf or training.loss_scale.scheduler_step_on_skip):
-                scheduler.step()
-            if low:
-                with torch.no_grad():
-                    for m, p in zip(masters, ddp.params):
-                        p.copy_(m)
-            psha, osha = state_sha256(masters, optimizer)
+            lr = float(job.optimizer.param_groups[0]["lr"])
+            skipped, norm = job.step()
+            psha, osha = state_sha256(job.masters, job.optimizer)
             iterations.append(IterationRecord(
-                index=it, step=step_count, lr=lr, loss_scale=scale, skipped=found_inf, losses=losses,
+                index=it, step=job.steps_taken, lr=lr, loss_scale=scale, skipped=skipped, losses=list(losses),
                 buckets_sha256=[sha256_arrays([b]) for b in reduced], params_sha256=psha,
-                optim_sha256=osha, grad_norm=grad_norm))
-        layout = ddp.layout()
+                optim_sha256=osha, grad_norm=norm))
+        layout = job.ddp.layout()
     return TrainResult(config=config, layout=layout, collectives=recorder.records, iterations=iterations,
-                       initial_params=initial, model=model, masters=masters, optimizer=optimizer,
-                       scheduler=scheduler, reduced=reduced_all if keep_reduced else None)
+                       initial_params=job.initial, model=job.model, masters=job.masters,
+                       optimizer=job.optimizer, scheduler=job.scheduler,
+                       reduced=reduced_all if keep_reduced else None)
