@@ -106,8 +106,9 @@ class _Qp:
 class Reassembler:
     """Streaming per-QP PSN reassembly; feed decoded packets batch by batch, then flush."""
 
-    def __init__(self, window: int = 1024):
+    def __init__(self, window: int = 1024, max_message: int = 64 << 20):
         self.window = window
+        self.max_message = max_message  # bigger RETH lengths are corruption, never allocated
         self.qps: dict[QpKey, _Qp] = {}
 
     def feed(self, pk: RocePackets, data: np.ndarray) -> list[RdmaMessage]:
@@ -223,29 +224,42 @@ class Reassembler:
             cur = qp.cursor
             # Message end: from a FIRST's RETH length, else the next closing or opening packet.
             head = i if psn[i] == cur and is_first[i] else None
-            if head is not None:
-                pm = int(tab["plen"][head]) if not is_last[head] else qp.pmtu
-                dlen = int(tab["dlen"][head])
-                npk = 1 if is_last[head] else (-(-dlen // pm) if pm > 0 else 0)
-                if npk < 1:
-                    qp.stats.malformed += 1
-                    npk = 1
-                end = cur + npk  # exclusive
-                length_known = True
+            # The next closing packet, or the next message's opening one, bounds this message.
+            nxt = np.nonzero((is_last[i:] | is_first[i:]) & (psn[i:] != cur))[0]
+            j = i + int(nxt[0]) if len(nxt) else None
+            if j is None:
+                s_end, s_known = None, False
+            elif is_first[j]:
+                s_end, s_known = int(psn[j]), False  # the next message starts there
             else:
-                later = np.nonzero(is_last[i:] | is_first[i:])[0]
-                if not len(later):
+                s_end, s_known = int(psn[j]) + 1, True
+            if head is not None and is_last[head]:
+                end, dlen, length_known = cur + 1, int(tab["dlen"][head]), True
+            elif head is not None:
+                pm = int(tab["plen"][head])
+                dlen = int(tab["dlen"][head])
+                npk = -(-dlen // pm) if pm > 0 else 0
+                end, length_known = cur + npk, True
+                # A RETH length that contradicts the packets (or no sane length at all) is not
+                # trusted: the structure decides, and the message is malformed.
+                if npk < 2 or dlen > self.max_message or (s_end is not None and (
+                        s_end < end or (s_end == end and not s_known and psn[j] == end - 1))):
+                    qp.stats.malformed += 1
+                    dlen = None
+                    if s_end is None:
+                        if not final:
+                            break
+                        end, length_known = int(psn[-1]) + 1, False
+                    else:
+                        end, length_known = s_end, s_known
+            else:
+                dlen = None
+                if s_end is None:
                     if not final:
                         break
-                    end = int(psn[-1]) + 1
-                    length_known = False
+                    end, length_known = int(psn[-1]) + 1, False
                 else:
-                    j = i + int(later[0])
-                    if is_first[j]:  # the next message starts there: ours ended before it
-                        end, length_known = int(psn[j]), False
-                    else:
-                        end, length_known = int(psn[j]) + 1, True
-                dlen = None
+                    end, length_known = s_end, s_known
             k = i + int(np.searchsorted(psn[i:], end))
             have = k - i
             if have < end - cur and not final and horizon < end - 1 + self.window:
@@ -270,6 +284,13 @@ class Reassembler:
         if dlen is None and closed and length_known:
             dlen = (npk - 1) * pmtu + int(tab["plen"][last_row[0]])
         size = dlen if dlen is not None else npk * pmtu
+        if size > self.max_message:  # only corrupt PSNs/lengths get here: place nothing
+            st.malformed += 1
+            st.messages += 1
+            st.incomplete += 1
+            return RdmaMessage(qp=qp.key, sport=st.sport, psn=start, npkts=npk, data=np.zeros(0, np.uint8),
+                               holes=[], va=None, rkey=None, dlen=None, imm_raw=None, with_imm=None,
+                               ts_ns=int(tab["ts"][rows].min()) if len(rows) else 0, length_known=False)
         # Every packet but the last carries exactly one MTU; a payload that disagrees is not data.
         expect = np.where(psn == end - 1, size - (npk - 1) * pmtu, pmtu)
         good = plen == expect
@@ -295,7 +316,7 @@ class Reassembler:
             qp=qp.key, sport=st.sport, psn=start, npkts=npk, data=buf, holes=holes,
             va=int(tab["va"][head]) if head is not None else None,
             rkey=int(tab["rkey"][head]) if head is not None else None,
-            dlen=dlen if head is not None else None,
+            dlen=dlen if head is not None else None,  # None: lost with its packet, or untrusted
             imm_raw=imm, with_imm=with_imm,
             ts_ns=int(tab["ts"][rows].min()) if len(rows) else 0,
             length_known=length_known and (dlen is not None),
