@@ -52,19 +52,22 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def to_wire(t: torch.Tensor) -> np.ndarray:
-    """A flat copy of ``t`` as the numpy array the Comm carries (bfloat16 as uint16 bits)."""
-    t = t.detach().reshape(-1).contiguous().clone()
+    """``t`` flattened as the numpy array the Comm carries (bfloat16 as uint16 bits); shares
+    memory with a contiguous ``t``, so pass a tensor nobody changes afterwards."""
+    t = t.detach().reshape(-1).contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
 
 
 def from_wire(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The flat tensor of ``dtype`` held by wire array ``a`` (a copy)."""
+    """The flat tensor of ``dtype`` held by wire array ``a``; shares memory with a writable ``a``."""
     a = np.ascontiguousarray(a)
+    if not a.flags.writeable:
+        a = a.copy()
     if dtype == torch.bfloat16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy()).to(dtype)
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a).to(dtype)
 
 
 def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
