@@ -464,6 +464,30 @@ def test_bucket_caps_follow_ddp_2_13():
     assert gddp.initial_buckets(params) == [[0, 1, 2, 3]]
 
 
+@pytest.mark.parametrize("training,overflow_at", [
+    (ADAMW_CLIP_STEPLR, None),
+    (SGD_BF16, None),
+    ({"grad_dtype": "float16", "optimizer": {"name": "adam", "lr": 1e-3}, "clip": {"max_norm": 1.0},
+      "loss_scale": {"init_scale": 1024.0, "growth_interval": 2},
+      "lr_schedule": {"name": "StepLR", "kwargs": {"step_size": 1, "gamma": 0.5}}}, 2),
+])
+def test_replica_fed_the_reduced_buckets_follows_the_trainer(training, overflow_at):
+    # the updater's replica implements the trainer semantics independently
+    from mirrorckpt.parser.iteration import ReducedIteration
+    from mirrorckpt.updater.replica import Replica
+
+    spec = TrainingSpec.from_dict(training)
+    result = run_training(GPT, 2, 4, 1, spec, keep_reduced=True, bucket_cap_mb=0.02, force_overflow_at=overflow_at)
+    init = torch.cat([p.reshape(-1) for p in result.initial_params])
+    flat = gddp.to_wire(init) if init.dtype == torch.bfloat16 else init.float().numpy()
+    replica = Replica.from_initial_weights(result.layout, spec, flat)
+    for buckets, rec in zip(result.reduced, result.iterations):
+        assert replica.apply(ReducedIteration(rec.index, buckets)) is not rec.skipped
+        assert replica.state_sha256() == (rec.params_sha256, rec.optim_sha256)
+        assert replica.step == rec.step
+    assert any(rec.skipped for rec in result.iterations) == (overflow_at is not None)
+
+
 # ---------------------------------------------------------------------------------------------
 # truth
 
