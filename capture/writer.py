@@ -46,11 +46,13 @@ class _FileWriter:
             raise ValueError(f"{self.path}: wirelen {wire} does not fit 32 bits")
         return caplen, wire
 
-    def _check_batch(self, caplen: np.ndarray, wirelen: np.ndarray, ts_ns: np.ndarray) -> None:
+    def _check_batch(self, first: int, caplen: np.ndarray, wirelen: np.ndarray,
+                     ts_ns: np.ndarray) -> None:
+        """Checks frames first, first + 1, ... of a batch (one chunk of it)."""
         bad = np.flatnonzero((wirelen < caplen) | (wirelen > 0xFFFFFFFF) | (ts_ns < 0))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(f"{self.path}: batch frame {i} has caplen {int(caplen[i])}, "
+            raise ValueError(f"{self.path}: batch frame {first + i} has caplen {int(caplen[i])}, "
                              f"wirelen {int(wirelen[i])}, ts_ns {int(ts_ns[i])}")
 
     def _pack(self, head: np.ndarray, batch: FrameBatch, sel: slice, caplen: np.ndarray,
@@ -104,7 +106,7 @@ class PcapWriter(_FileWriter):
             sel = slice(lo, lo + CHUNK_FRAMES)
             caplen = np.minimum(batch.caplen[sel], self.snaplen) if self.snaplen else batch.caplen[sel]
             wirelen, ts = batch.wirelen[sel], batch.ts_ns[sel]
-            self._check_batch(caplen, wirelen, ts)
+            self._check_batch(lo, caplen, wirelen, ts)
             if ts.size and int(ts.max()) >= (1 << 32) * _NS:
                 raise ValueError(f"{self.path}: timestamp {int(ts.max())} ns does not fit "
                                  "pcap's 32-bit seconds")
@@ -171,7 +173,7 @@ class PcapngWriter(_FileWriter):
             snap = self._snaplen[iface]
             caplen = np.where(snap > 0, np.minimum(batch.caplen[sel], snap), batch.caplen[sel])
             wirelen, ts = batch.wirelen[sel], batch.ts_ns[sel]
-            self._check_batch(caplen, wirelen, ts)
+            self._check_batch(lo, caplen, wirelen, ts)
             ticks = (ts // self._unit).astype(np.uint64)
             length = 32 + caplen + (-caplen) % 4
             head = np.empty(len(caplen), fmt.epb_header_dtype("<"))
