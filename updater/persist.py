@@ -120,9 +120,10 @@ def prune(root, keep_last: int) -> list[Path]:
     return removed
 
 
-def recover(root) -> dict:
-    """Start-up cleanup: drop partial/deleting directories and pointer temp files, and point
-    `latest` at the newest committed checkpoint. Call with the root's lock held."""
+def recover(root, keep_last: int | None = None) -> dict:
+    """Start-up cleanup: drop partial/deleting directories and pointer temp files, point `latest`
+    at the newest committed checkpoint, and apply retention (a crash may have come between a commit
+    and its pruning). Call with the root's lock held."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     removed = []
@@ -140,6 +141,8 @@ def recover(root) -> dict:
         ckptdir.write_pointer(root, newest.name)
     if removed:
         ckptdir.fsync_dir(root)
+    if keep_last is not None:
+        removed += [p.name for p in prune(root, keep_last)]
     if uncommitted:
         log.warning("%s: step directories without a valid manifest are ignored: %s", root, uncommitted)
     return {"removed": removed, "latest": newest, "uncommitted": uncommitted}
@@ -197,7 +200,7 @@ class Persister:
         self.spec, self.root, self.clock, self.on_commit = spec, Path(spec.directory), clock, on_commit
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = ckptdir.RootLock(self.root)
-        self.recovered = recover(self.root)
+        self.recovered = recover(self.root, spec.keep_last)
         newest = self.recovered["latest"]
         self._last_iterations = ckptdir.parse_step(newest.name) if newest is not None else None
         self._last_time = clock()
