@@ -1,0 +1,146 @@
+"""`mirrorckpt gen --out DIR ...`: NCCL ring traffic of a real training job, as mirror captures.
+
+R ranks train a built-in model in one process (tools.generator.train); every collective DDP issues
+goes over a simulated NCCL ring on RoCEv2 (tools.generator.packetize), and the mirrored ports are
+written as pcapng/pcap with truth.json and job.toml next to them (tools.generator.gen).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from mirrorckpt.parser import nccl_versions as nv
+
+
+def _floats(text: str, n: int, name: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected {n} comma-separated numbers, got {text!r}", param_hint=name) from None
+    if len(vals) != n:
+        raise click.BadParameter(f"expected {n} comma-separated numbers, got {text!r}", param_hint=name)
+    return vals
+
+
+def _orders(text: str | None) -> list[list[int]] | None:
+    if not text:
+        return None
+    try:
+        return [[int(x) for x in o.split(",")] for o in text.split(";")]
+    except ValueError:
+        raise click.BadParameter(f"expected 'a,b,c;a,c,b' (one ring order per channel), got {text!r}",
+                                 param_hint="--ring-orders") from None
+
+
+@click.command()
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--ranks", default=2, show_default=True, type=click.IntRange(2, 16))
+@click.option("--channels", default=1, show_default=True, type=click.IntRange(1, 32), help="Communicator channels.")
+@click.option("--protocol", default="LL", show_default=True, type=click.Choice(["LL", "LL128", "Simple"]))
+@click.option("--nccl-version", default="2.18", show_default=True)
+@click.option("--nthreads", type=int, help="maxThreads[RING][protocol] if not NCCL's default (NCCL_NTHREADS).")
+@click.option("--ring-orders", help="Ring order per channel from rank 0, e.g. '0,1,2;0,2,1' (default: 0..R-1).")
+@click.option("--mtu", default=1024, show_default=True, type=click.Choice(["256", "512", "1024", "2048", "4096"]))
+@click.option("--ipv6/--ipv4", default=True, show_default=True, help="RoCEv2 over IPv6 (link-local) or IPv4.")
+@click.option("--grad-dtype", default="float32", show_default=True,
+              type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--bucket-cap-mb", type=float, help="DDP bucket_cap_mb (default: DDP's 25 MiB, 1 MiB first bucket).")
+@click.option("--model", default="linear:5000", show_default=True, help="linear:N, mlp:IN,H,...,OUT or "
+              "gpt:layers=L,d=D,heads=H,vocab=V,ctx=C.")
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(1))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(1))
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch intra-op threads.")
+@click.option("--optimizer", default="adamw", show_default=True, type=click.Choice(["adam", "adamw", "sgd"]))
+@click.option("--lr", default=1e-3, show_default=True, type=float)
+@click.option("--betas", default="0.9,0.999", show_default=True)
+@click.option("--eps", default=1e-8, show_default=True, type=float)
+@click.option("--weight-decay", default=0.0, show_default=True, type=float)
+@click.option("--momentum", default=0.0, show_default=True, type=float)
+@click.option("--dampening", default=0.0, show_default=True, type=float)
+@click.option("--nesterov", is_flag=True)
+@click.option("--amsgrad", is_flag=True)
+@click.option("--maximize", is_flag=True)
+@click.option("--foreach", is_flag=True, help="Optimizer foreach implementation.")
+@click.option("--lr-schedule", default="none", show_default=True, help="torch.optim.lr_scheduler class or none.")
+@click.option("--lr-schedule-kwargs", default="{}", show_default=True, help="Its arguments as JSON.")
+@click.option("--clip", "clip_norm", type=float, help="clip_grad_norm_ max_norm.")
+@click.option("--clip-norm-type", default=2.0, show_default=True, type=float)
+@click.option("--loss-scale", type=float, help="float16: initial loss scale (default 65536).")
+@click.option("--growth-interval", type=int, help="float16: good steps before the scale grows.")
+@click.option("--force-overflow-at", type=int, help="float16: put an inf into this 0-based iteration's gradient.")
+@click.option("--mirror", "mirror", default="0:egress,1:egress", show_default=True,
+              help="Ports and directions to capture: RANK:egress|ingress|both, comma-separated.")
+@click.option("--format", "fmt", default="pcapng", show_default=True, type=click.Choice(["pcapng", "pcap"]))
+@click.option("--adaptive-routing/--no-adaptive-routing", default=None,
+              help="Split WRITE form above the AR threshold (default: NCCL's for the version on RoCE).")
+@click.option("--ar-threshold", default=nv.AR_THRESHOLD_DEFAULT, show_default=True, type=int)
+@click.option("--write-only-train", is_flag=True, help="Split form as one WRITE ONLY per packet (NIC behaviour).")
+@click.option("--psn-start", default="zero", show_default=True, type=click.Choice(["zero", "random", "wrap"]),
+              help="Initial PSNs: NCCL's 0, random, or just below 2^24 (wrap-around early).")
+@click.option("--line-rate-gbps", default=100.0, show_default=True, type=float)
+@click.option("--p2p-fill", is_flag=True, help="After each gradient all-reduce, rank 0 sends its next rank the "
+              "final values its egress lacks, point to point (as the iter_40000_p2p_iter10 capture does).")
+@click.option("--noise", default="", help="Background traffic: comma-separated arp,ptp,tcp,probes,vendor or all.")
+@click.option("--noise-rate", default=2000.0, show_default=True, type=float, help="Events/s per kind and direction.")
+@click.option("--loss", default=0.0, type=float, help="Fault rate per RC frame of a capture file.")
+@click.option("--reorder", default=0.0, type=float)
+@click.option("--duplicate", default=0.0, type=float)
+@click.option("--corrupt", default=0.0, type=float)
+@click.option("--truncate", default=0.0, type=float)
+@click.option("--fault-seed", default=0, show_default=True, type=int)
+@click.option("--no-send-hashes", is_flag=True, help="Leave the per-send digests out of truth.json.")
+def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders, mtu, ipv6, grad_dtype,
+        bucket_cap_mb, model, steps, seed, batch_size, threads, optimizer, lr, betas, eps, weight_decay, momentum,
+        dampening, nesterov, amsgrad, maximize, foreach, lr_schedule, lr_schedule_kwargs, clip_norm,
+        clip_norm_type, loss_scale, growth_interval, force_overflow_at, mirror, fmt, adaptive_routing,
+        ar_threshold, write_only_train, psn_start, line_rate_gbps, p2p_fill, noise, noise_rate, loss, reorder,
+        duplicate, corrupt, truncate, fault_seed, no_send_hashes):
+    """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
+    from mirrorckpt.config.training import (ClipSpec, LossScaleSpec, LRScheduleSpec, OptimizerSpec, SpecError,
+                                            TrainingSpec)
+    from mirrorckpt.tools.generator import noise as noise_mod
+    from mirrorckpt.tools.generator.faults import FaultOptions
+    from mirrorckpt.tools.generator.gen import GenConfig, generate
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    try:
+        kwargs = json.loads(lr_schedule_kwargs)
+        ls = None
+        if grad_dtype == "float16":
+            d = {}
+            if loss_scale is not None:
+                d["init_scale"] = loss_scale
+            if growth_interval is not None:
+                d["growth_interval"] = growth_interval
+            ls = LossScaleSpec(**d)
+        training = TrainingSpec(
+            optimizer=OptimizerSpec(name=optimizer, lr=lr, betas=_floats(betas, 2, "--betas"), eps=eps,
+                                    weight_decay=weight_decay, momentum=momentum, dampening=dampening,
+                                    nesterov=nesterov, amsgrad=amsgrad, maximize=maximize, foreach=foreach),
+            lr_schedule=LRScheduleSpec(lr_schedule, kwargs),
+            clip=ClipSpec(clip_norm, clip_norm_type) if clip_norm is not None else None,
+            loss_scale=ls, grad_dtype=grad_dtype)
+        kinds = set(noise_mod.KINDS) if noise.strip() == "all" else {k.strip() for k in noise.split(",") if k.strip()}
+        cfg = GenConfig(
+            ranks=ranks, channels=channels, protocol=protocol, nccl_version=nccl_version, nthreads=nthreads,
+            ring_orders=_orders(ring_orders), model=model, steps=steps, seed=seed, batch_size=batch_size,
+            bucket_cap_mb=bucket_cap_mb, training=training, threads=threads, force_overflow_at=force_overflow_at,
+            mirrors=mirror, fmt=fmt,
+            wire=WireOptions(pmtu=int(mtu), ipv6=ipv6, adaptive_routing=adaptive_routing, ar_threshold=ar_threshold,
+                             write_only_train=write_only_train, initial_psn=psn_start, line_rate_gbps=line_rate_gbps),
+            noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
+            faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed),
+            p2p_fill=p2p_fill, send_hashes=not no_send_hashes)
+        truth = generate(cfg, out_dir)
+    except (ValueError, SpecError, json.JSONDecodeError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    w = truth["wire"]
+    for c in w["captures"]:
+        click.echo(f"{out_dir}/{c['file']}: {c['frames']} frames (rank {c['rank']} {c['direction']})")
+    click.echo(f"{len(truth['collectives'])} collectives, {len(truth['iterations'])} iterations, "
+               f"{len(w['faults'])} faults; truth.json and job.toml in {out_dir}")

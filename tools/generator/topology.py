@@ -1,0 +1,181 @@
+"""Who talks to whom on the simulated fabric: NICs, QP pairs, UDP source ports, buffer addresses.
+
+Everything here is drawn once per run from the seed, so equal options give equal captures:
+
+* one NIC per rank: a Mellanox-style MAC, the IPv6 link-local address derived from it (EUI-64,
+  as the real captures use) and an IPv4 address;
+* one RC QP pair per NCCL connection (channel, ring position r -> r+1), QP numbers allocated per
+  NIC in NCCL's setup order (per channel: the receive connection, then the send connection);
+* the UDP source port of a pair from its two QP numbers, as the Linux RDMA core computes it, so
+  both directions of a pair (and their ACKs) share it;
+* per receiving connection one allocation holding the LL, LL128 and Simple buffers (each with its
+  own rkey; parser.nccl_versions.recv_buffer_offset), allocations of a rank at increasing
+  addresses in channel order, as NCCL allocates them; per sending connection a CTS FIFO.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mirrorckpt.parser import nccl_versions as nv
+
+# OUIs of NVIDIA/Mellanox ConnectX NICs (the real captures show 0c:42:a1 and 08:c0:eb).
+MELLANOX_OUIS = ((0x0C, 0x42, 0xA1), (0x08, 0xC0, 0xEB), (0xB8, 0xCE, 0xF6), (0x98, 0x03, 0x9B),
+                 (0x1C, 0x34, 0xDA), (0x04, 0x3F, 0x72), (0xE8, 0xEB, 0xD3), (0x50, 0x6B, 0x4B))
+
+# Linux include/rdma/ib_verbs.h: rdma_calc_flow_label / rdma_flow_label_to_udp_sport.
+_FLOW_LABEL_MASK = 0xFFFFF
+_UDP_SPORT_MIN = 0xC000
+
+# GPU memory (GPUDirect RDMA) as the captures show it: receive buffers near 0x6_0000_0000, with
+# the driver's 2 MiB allocation granularity.
+_GPU_VA_BASE = 0x6_0000_0000
+_GPU_ALIGN = 2 << 20
+# Host memory (CTS FIFOs, the P2P shared buffer): user-space heap addresses.
+_HOST_VA_BASE = 0x7F00_0000_0000
+
+# NCCL_P2P_NET_CHUNKSIZE default (doc 4.1): a point-to-point receive announces one 128 KiB chunk.
+P2P_CHUNK_BYTES = 128 << 10
+
+
+def udp_sport(lqpn: int, rqpn: int) -> int:
+    """UDP source port of a RoCEv2 QP pair: symmetric in the two QP numbers (Linux RDMA core)."""
+    v = (lqpn * rqpn) & 0xFFFFFFFFFFFFFFFF
+    v ^= v >> 20
+    v ^= v >> 40
+    fl = v & _FLOW_LABEL_MASK
+    low, high = fl & 0x3FFF, fl & 0xFC000
+    return (low ^ (high >> 14)) | _UDP_SPORT_MIN
+
+
+def link_local_ipv6(mac: bytes) -> bytes:
+    """fe80::/64 with the modified EUI-64 interface id of ``mac`` (RFC 4291 appendix A)."""
+    eui = bytes([mac[0] ^ 0x02]) + mac[1:3] + b"\xff\xfe" + mac[3:6]
+    return b"\xfe\x80" + b"\x00" * 6 + eui
+
+
+@dataclass(frozen=True)
+class Nic:
+    rank: int
+    mac: bytes  # 6 bytes
+    ipv4: bytes  # 4 bytes
+    ipv6: bytes  # 16 bytes, link-local
+
+    def ip(self, v6: bool) -> bytes:
+        return self.ipv6 if v6 else self.ipv4
+
+    def ip_text(self, v6: bool) -> str:
+        return str(ipaddress.ip_address(self.ip(v6)))
+
+
+@dataclass(frozen=True)
+class QpPair:
+    """One RC connection: data and ACKs of CTS go sender -> receiver (to ``recv_qpn``), CTS posts
+    and ACKs of data go receiver -> sender (to ``send_qpn``); all on ``sport``."""
+    sender: int
+    receiver: int
+    send_qpn: int
+    recv_qpn: int
+    sport: int
+    recv_base: int  # receiver: VA of the connection's buffer allocation (ring) or shared buffer (P2P)
+    rkeys: dict  # receiver: protocol -> rkey of that protocol's buffer ("p2p" for the shared buffer)
+    fifo_va: int  # sender: VA of its CTS FIFO
+    fifo_rkey: int
+
+
+@dataclass
+class Topology:
+    nics: list[Nic]
+    orders: list[list[int]]  # ring order per channel, from rank 0
+    ring: dict[tuple[int, int], QpPair]  # (channel, ring position of the sender) -> pair
+    p2p: dict[tuple[int, int], QpPair] = field(default_factory=dict)  # (sender, receiver) -> pair
+    rng: np.random.Generator | None = None
+    _next_qpn: list[int] = field(default_factory=list)
+    _next_gpu_va: list[int] = field(default_factory=list)
+    _next_host_va: list[int] = field(default_factory=list)
+    _rkeys: set = field(default_factory=set)
+
+    @property
+    def nranks(self) -> int:
+        return len(self.nics)
+
+    def pair(self, channel: int, pos: int) -> QpPair:
+        return self.ring[(channel, pos)]
+
+    # -- allocation ------------------------------------------------------------------------------
+
+    def _qpn(self, rank: int) -> int:
+        q = self._next_qpn[rank]
+        self._next_qpn[rank] += 1
+        return q
+
+    def _rkey(self) -> int:
+        while True:
+            k = int(self.rng.integers(0x100000, 0x1000000))
+            if k not in self._rkeys:
+                self._rkeys.add(k)
+                return k
+
+    def _gpu_alloc(self, rank: int, size: int) -> int:
+        va = self._next_gpu_va[rank]
+        # the next allocation lands above this one, after a gap of other allocations
+        gap = int(self.rng.integers(0, 8)) * _GPU_ALIGN
+        self._next_gpu_va[rank] = va + -(-size // _GPU_ALIGN) * _GPU_ALIGN + gap
+        return va
+
+    def _host_alloc(self, rank: int, size: int, align: int = 32) -> int:
+        start = -(-self._next_host_va[rank] // align) * align
+        if align < 4096:  # a heap object: somewhere inside its page
+            start += int(self.rng.integers(0, 4096 // align)) * align
+        self._next_host_va[rank] = start + -(-size // 4096) * 4096 + int(self.rng.integers(1, 64)) * 4096
+        return start
+
+    def _make_pair(self, sender: int, receiver: int, recv_qpn: int, send_qpn: int, recv_base: int,
+                   rkeys: dict, version) -> QpPair:
+        fifo_bytes = nv.cts_fifo_slots(version) * nv.cts_fifo_stride(version)
+        return QpPair(sender, receiver, send_qpn, recv_qpn, udp_sport(send_qpn, recv_qpn), recv_base, rkeys,
+                      self._host_alloc(sender, fifo_bytes), self._rkey())
+
+    def p2p_pair(self, sender: int, receiver: int, version) -> QpPair:
+        """The point-to-point connection sender -> receiver (NCCL's connIndex 1: its own QPs),
+        created on first use; the receiver's buffer is its shared host buffer."""
+        key = (sender, receiver)
+        if key not in self.p2p:
+            recv_qpn, send_qpn = self._qpn(receiver), self._qpn(sender)
+            base = self._host_alloc(receiver, 1 << 22, align=1 << 21)
+            self.p2p[key] = self._make_pair(sender, receiver, recv_qpn, send_qpn, base, {"p2p": self._rkey()},
+                                            version)
+        return self.p2p[key]
+
+
+def build(nranks: int, orders: list[list[int]], seed: int, version, arm: bool = False) -> Topology:
+    """NICs and the ring's QP pairs for ``orders`` (one ring order per channel, from rank 0)."""
+    rng = np.random.default_rng([seed, 0x70B0])
+    nics = []
+    for r in range(nranks):
+        oui = MELLANOX_OUIS[r % len(MELLANOX_OUIS)]
+        mac = bytes(oui) + bytes(rng.integers(0, 256, 3, dtype=np.uint8).tolist())
+        ipv4 = bytes([10, 88, 0, 10 + r])
+        nics.append(Nic(r, mac, ipv4, link_local_ipv6(mac)))
+    topo = Topology(nics, [list(o) for o in orders], {}, rng=rng)
+    topo._next_qpn = [int(rng.integers(0x100, 0x2000)) for _ in range(nranks)]
+    topo._next_gpu_va = [_GPU_VA_BASE + int(rng.integers(0, 64)) * _GPU_ALIGN for _ in range(nranks)]
+    topo._next_host_va = [_HOST_VA_BASE + (int(rng.integers(0x10, 0xFF)) << 32) for _ in range(nranks)]
+    alloc = sum(nv.buffer_bytes(p, version, arm) for p in nv.PROTOCOLS)
+    for ch, order in enumerate(orders):
+        # NCCL connects channel by channel: every rank sets up its receive side, then its send
+        # side; the receiver's QP exists before the sender's.
+        recv_side = {}
+        for pos in range(nranks):
+            receiver = order[(pos + 1) % nranks]
+            qpn = topo._qpn(receiver)
+            base = topo._gpu_alloc(receiver, alloc)
+            recv_side[pos] = (qpn, base, {p: topo._rkey() for p in nv.PROTOCOLS})
+        for pos in range(nranks):
+            sender, receiver = order[pos], order[(pos + 1) % nranks]
+            qpn, base, rkeys = recv_side[pos]
+            topo.ring[(ch, pos)] = topo._make_pair(sender, receiver, qpn, topo._qpn(sender), base, rkeys, version)
+    return topo
