@@ -18,6 +18,8 @@ from mirrorckpt.capture.batch import CaptureError, FrameBatch
 
 BACKENDS: dict[str, str] = {
     "file": "mirrorckpt.capture.pcapfile:open_capture",
+    "afpacket": "mirrorckpt.capture.afpacket:open_ring",  # afpacket:IFACE
+    "dpdk": "mirrorckpt.capture.dpdk:open_port",  # dpdk:net_pcap0,rx_pcap=FILE
 }
 
 # Pacing splits batches so no piece spans more than this much replay time.
