@@ -67,8 +67,8 @@ class _Pending:
 
     iteration: int
     buckets: list[BucketSpec]
-    done: dict[int, np.ndarray | None] = field(default_factory=dict)  # buffered flats when not separable
-    journal: list[tuple[int, torch.Tensor, dict | None]] = field(default_factory=list)  # undo data
+    done: set[int] = field(default_factory=set)
+    journal: list[tuple[int, dict | None]] = field(default_factory=list)  # (param, saved state or None)
     meta: dict = field(default_factory=dict)
 
 
@@ -93,6 +93,7 @@ class Replica:
         self.step = 0
         self.stale: ReplicaStale | None = None
         self._pending: _Pending | None = None
+        self._undo: dict[int, tuple[torch.Tensor, dict]] = {}  # pipelined mode: pre-bucket copies
         self.rng: dict[str, torch.Tensor] = {}
         self.data_position = None
         if isinstance(initial_params, (ReplicaState, str, Path)):
@@ -363,9 +364,11 @@ class Replica:
 
     def apply_bucket(self, iteration: int, bucket_index: int, flat, meta: dict | None = None) -> bool:
         """Apply one complete bucket of ``iteration`` as soon as it is reduced. When the step is
-        per-parameter separable the bucket's parameters are stepped now (bit-identical to apply());
-        otherwise the bucket is buffered and the step runs with the last bucket. Returns True when
-        this bucket completed the iteration."""
+        per-parameter separable the bucket's parameters are stepped now (bit-identical to apply()),
+        after copying them and their state to undo buffers (as large as what they copy, allocated
+        on first use) so that an iteration that turns out incomplete is rolled back. Otherwise the
+        bucket waits in the fp32 gradient buffers and the step runs with the last bucket. Returns
+        True when this bucket completed the iteration."""
         self._refuse_if_stale()
         p = self._pending
         if p is not None and p.iteration != iteration:
@@ -379,38 +382,53 @@ class Replica:
             raise ValueError(f"iteration {iteration} bucket {bucket_index} was already applied")
         t = self._check_bucket(iteration, bucket_index, p.buckets[bucket_index], flat)
         self._pending = p
+        idx = self._load_grads(p.buckets[bucket_index], t)  # the fp32 grad buffers hold it from here
         if self.separable:
-            idx = self._load_grads(p.buckets[bucket_index], t)
-            for i in idx:
-                st = self.optimizer.state.get(self.params[i])
-                saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()} if st else None
-                p.journal.append((i, self.params[i].clone(), saved))
+            p.journal += self._save_undo(idx)
             self._optimizer_step(idx)
-            p.done[bucket_index] = None
-        else:
-            p.done[bucket_index] = t.clone()  # the capture buffer may be reused before the last bucket
+        p.done.add(bucket_index)
         p.meta.update(meta or {})
         if len(p.done) < len(p.buckets):
             return False
-        if self.separable:
-            stepped = True
-        else:
-            for b, spec in enumerate(p.buckets):
-                self._load_grads(spec, p.done[b])
-            stepped = self._step_all()
+        stepped = True if self.separable else self._step_all()
         self._pending = None
         self._finish(iteration, stepped, p.meta)
         return True
+
+    def _save_undo(self, idx: list[int]) -> list[tuple[int, dict | None]]:
+        """Copy parameters ``idx`` and their optimizer state into undo buffers that are allocated
+        once and reused (a fresh copy per bucket would page-fault its way through memory)."""
+        entries = []
+        for i in idx:
+            param = self.params[i]
+            saved_param, saved = self._undo.setdefault(i, (torch.empty_like(param), {}))
+            saved_param.copy_(param)
+            st = self.optimizer.state.get(param)
+            if not st:
+                entries.append((i, None))
+                continue
+            kept = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    u = saved.get(k)
+                    if u is None or u.shape != v.shape or u.dtype != v.dtype:
+                        u = saved[k] = torch.empty_like(v)
+                    kept[k] = u.copy_(v)
+                else:
+                    kept[k] = v
+            entries.append((i, kept))
+        return entries
 
     @torch.no_grad()
     def _abort_pending(self, holes: dict):
         """Undo the buckets already stepped and turn stale at the pending iteration."""
         p, self._pending = self._pending, None
-        for i, saved_param, saved_state in reversed(p.journal):
+        for i, kept in reversed(p.journal):
             param = self.params[i]
-            param.copy_(saved_param)
-            if saved_state is None:
+            param.copy_(self._undo[i][0])
+            if kept is None:
                 self.optimizer.state.pop(param, None)
-            else:
-                self.optimizer.state[param] = saved_state
+            else:  # clones: the undo buffers stay private to the journal
+                self.optimizer.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                               for k, v in kept.items()}
         self._go_stale(p.iteration, holes)
