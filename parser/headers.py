@@ -46,7 +46,12 @@ class Header:
     def read_bytes(self, data: np.ndarray, base: np.ndarray, name: str) -> np.ndarray:
         """Field ``name`` as an (N, size) uint8 matrix (addresses)."""
         f = self.fields[name]
-        return data[(base + f.offset)[:, None] + np.arange(f.size)]
+        pos = np.asarray(base, dtype=np.int64) + f.offset
+        if f.size % 8 == 0:  # whole 8-byte words: gather words, not bytes
+            w = _words(data, 8, "little")
+            cols = np.stack([w[pos + 8 * k] for k in range(f.size // 8)], axis=1)
+            return np.ascontiguousarray(cols).view(np.uint8).reshape(-1, f.size)
+        return data[pos[:, None] + np.arange(f.size)]
 
     def unpack(self, buf: bytes | memoryview, at: int = 0) -> dict:
         """One header as a dict of ints (tooling and tests)."""
@@ -73,25 +78,34 @@ class Header:
 _NP_UINT = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}
 
 
+def _words(data: np.ndarray, size: int, order: str) -> np.ndarray:
+    """``data`` seen as a word of ``size`` bytes starting at every byte (an unaligned strided
+    view: no copy), so a field is gathered with one fancy index."""
+    dt = np.dtype(_NP_UINT[size]).newbyteorder(">" if order == "big" else "<")
+    return np.ndarray((max(data.shape[0] - size + 1, 0),), dtype=dt, buffer=data, strides=(1,))
+
+
 def read_uint(data: np.ndarray, pos: np.ndarray, size: int, order: str = "big",
               signed: bool = False) -> np.ndarray:
     """Integers of ``size`` bytes at positions ``pos`` of ``data``, one per position."""
     pos = np.asarray(pos, dtype=np.int64)
-    if size in _NP_UINT:
-        raw = data[pos[:, None] + np.arange(size)] if size > 1 else data[pos][:, None]
-        dt = np.dtype(_NP_UINT[size]).newbyteorder(">" if order == "big" else "<")
-        if signed:
-            dt = np.dtype(dt.str.replace("u", "i"))
-        v = np.ascontiguousarray(raw).view(dt).reshape(-1)
-        return v.astype(np.int64 if signed else np.uint64)
     if size > 8:
         raise ValueError("fields wider than 8 bytes are read with read_bytes")
-    raw = data[pos[:, None] + np.arange(size)].astype(np.uint64)
-    if order == "little":
-        raw = raw[:, ::-1]
-    v = np.zeros(pos.shape[0], dtype=np.uint64)
-    for k in range(size):
-        v = (v << np.uint64(8)) | raw[:, k]
+    if size in _NP_UINT:
+        v = _words(data, size, order)[pos]
+        if signed:
+            v = v.view(v.dtype.str.replace("u", "i"))
+            return v.astype(np.int64)
+        return v.astype(np.uint64)
+    # 3, 5, 6, 7 bytes: read the enclosing 4- or 8-byte word and keep the field's bytes
+    # (big-endian: the word ending at the field's end; little-endian: the one starting there).
+    wide = 4 if size < 4 else 8
+    shift = wide - size if order == "big" else 0
+    ok = (pos >= shift) & (pos - shift + wide <= data.shape[0])
+    v = np.zeros(pos.shape[0], np.uint64)
+    v[ok] = _words(data, wide, order)[pos[ok] - shift].astype(np.uint64) & np.uint64((1 << (8 * size)) - 1)
+    for k in np.nonzero(~ok)[0]:  # a field at the very edge of the buffer
+        v[k] = int.from_bytes(data[pos[k]:pos[k] + size].tobytes(), order)
     return v
 
 

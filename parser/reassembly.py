@@ -88,6 +88,35 @@ class QpStats:
     pmtu: int = 0
 
 
+class _Rows:
+    """A QP's rows of a batch's packets; columns are taken only when read."""
+
+    def __init__(self, pk: RocePackets, rows: np.ndarray):
+        self._pk, self._rows = pk, rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getattr__(self, name):
+        v = getattr(self._pk, name)[self._rows]
+        setattr(self, name, v)
+        return v
+
+
+@dataclass
+class _Intact:
+    """Per opening packet of a table: its message's shape and whether it can be placed in bulk."""
+
+    heads: np.ndarray  # row of each FIRST/ONLY
+    npk: np.ndarray
+    pm: np.ndarray  # path MTU (payload of the FIRST)
+    dlen: np.ndarray
+    end_row: np.ndarray  # one past the message's last row
+    good: np.ndarray  # complete and self-consistent
+    run_end: np.ndarray  # one past the last message of the run of intact, chained messages from here
+    head_at: np.ndarray  # row -> head index, -1 elsewhere
+
+
 # Columns of a QP's pending-packet table (packets received, not yet placed).
 _COLS = ("psn", "opcode", "va", "rkey", "dlen", "imm", "ts", "plen", "src_off")
 
@@ -116,21 +145,34 @@ class Reassembler:
         sel = np.nonzero(opcodes.IS_WRITE[pk.opcode] & pk.icrc_ok)[0]
         if not len(sel):
             return []
-        pk = pk.take(sel)
-        keys = np.concatenate([pk.src, pk.dst, pk.dqp.astype(">u4").view(np.uint8).reshape(-1, 4)], axis=1)
-        uniq, inv = np.unique(np.ascontiguousarray(keys).view(np.dtype((np.void, 36))).ravel(),
-                              return_inverse=True)
         out = []
-        for g in range(len(uniq)):
-            rows = np.nonzero(inv == g)[0]
-            raw = uniq[g].tobytes()
-            key = QpKey(raw[:16], raw[16:32], int.from_bytes(raw[32:], "big"))
+        for rows, key in self._groups(pk, sel):
             qp = self.qps.get(key)
             if qp is None:
                 qp = self.qps[key] = _Qp(key)
                 qp.stats.sport = int(pk.sport[rows[0]])
-            out += self._feed_qp(qp, pk.take(rows), data, final=False)
+            out += self._feed_qp(qp, _Rows(pk, rows), data, final=False)
         return out
+
+    @staticmethod
+    def _groups(pk: RocePackets, sel: np.ndarray):
+        """Rows of each QP (source, destination, destination QP number), in arrival order. Groups
+        are made on the QP number and checked to share their addresses, which is the usual case;
+        only a QP number used by two address pairs needs the full-key split."""
+        dqp = pk.dqp[sel]
+        order = np.argsort(dqp, kind="stable")
+        bounds = np.flatnonzero(np.diff(dqp[order])) + 1
+        for rows in np.split(sel[order], bounds):
+            addr = np.concatenate([pk.src[rows], pk.dst[rows]], axis=1)
+            if (addr == addr[0]).all():
+                a = addr[0].tobytes()
+                yield rows, QpKey(a[:16], a[16:], int(pk.dqp[rows[0]]))
+                continue
+            uniq, inv = np.unique(np.ascontiguousarray(addr).view(np.dtype((np.void, 32))).ravel(),
+                                  return_inverse=True)
+            for g in range(len(uniq)):
+                a = uniq[g].tobytes()
+                yield rows[inv == g], QpKey(a[:16], a[16:], int(pk.dqp[rows[0]]))
 
     def flush(self) -> list[RdmaMessage]:
         """Emits every message still waiting, complete or not (end of capture)."""
@@ -147,7 +189,7 @@ class Reassembler:
         d = (psn - (qp.ref % PSN_MODULUS) + _HALF) % PSN_MODULUS - _HALF
         return qp.ref + d
 
-    def _feed_qp(self, qp: _Qp, pk: RocePackets | None, data, final: bool) -> list[RdmaMessage]:
+    def _feed_qp(self, qp: _Qp, pk: "_Rows | None", data, final: bool) -> list[RdmaMessage]:
         st = qp.stats
         if pk is not None and len(pk):
             psn = self._unwrap(qp, pk.psn)
@@ -180,14 +222,15 @@ class Reassembler:
         else:
             return []
         # Sort by PSN; a repeated PSN keeps its first arrival (pending rows come first).
-        order = np.lexsort((np.arange(len(tab["psn"])), tab["psn"]))
-        tab = {c: v[order] for c, v in tab.items()}
-        src_is_new = src_is_new[order]
-        first = np.ones(len(order), bool)
-        first[1:] = tab["psn"][1:] != tab["psn"][:-1]
-        st.duplicates += int((~first).sum())
-        tab = {c: v[first] for c, v in tab.items()}
-        src_is_new = src_is_new[first]
+        if not (np.diff(tab["psn"]) > 0).all():
+            order = np.lexsort((np.arange(len(tab["psn"])), tab["psn"]))
+            tab = {c: v[order] for c, v in tab.items()}
+            src_is_new = src_is_new[order]
+            first = np.ones(len(order), bool)
+            first[1:] = tab["psn"][1:] != tab["psn"][:-1]
+            st.duplicates += int((~first).sum())
+            tab = {c: v[first] for c, v in tab.items()}
+            src_is_new = src_is_new[first]
 
         if qp.cursor is None:
             starts = np.nonzero(opcodes.IS_FIRST[tab["opcode"]])[0]
@@ -212,30 +255,135 @@ class Reassembler:
         return out
 
     def _walk(self, qp: _Qp, tab: dict, src_is_new: np.ndarray, data, final: bool):
-        """Decides messages from the cursor on; returns them and how many rows they used."""
+        """Decides messages from the cursor on; returns them and how many rows they used.
+
+        Runs of intact, well-formed messages (the normal case) are placed in bulk; a message with
+        missing, malformed or late packets goes through ``_one``, one at a time."""
         out: list[RdmaMessage] = []
         psn, op = tab["psn"], tab["opcode"]
         is_first = opcodes.IS_FIRST[op]
         is_last = opcodes.IS_LAST[op]
-        horizon = qp.ref  # highest PSN seen on the QP
-        i = 0
+        bounds = np.nonzero(is_first | is_last)[0]
+        g = self._intact(qp, tab, is_first, is_last)
         n = len(psn)
+        i = 0
         while i < n:
-            cur = qp.cursor
-            # Message end: from a FIRST's RETH length, else the next closing or opening packet.
-            head = i if psn[i] == cur and is_first[i] else None
-            # The next closing packet, or the next message's opening one, bounds this message.
-            nxt = np.nonzero((is_last[i:] | is_first[i:]) & (psn[i:] != cur))[0]
-            j = i + int(nxt[0]) if len(nxt) else None
-            if j is None:
-                s_end, s_known = None, False
-            elif is_first[j]:
-                s_end, s_known = int(psn[j]), False  # the next message starts there
-            else:
-                s_end, s_known = int(psn[j]) + 1, True
-            if head is not None and is_last[head]:
-                end, dlen, length_known = cur + 1, int(tab["dlen"][head]), True
-            elif head is not None:
+            k0 = int(g.head_at[i])
+            if k0 >= 0 and psn[i] == qp.cursor and g.good[k0]:
+                k1 = int(g.run_end[k0])
+                out += self._bulk(qp, tab, src_is_new, data, g, k0, k1)
+                i = int(g.end_row[k1 - 1])
+                continue
+            got = self._one(qp, tab, src_is_new, data, final, i, is_first, is_last, bounds)
+            if got is None:
+                break
+            msg, i = got
+            out.append(msg)
+        return out, i
+
+    def _intact(self, qp: _Qp, tab: dict, is_first, is_last) -> "_Intact":
+        """Per FIRST/ONLY row: is its message complete and self-consistent in this table?"""
+        psn, plen, dlen = tab["psn"], tab["plen"], tab["dlen"]
+        n = len(psn)
+        heads = np.nonzero(is_first)[0]
+        only = is_last[heads]
+        hp = plen[heads]
+        hd = dlen[heads]
+        pm = np.where(only, np.maximum(hp, 1), np.maximum(hp, 1))
+        npk = np.where(only, 1, -(-hd // pm))
+        end_psn = psn[heads] + npk
+        end_row = np.searchsorted(psn, end_psn)
+        last_row = np.maximum(end_row - 1, 0)
+        nb = np.concatenate([[0], np.cumsum(is_first | is_last)])
+        good = ((end_row - heads == npk) & (npk >= 1) & (hd <= self.max_message)
+                & (n > 0) & is_last[last_row] & (psn[last_row] == end_psn - 1)
+                & (nb[end_row] - nb[heads] == np.where(only, 1, 2))
+                & (only | (npk >= 2)) & (only & (hd == hp) | ~only))
+        # Payload lengths: one MTU per packet, the rest in the last one.
+        head_of_row = np.searchsorted(heads, np.arange(n), side="right") - 1
+        inside = (head_of_row >= 0)
+        h = np.where(inside, head_of_row, 0)
+        inside &= np.arange(n) < end_row[h] if len(heads) else False
+        if len(heads):
+            is_tail = np.arange(n) == last_row[h]
+            exp = np.where(is_tail, hd[h] - (npk[h] - 1) * pm[h], pm[h])
+            bad_row = inside & (plen != np.where(only[h], hd[h], exp))
+            bad = np.zeros(len(heads), bool)
+            np.logical_or.at(bad, h[bad_row], True)
+            good &= ~bad
+        # Runs: message k+1 continues a run when it starts where k ended.
+        chain = np.zeros(len(heads), bool)
+        if len(heads) > 1:
+            chain[1:] = (psn[heads[1:]] == end_psn[:-1]) & good[1:]
+        run_end = np.arange(len(heads)) + 1
+        if len(heads):
+            # next index >= k+1 where the chain breaks
+            breaks = np.nonzero(~chain)[0]
+            nxt = np.searchsorted(breaks, np.arange(len(heads)), side="right")
+            run_end = np.where(nxt < len(breaks), breaks[np.minimum(nxt, len(breaks) - 1)], len(heads))
+        head_at = np.full(n + 1, -1, np.int64)
+        head_at[heads] = np.arange(len(heads))
+        return _Intact(heads, npk, pm, hd, end_row, good, run_end, head_at)
+
+    def _bulk(self, qp, tab, src_is_new, data, g: "_Intact", k0: int, k1: int) -> list[RdmaMessage]:
+        """Places intact messages k0..k1-1 (consecutive rows) with one copy for all of them."""
+        st = qp.stats
+        heads = g.heads[k0:k1]
+        r0, r1 = int(heads[0]), int(g.end_row[k1 - 1])
+        sizes = g.dlen[k0:k1]
+        base = np.zeros(k1 - k0 + 1, np.int64)
+        np.cumsum(sizes, out=base[1:])
+        buf = np.empty(int(base[-1]), np.uint8)
+        rows = np.arange(r0, r1)
+        mid = np.repeat(np.arange(k1 - k0), g.npk[k0:k1])
+        psn = tab["psn"][rows]
+        dst = base[mid] + (psn - psn[heads - r0][mid]) * g.pm[k0:k1][mid]
+        plen = tab["plen"][rows]
+        src = tab["src_off"][rows]
+        for from_new in (True, False):
+            m = src_is_new[rows] == from_new
+            if m.any():
+                _fast.copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(src[m]), buf,
+                                  np.ascontiguousarray(dst[m]), np.ascontiguousarray(plen[m]))
+        last = g.end_row[k0:k1] - 1
+        op_last = tab["opcode"][last]
+        with_imm = opcodes.HAS_IMMDT[op_last]
+        ts = np.minimum.reduceat(tab["ts"][rows], heads - r0)
+        out = []
+        key, sport = qp.key, st.sport
+        ps = tab["psn"][heads].tolist()
+        cols = zip(ps, g.npk[k0:k1].tolist(), base[:-1].tolist(), base[1:].tolist(), tab["va"][heads].tolist(),
+                   tab["rkey"][heads].tolist(), sizes.tolist(), tab["imm"][last].tolist(), with_imm.tolist(),
+                   ts.tolist())
+        for p0, npk, a, b, va, rkey, size, imm, w, t in cols:
+            out.append(RdmaMessage(qp=key, sport=sport, psn=p0, npkts=npk, data=buf[a:b], holes=[], va=va,
+                                   rkey=rkey, dlen=size, imm_raw=imm if w else None, with_imm=w, ts_ns=t))
+        st.messages += int(k1 - k0)
+        qp.cursor = int(ps[-1] + g.npk[k1 - 1])
+        return out
+
+    def _one(self, qp: _Qp, tab, src_is_new, data, final, i, is_first, is_last, bounds):
+        """One message from row ``i`` the careful way; None while it must wait for packets."""
+        psn = tab["psn"]
+        horizon = qp.ref  # highest PSN seen on the QP
+        cur = qp.cursor
+        head = i if psn[i] == cur and is_first[i] else None
+        # The next closing packet, or the next message's opening one, bounds this message.
+        b = int(np.searchsorted(bounds, i))
+        while b < len(bounds) and psn[bounds[b]] == cur:
+            b += 1
+        j = int(bounds[b]) if b < len(bounds) else None
+        if j is None:
+            s_end, s_known = None, False
+        elif is_first[j]:
+            s_end, s_known = int(psn[j]), False  # the next message starts there
+        else:
+            s_end, s_known = int(psn[j]) + 1, True
+        if head is not None and is_last[head]:
+            end, dlen, length_known = cur + 1, int(tab["dlen"][head]), True
+        else:
+            dlen, end, length_known = None, None, False
+            if head is not None:
                 pm = int(tab["plen"][head])
                 dlen = int(tab["dlen"][head])
                 npk = -(-dlen // pm) if pm > 0 else 0
@@ -245,31 +393,22 @@ class Reassembler:
                 if npk < 2 or dlen > self.max_message or (s_end is not None and (
                         s_end < end or (s_end == end and not s_known and psn[j] == end - 1))):
                     qp.stats.malformed += 1
-                    dlen = None
-                    if s_end is None:
-                        if not final:
-                            break
-                        end, length_known = int(psn[-1]) + 1, False
-                    else:
-                        end, length_known = s_end, s_known
-            else:
-                dlen = None
+                    dlen, end = None, None
+            if end is None:
                 if s_end is None:
                     if not final:
-                        break
+                        return None
                     end, length_known = int(psn[-1]) + 1, False
                 else:
                     end, length_known = s_end, s_known
-            k = i + int(np.searchsorted(psn[i:], end))
-            have = k - i
-            if have < end - cur and not final and horizon < end - 1 + self.window:
-                break  # still waiting for packets of this message
-            if head is None and not final and horizon < end - 1 + self.window:
-                break  # the FIRST may still arrive late
-            out.append(self._build(qp, tab, src_is_new, data, i, k, cur, end, head, dlen, length_known))
-            qp.cursor = end
-            i = k
-        return out, i
+        k = i + int(np.searchsorted(psn[i:], end))
+        if k - i < end - cur and not final and horizon < end - 1 + self.window:
+            return None  # still waiting for packets of this message
+        if head is None and not final and horizon < end - 1 + self.window:
+            return None  # the FIRST may still arrive late
+        msg = self._build(qp, tab, src_is_new, data, i, k, cur, end, head, dlen, length_known)
+        qp.cursor = end
+        return msg, k
 
     def _build(self, qp, tab, src_is_new, data, i, k, start, end, head, dlen, length_known):
         st = qp.stats
