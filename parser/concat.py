@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST, CollSpec
+from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, CollSpec
 from mirrorckpt.config.layout import dtype_size, numpy_dtype
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.nccl import NcclSend
@@ -134,7 +134,7 @@ class Concatenator:
     def _fill_from_p2p(self, r: CollectiveResult) -> None:
         """An extra send whose size is exactly the collective's one remaining hole fills it."""
         holes = r.holes
-        if len(holes) != 1 or r.conflict.any():
+        if r.spec.kind != ALLREDUCE or len(holes) != 1 or r.conflict.any():
             return
         a, n = holes[0]
         es = dtype_size(r.spec.dtype)
