@@ -138,22 +138,26 @@ def persist_bandwidth(nparams: int = 50_000_000, ntensors: int = 100, directory:
         on_disk = report.bytes
         shutil.rmtree(os.path.join(scratch, "sync"))
 
+        # Background: the first submit allocates its staging buffer, the second reuses it.
         per = Persister(PersistSpec(os.path.join(scratch, "bg"), every_iterations=1, keep_last=1,
-                                    memory_budget_bytes=2 * nbytes + (64 << 20)))
-        t = time.perf_counter()
-        queued = per.submit(rep)
-        submit_s = time.perf_counter() - t
-        per.flush()
-        bg_s = time.perf_counter() - t
+                                    memory_budget_bytes=nbytes + (64 << 20)))
+        submit_s, bg_s = [], []
+        for i in (1, 2):
+            t = time.perf_counter()
+            queued = per.submit(rep)
+            submit_s.append(time.perf_counter() - t)
+            per.flush()
+            bg_s.append(time.perf_counter() - t)
+            rep.apply(_iteration(layout, i))
         per.close()
-        assert queued and per.stats.committed == 1, per.stats
+        assert queued and per.stats.committed == 2, per.stats
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"nparams": layout.total_numel, "state_bytes": nbytes, "checkpoint_bytes": on_disk,
             "plain_write_s": plain_s, "plain_GBps": nbytes / plain_s / 1e9,
             "write_checkpoint_s": sync_s, "write_checkpoint_GBps": nbytes / sync_s / 1e9,
             "verify_s": verify_s, "verify_GBps": on_disk / verify_s / 1e9,
-            "submit_s": submit_s, "submit_GBps": nbytes / submit_s / 1e9,
+            "submit_cold_s": submit_s[0], "submit_warm_s": submit_s[1], "submit_warm_GBps": nbytes / submit_s[1] / 1e9,
             "background_commit_s": bg_s, "ratio_to_plain": plain_s / sync_s}
 
 

@@ -172,7 +172,7 @@ class StagingPool:
 
     def acquire(self, specs: dict[str, tuple]) -> tuple | None:
         sig = tuple(sorted(specs.items()))
-        need = sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for shape, dt in specs.values())
+        need = sum(torch.Size(shape).numel() * dt.itemsize for shape, dt in specs.values())
         with self._lock:
             for i, buf in enumerate(self._free):
                 if buf[0] == sig:
