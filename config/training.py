@@ -186,8 +186,10 @@ class LossScaleSpec:
 @dataclass
 class PersistSpec:
     directory: str = "checkpoints"
-    every_iterations: int | None = 1  # checkpoint when this many iterations passed since the last one
-    every_seconds: float | None = None  # ... or this much time; either triggers
+    # A snapshot is due when this many iterations passed since the last one, or this much time;
+    # either triggers, and with both None every new iteration is due.
+    every_iterations: int | None = 1
+    every_seconds: float | None = None
     keep_last: int = 3
     memory_budget_bytes: int = 4 << 30  # staging copies in flight may not exceed this
 
