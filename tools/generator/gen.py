@@ -58,7 +58,7 @@ class GenConfig:
     noise: NoiseOptions = field(default_factory=NoiseOptions)
     faults: FaultOptions = field(default_factory=FaultOptions)
     p2p_fill: bool = False
-    send_hashes: bool = True
+    send_truth: bool = True  # every captured send in truth.json (large for big runs)
 
     def ring(self) -> RingSpec:
         if self.ring_orders is not None and len(self.ring_orders) != self.channels:
@@ -97,7 +97,7 @@ def generate(cfg: GenConfig, out_dir) -> dict:
     ring.addresses = {n.rank: n.ip_text(cfg.wire.ipv6) for n in topo.nics}
     captures = mirrors_mod.CaptureSet(out, mirrors, topo, cfg.wire.ipv6, cfg.fmt, cfg.noise, cfg.faults,
                                       cfg.wire.switch_ns)
-    wire = Wire(ring.nccl_version, cfg.wire, captures, cfg.seed, cfg.send_hashes)
+    wire = Wire(ring.nccl_version, cfg.wire, captures, cfg.seed, cfg.send_truth)
     comm = NcclRing(ring, topo, wire, p2p_fill=cfg.p2p_fill)
     try:
         result = run_training(cfg.model, cfg.ranks, cfg.steps, cfg.seed, cfg.training, comm,

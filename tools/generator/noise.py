@@ -125,19 +125,21 @@ class NoiseSource:
             return FrameSet.empty()
         self.pairs = [p for p in list(self.topo.ring.values()) + list(self.topo.p2p.values())
                       if self.rank in (p.sender, p.receiver)]
-        out: list[tuple[int, bytes]] = []
-        probes = MessageLog()
+        events = []
         for kind in KINDS:
             if kind not in self.opts.kinds:
                 continue
             for d in self.dirs:
                 n = self.rng.poisson(self.opts.rate_hz * (t1 - t0) / 1e9)
-                for ts in np.sort(self.rng.integers(t0, t1, n)).tolist():
-                    self.counts[kind] += 1
-                    if kind == "probes":
-                        self._probe(probes, d, ts)
-                    else:
-                        out += getattr(self, "_" + kind)(d, ts)
+                events += [(ts, KINDS.index(kind), d) for ts in self.rng.integers(t0, t1, n).tolist()]
+        out: list[tuple[int, bytes]] = []
+        probes = MessageLog()
+        for ts, k, d in sorted(events):  # in time order: a TCP segment ACKs what came before it
+            self.counts[KINDS[k]] += 1
+            if KINDS[k] == "probes":
+                self._probe(probes, d, ts)
+            else:
+                out += getattr(self, "_" + KINDS[k])(d, ts)
         parts = [self._raw(out)]
         if len(probes):
             parts.append(self._built(probes))
@@ -211,17 +213,18 @@ class NoiseSource:
         peer = 0 if self.rank != 0 else self.peers[0]
         a, b = (self.rank, peer) if d == "egress" else (peer, self.rank)
         na, nb = self.topo.nics[a], self.topo.nics[b]
-        key = ("tcp", a, b)
-        seq, ack = self.seq.get(key, (int(self.rng.integers(0, 1 << 32)), int(self.rng.integers(0, 1 << 32))))
+        # one connection per pair of ranks: each side's next sequence number, and it ACKs the other's
+        for x, y in ((a, b), (b, a)):
+            self.seq.setdefault(("tcp", x, y), int(self.rng.integers(0, 1 << 32)))
+        seq, ack = self.seq[("tcp", a, b)], self.seq[("tcp", b, a)]
         payload = self.rng.integers(0, 256, int(self.rng.integers(8, 200)), dtype=np.uint8).tobytes()
         sport, dport = (47144, 43239) if a < b else (43239, 47144)
-        seg = TCP.pack(sport=sport, dport=dport, seq=seq, ack=ack, off_flags=(5 << 12) | TCP_ACK | TCP_PSH,
-                       window=502)
+        flags = (5 << 12) | TCP_ACK | TCP_PSH
+        seg = TCP.pack(sport=sport, dport=dport, seq=seq, ack=ack, off_flags=flags, window=502)
         pseudo = na.ipv4 + nb.ipv4 + bytes([0, IPPROTO_TCP]) + (len(seg) + len(payload)).to_bytes(2, "big")
         csum = (~_inet_sum(pseudo + seg + payload)) & 0xFFFF
-        seg = TCP.pack(sport=sport, dport=dport, seq=seq, ack=ack, off_flags=(5 << 12) | TCP_ACK | TCP_PSH,
-                       window=502, csum=csum)
-        self.seq[key] = ((seq + len(payload)) & 0xFFFFFFFF, ack)
+        seg = TCP.pack(sport=sport, dport=dport, seq=seq, ack=ack, off_flags=flags, window=502, csum=csum)
+        self.seq[("tcp", a, b)] = (seq + len(payload)) & 0xFFFFFFFF
         frame = _eth(nb.mac, na.mac, ETHERTYPE_IPV4) + _ipv4(na.ipv4, nb.ipv4, IPPROTO_TCP, len(seg) + len(payload),
                                                              ident=int(self.rng.integers(0, 1 << 16))) + seg + payload
         return [(ts, _pad(frame))]

@@ -130,7 +130,7 @@ class Layer:
 
 
 class Wire:
-    def __init__(self, version: str, opts: WireOptions, sink, seed: int, send_hashes: bool = True):
+    def __init__(self, version: str, opts: WireOptions, sink, seed: int, send_truth: bool = True):
         self.version = nv.version(version)
         self.opts = opts
         self.sink = sink  # capture.CaptureSet: wants(src, dst), log, after_slot()
@@ -138,8 +138,10 @@ class Wire:
         self.rng = np.random.default_rng([seed, 0x3173])
         self.conns: dict[object, ConnState] = {}
         self.clock = opts.start_ns
-        self.send_hashes = send_hashes
+        self.send_truth = send_truth
         self.sends: list[dict] = []  # truth: every captured send
+        self._slots: dict[tuple, schedule.RecvSlot] = {}  # (protocol, kind, t mod 8) -> receive slot
+        self._split: dict[int, bool] = {}  # wire bytes -> split WRITE form
 
     def conn(self, key, qp: QpPair) -> ConnState:
         c = self.conns.get(key)
@@ -161,7 +163,10 @@ class Wire:
         qp = w.conn.qp
         if layer.p2p:
             return qp.recv_base, P2P_CHUNK_BYTES, qp.rkeys["p2p"]
-        s = schedule.recv_slot(t, layer.protocol, layer.kind, self.version)
+        key = (layer.protocol, layer.kind, schedule.slot(t))
+        s = self._slots.get(key)
+        if s is None:  # a slot's address and CTS size depend on t only through t mod NCCL_STEPS
+            s = self._slots[key] = schedule.recv_slot(t, layer.protocol, layer.kind, self.version)
         return qp.recv_base + s.alloc_offset, s.cts_size, qp.rkeys[layer.protocol]
 
     def _post_cts(self, w: Work, layer: Layer, ts: int, log: MessageLog | None) -> int:
@@ -235,8 +240,10 @@ class Wire:
         t = w.t0 + msg.conn_step
         proto = layer.protocol
         wire_len = msg.nbytes if layer.p2p else schedule.message_wire_bytes(proto, msg.nbytes, t, self.version)
-        split = nv.uses_split_write(self.version, wire_len, adaptive_routing=opts.adaptive_routing,
-                                    ar_threshold=opts.ar_threshold)
+        split = self._split.get(wire_len)
+        if split is None:
+            split = self._split[wire_len] = nv.uses_split_write(
+                self.version, wire_len, adaptive_routing=opts.adaptive_routing, ar_threshold=opts.ar_threshold)
         form = (TRAIN if opts.write_only_train else SPLIT) if split else NORMAL
         npk = packet_count(form, wire_len, opts.pmtu)
         psn = c.data_psn
@@ -257,7 +264,8 @@ class Wire:
             log.add(form, qp.sender, qp.receiver, qp.sport, qp.recv_qpn, psn, ts0, length=wire_len,
                     pmtu=opts.pmtu, va=va, rkey=rkey, imm=nv.encode_imm(wire_len, self.version),
                     pay_off=log.payload(wire), dt=dt)
-            self._truth(w, msg, layer, label, t, seq, flag, form, wire_len, padded, user.size)
+            if self.send_truth:
+                self._truth(w, msg, layer, label, t, seq, flag, form, wire_len, padded, user.size)
         arrive = last_ts + opts.switch_ns
         ack_ts = arrive + opts.ack_ns
         if self.sink.wants(qp.receiver, qp.sender):
@@ -276,7 +284,6 @@ class Wire:
                    offset=msg.offset, nelem=msg.nelem)
         if isinstance(msg, RingStep):
             rec.update(phase=msg.phase, chunk=msg.chunk)
-        if self.send_hashes:
-            # what a decoder yields: LL/LL128 whole lines/groups, the tail zero as written
-            rec["sha256"] = hashlib.sha256(padded.tobytes()).hexdigest()
+        # what a decoder yields: LL/LL128 whole lines/groups, the tail zero as written
+        rec["sha256"] = hashlib.sha256(padded.tobytes()).hexdigest()
         self.sends.append(rec)
