@@ -24,8 +24,8 @@ resolution traffic appears on the mirrors; with ``ipv6=False`` IPv6 is disabled 
 interface for the same reason. Segmentation/checksum offloads are off by default so mirrored
 TCP frames look like wire frames (no 64 KiB GSO super-frames, no partial checksums).
 
-`send_frames` injects frames through a raw AF_PACKET socket with ``sendmmsg`` (no per-frame
-Python call), from any namespace. Everything needs root.
+`FrameSender` / `send_frames` inject frames through a raw AF_PACKET socket with ``sendmmsg``
+(no per-frame Python call), from any namespace. Everything needs root.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import numpy as np
 from mirrorckpt.capture.afpacket import in_netns  # re-exported: enter a namespace (thread)
 from mirrorckpt.capture.batch import FrameBatch
 
-__all__ = ["Host", "Monitor", "Topology", "TopologyError", "cleanup_prefix", "in_netns",
-           "send_frames", "unique_prefix"]
+__all__ = ["FrameSender", "Host", "Monitor", "Topology", "TopologyError", "cleanup_prefix",
+           "in_netns", "send_frames", "unique_prefix"]
 
 _SOL_PACKET = 263
 _PACKET_QDISC_BYPASS = 20
@@ -296,21 +296,45 @@ _libc.sendmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.
 _libc.sendmmsg.restype = ctypes.c_int
 
 
+class FrameSender:
+    """A raw AF_PACKET socket on `ifname` (in `netns`) sending `FrameBatch`es as they are,
+    `chunk` frames per sendmmsg call. Keep one for repeated sends: closing a packet socket
+    waits for an RCU grace period (milliseconds). With `qdisc_bypass` frames skip the qdisc
+    (faster, never queued). Frames above the interface MTU + 14 fail with EMSGSIZE."""
+
+    def __init__(self, ifname: str, netns: str | None = None, qdisc_bypass: bool = True,
+                 chunk: int = 256):
+        self.chunk = max(1, min(int(chunk), _SENDMMSG_MAX))
+        # A socket belongs to the namespace it was made in; bind resolves the name there.
+        with in_netns(netns) if netns else contextlib.nullcontext():
+            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
+        try:
+            if qdisc_bypass:
+                self.sock.setsockopt(_SOL_PACKET, _PACKET_QDISC_BYPASS, 1)
+            self.sock.bind((ifname, 0))  # protocol 0: this socket receives nothing
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def send(self, batch: FrameBatch) -> int:
+        """Sends every frame of `batch`; returns the number sent."""
+        return _sendmmsg(self.sock, batch, self.chunk)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "FrameSender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def send_frames(ifname: str, batch: FrameBatch, netns: str | None = None,
                 qdisc_bypass: bool = True, chunk: int = 256) -> int:
-    """Sends every frame of `batch` out of `ifname` (in `netns`) as is, `chunk` frames per
-    sendmmsg call; returns the number sent. Frames above the interface MTU + 14 fail with
-    EMSGSIZE. With `qdisc_bypass` frames skip the qdisc (faster, and never queued)."""
-    # A socket belongs to the namespace it was made in; bind resolves the name there.
-    with in_netns(netns) if netns else contextlib.nullcontext():
-        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
-    try:
-        if qdisc_bypass:
-            s.setsockopt(_SOL_PACKET, _PACKET_QDISC_BYPASS, 1)
-        s.bind((ifname, 0))  # protocol 0: this socket receives nothing
-        return _sendmmsg(s, batch, max(1, min(int(chunk), _SENDMMSG_MAX)))
-    finally:
-        s.close()
+    """Sends every frame of `batch` out of `ifname` once (see `FrameSender`)."""
+    with FrameSender(ifname, netns, qdisc_bypass, chunk) as sender:
+        return sender.send(batch)
 
 
 def _sendmmsg(s: socket.socket, batch: FrameBatch, chunk: int) -> int:
