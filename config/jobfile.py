@@ -257,6 +257,13 @@ def _toml_value(v) -> str:
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
+def _drop_none(d):
+    """TOML has no null: absent keys mean "not set"."""
+    if isinstance(d, dict):
+        return {k: _drop_none(v) for k, v in d.items() if v is not None}
+    return d
+
+
 def dump_job(cfg: JobConfig) -> str:
     r = cfg.ring
     lines = ["# mirrorckpt job configuration", "[ring]", f"nranks = {r.nranks}", f"nchannels = {r.nchannels}",
@@ -280,7 +287,7 @@ def dump_job(cfg: JobConfig) -> str:
         lines += ["", "[job.buckets]", f"first = {_toml_value([list(b.params) for b in lay.bucket_list(0)])}",
                   f"after_rebuild = {_toml_value([list(b.params) for b in lay.buckets])}"]
     for sec in ("training", "persist", "control", "metrics", "capture"):
-        d = getattr(cfg, sec)
+        d = _drop_none(getattr(cfg, sec))
         if d:
             lines += ["", f"[{sec}]"] + [f"{k} = {_toml_value(v)}" for k, v in d.items()]
     for m in cfg.mirrors:

@@ -1,8 +1,10 @@
 """`mirrorckpt replay [CAPTURE ...]`: mirror captures of one job through the whole pipeline.
 
-Each file is a mirror stream (a file holding both directions of a port counts as two streams:
-the directions are told apart by address). Without ``--config`` the job is inferred from the
-traffic (ranks from CTS tags, channels, DDP start-up or plain all-reduce sizes).
+Capture, parser, concatenator, CPU replica and persistence. Each file is a mirror stream (a file
+holding both directions of a port counts as two streams: they are told apart by address).
+Without ``--config`` the job is inferred from the traffic (ranks from CTS tags, channels, DDP
+start-up or plain all-reduce sizes). With no CAPTURE at all, the bundled demo capture is
+replayed with its configuration.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -18,6 +21,8 @@ from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser.infer import InferenceError
 from mirrorckpt.parser.pipeline import JobStream
 from mirrorckpt.parser.streams import MirrorStreams
+
+DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
 
 
 def allreduce_report(results) -> list[dict]:
@@ -34,19 +39,48 @@ def allreduce_report(results) -> list[dict]:
     return out
 
 
-def run_parser(captures, dtype, nccl_version, icrc=True, job=None):
-    """Decode and reassemble; returns (JobStream, results, iterations)."""
-    sources = [(c, open_capture(c)) for c in captures]
-    streams = MirrorStreams(sources, icrc=icrc, nccl_version=nccl_version)
-    kw = {}
-    if job is not None:
-        kw = dict(model=job.model(), ranks=job.ranks(), channels=None)
+def training_spec(job, dtype, optimizer, lr):
+    from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
+
+    if job is not None and job.training:
+        return TrainingSpec.from_dict(job.training)
+    return TrainingSpec(optimizer=OptimizerSpec(name=optimizer, lr=lr), grad_dtype=dtype or "float32")
+
+
+def persist_spec(job, checkpoint_dir):
+    from mirrorckpt.config.training import PersistSpec
+
+    if checkpoint_dir is None and not (job and job.persist):
+        return None
+    d = dict(job.persist) if job and job.persist else {}
+    if checkpoint_dir is not None:
+        d["directory"] = str(checkpoint_dir)
+    return PersistSpec.from_dict(d)
+
+
+def run(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, replica_training=None,
+        persist=None, progress=None):
+    """The main job. Returns (JobStream, results, iterations, Appliance or None)."""
+    from mirrorckpt.tools.appliance import Appliance
+
+    streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
+    kw = dict(model=job.model(), ranks=job.ranks(), channels=None) if job is not None else {}
     js = JobStream(streams, dtype=dtype, nccl_version=nccl_version, **kw)
-    results, iterations = [], []
+    results, iterations, app = [], [], None
     for done, its in js:
         results += done
         iterations += its
-    return js, results, iterations
+        if replica_training is None:
+            continue
+        layout = js.model.layout
+        if app is None and layout is not None:
+            training = replica_training(layout.grad_dtype)
+            app = Appliance(layout, training, persist, on_iteration=progress)
+        if app is not None:
+            app.start_from_wire(js.reassembly.startup, layout)
+            for it in its:
+                app.apply(it)
+    return js, results, iterations, app
 
 
 @click.command()
@@ -56,35 +90,71 @@ def run_parser(captures, dtype, nccl_version, icrc=True, job=None):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "int32"]),
               help="Element type of the all-reduced data (inferred when absent).")
 @click.option("--nccl-version", default="2.18", show_default=True)
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False),
+              help="Keep a CPU replica and commit checkpoints here.")
+@click.option("--optimizer", type=click.Choice(["adam", "adamw", "sgd"]), default="adam", show_default=True,
+              help="Replica optimizer when the configuration has no [training].")
+@click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with every all-reduce's verdict.")
 @click.option("--no-icrc", is_flag=True, help="Skip the ICRC check.")
-def replay(captures, config_path, dtype, nccl_version, as_json, no_icrc):
-    """Replay mirror CAPTURES of one job: reassemble every all-reduce and report it."""
+@click.option("--quiet", is_flag=True, help="No progress lines.")
+def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer, lr, as_json, no_icrc, quiet):
+    """Replay mirror CAPTURES of one job: reassemble every all-reduce, keep the replica, commit checkpoints.
+
+    With no CAPTURE, the bundled demo (tests/pcaps/demo) is replayed into ./mirrorckpt-demo."""
+    from mirrorckpt.config.jobfile import ConfigError, load_job
+    from mirrorckpt.config.training import SpecError
+
+    demo = not captures
+    if demo:
+        if not (DEMO / "job.toml").is_file():
+            click.echo(f"error: the bundled demo capture is missing ({DEMO}); regenerate it with `make pcaps`", err=True)
+            sys.exit(2)
+        config_path = str(DEMO / "job.toml")
+        checkpoint_dir = checkpoint_dir or "mirrorckpt-demo"
     job = None
     if config_path:
-        from mirrorckpt.config.jobfile import ConfigError, load_job
-
         try:
             job = load_job(config_path)
         except ConfigError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
         nccl_version = job.ring.nccl_version
-    if not captures:
-        click.echo("error: give at least one capture", err=True)
-        sys.exit(2)
-    t0 = time.perf_counter()
+        if demo:
+            captures = tuple(str(DEMO / m.source) for m in job.mirrors)
+    keep_replica = checkpoint_dir is not None or (job is not None and bool(job.persist))
     try:
-        js, results, iterations = run_parser(captures, dtype, nccl_version, not no_icrc, job)
+        persist = persist_spec(job, checkpoint_dir) if keep_replica else None
+        training = (lambda gd: training_spec(job, dtype or gd, optimizer, lr)) if keep_replica else None
+    except SpecError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+    t0 = time.perf_counter()
+    shown = {"n": 0}
+
+    def progress(i, replica):
+        shown["n"] += 1
+        if not (quiet or as_json):
+            click.echo(f"  iteration {i} applied", err=True)
+
+    try:
+        js, results, iterations, app = run(captures, job, dtype, nccl_version, not no_icrc, training, persist,
+                                           progress)
     except CaptureError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except InferenceError as e:
         click.echo(f"error: cannot reassemble: {e}", err=True)
         sys.exit(1)
+    except SpecError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    summary = app.close().to_dict() if app is not None else None
     secs = time.perf_counter() - t0
     ars = allreduce_report(results)
     damage = [s.damage for s in js.streams.stats if s.damage]
+    nbytes = sum(s.bytes for s in js.streams.stats)
     report = {
         "captures": list(captures),
         "notes": js.notes,
@@ -94,22 +164,38 @@ def replay(captures, config_path, dtype, nccl_version, as_json, no_icrc):
         "iterations": [{"index": it.index, "complete": it.complete,
                         "holes": {str(b): [list(h) for h in hs] for b, hs in it.holes.items()}}
                        for it in iterations],
+        "replica": summary,
         "damage": damage,
         "seconds": round(secs, 3),
+        "capture_bytes": nbytes,
     }
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:
-        for n in js.notes:
-            click.echo(f"note: {n}")
-        for a in ars:
-            state = "complete" if a["complete"] else f"INCOMPLETE coverage {a['coverage']:.4f} holes {a['holes'][:4]}"
-            extra = " (hole filled by a point-to-point send)" if a["filled_by_p2p"] else ""
-            click.echo(f"all-reduce {a['index']} (iteration {a['iteration']}, bucket {a['bucket']}): "
-                       f"{a['count']} x {a['dtype']} {state}{extra}")
-        good = sum(it.complete for it in iterations)
-        click.echo(f"{len(ars)} all-reduces, {good}/{len(iterations)} iterations complete, {secs:.2f} s")
+        _print(report, ars, iterations, summary, secs, nbytes)
     for d in damage:
         click.echo(f"error: {d}", err=True)
     if damage:
         sys.exit(3)
+
+
+def _print(report, ars, iterations, summary, secs, nbytes):
+    for n in report["notes"]:
+        click.echo(f"note: {n}")
+    for m in report["mismatches"]:
+        click.echo(f"mismatch: {m}")
+    for a in ars:
+        state = "complete" if a["complete"] else f"INCOMPLETE coverage {a['coverage']:.4f} holes {a['holes'][:4]}"
+        extra = " (hole filled by a point-to-point send)" if a["filled_by_p2p"] else ""
+        click.echo(f"all-reduce {a['index']} (iteration {a['iteration']}, bucket {a['bucket']}): "
+                   f"{a['count']} x {a['dtype']} {state}{extra}")
+    good = sum(it.complete for it in iterations)
+    click.echo(f"{len(ars)} all-reduces, {good}/{len(iterations)} iterations complete")
+    if summary is not None:
+        click.echo(f"replica: {summary['iterations_applied']} iterations applied (optimizer step "
+                   f"{summary['replica_step']}), {summary['iterations_incomplete']} incomplete, "
+                   f"{summary['iterations_skipped']} skipped while stale"
+                   + (", no initial state on the wire" if summary["no_initial_state"] else ""))
+        last = summary["checkpoints"][-1] if summary["checkpoints"] else None
+        click.echo(f"checkpoints: {len(summary['checkpoints'])} committed, latest {last}")
+    click.echo(f"throughput: {nbytes / 1e6:.1f} MB of capture in {secs:.2f} s ({nbytes / max(secs, 1e-9) / 1e6:.1f} MB/s)")
