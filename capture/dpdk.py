@@ -31,16 +31,13 @@ Details:
   namespace (the driver opens its socket and sets interface flags in the calling thread's
   namespace).
 
-EAL (one per process, `eal_init`): defaults `DEFAULT_EAL_ARGS` plus `--file-prefix` unique to
-the process and `--lcores=0@(CPUS)` with every CPU this process may use, so the main lcore is
-not pinned to one CPU. `rte_eal_init` still sets the calling thread's affinity (threads made
-later, e.g. torch's, inherit it); `restore_affinity=True` (default) puts the thread's previous
-affinity back right after. The EAL is cleaned up at interpreter exit after closing ports.
+The EAL is initialised once per process by the first port (`eal_args`, see `_dpdk_eal`:
+no hugepages, 512 MB, no PCI by default; the calling thread's CPU affinity, which
+`rte_eal_init` pins, is restored unless `restore_affinity=False`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import itertools
@@ -52,7 +49,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from mirrorckpt.capture import _dpdk_abi as abi
-from mirrorckpt.capture._dpdk_lib import MEM_CB, RX_BURST, Dpdk, DpdkMissingError, load
+from mirrorckpt.capture import _dpdk_eal as eal
+from mirrorckpt.capture._dpdk_eal import DEFAULT_EAL_ARGS, eal_init
+from mirrorckpt.capture._dpdk_lib import MEM_CB, RX_BURST, DpdkMissingError, load
 from mirrorckpt.capture.afpacket import in_netns
 from mirrorckpt.capture.batch import LINKTYPE_ETHERNET, CaptureError, FrameBatch
 
@@ -61,73 +60,10 @@ __all__ = ["DEFAULT_EAL_ARGS", "DpdkAbiError", "DpdkMissingError", "DpdkPort", "
 
 DpdkAbiError = abi.DpdkAbiError
 
-DEFAULT_EAL_ARGS = ("--no-huge", "-m", "512", "--no-pci", "--no-shconf", "--no-telemetry",
-                    "--log-level=5")
 # RX timestamp dynamic field units of drivers known to fill it (ns per unit).
 DEVICE_TS_NS = {"net_pcap": 1000}
 _ENOTSUP = 95
 _pool_ids = itertools.count()
-
-
-@dataclass
-class _Eal:
-    args: list[str]
-    dpdk: Dpdk
-    ports: list
-    argv: object = None  # the C argv: the EAL may keep pointers into it
-
-
-_EAL: _Eal | None = None
-
-
-def default_eal_args() -> list[str]:
-    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    return [*DEFAULT_EAL_ARGS, f"--file-prefix=mirrorckpt{os.getpid()}", f"--lcores=0@({cpus})"]
-
-
-def eal_init(args=None, restore_affinity: bool = True, libraries=None) -> Dpdk:
-    """Initialises the EAL once per process (root needed) and returns the libraries. Later
-    calls return the same; they fail if they ask for other arguments (None: any)."""
-    global _EAL
-    dpdk = load(libraries)
-    if _EAL is not None:
-        if args is not None and list(args) != _EAL.args:
-            raise CaptureError(f"the DPDK EAL is already initialised in this process with "
-                               f"{_EAL.args}; it cannot be initialised again with {list(args)}")
-        return _EAL.dpdk
-    args = list(default_eal_args() if args is None else args)
-    if os.geteuid() != 0:
-        raise CaptureError("DPDK needs root (the EAL writes /var/run/dpdk and maps memory)")
-    argv = [b"mirrorckpt", *(a.encode() for a in args)]
-    c_argv = (ctypes.c_char_p * (len(argv) + 1))(*argv, None)
-    saved = os.sched_getaffinity(0)
-    ret = dpdk.fn.rte_eal_init(len(argv), c_argv)
-    if restore_affinity:
-        os.sched_setaffinity(0, saved)
-    if ret < 0:
-        _remove_runtime_dir(args)
-        raise CaptureError(f"rte_eal_init failed (see the EAL log above) with {args}")
-    _EAL = _Eal(args, dpdk, [], (argv, c_argv))
-    atexit.register(_shutdown)
-    return dpdk
-
-
-def _shutdown() -> None:
-    if _EAL is None:
-        return
-    for port in list(_EAL.ports):
-        with contextlib.suppress(Exception):
-            port.close()
-    _EAL.dpdk.fn.rte_eal_cleanup()
-    _remove_runtime_dir(_EAL.args)
-
-
-def _remove_runtime_dir(args: list[str]) -> None:
-    """The EAL leaves an empty /var/run/dpdk/PREFIX behind even with --no-shconf."""
-    for a in args:
-        if a.startswith("--file-prefix="):
-            with contextlib.suppress(OSError):
-                os.rmdir(f"/var/run/dpdk/{a.split('=', 1)[1]}")
 
 
 class _MbufFields:
@@ -221,16 +157,20 @@ class DpdkPort:
                 self._teardown()
                 raise
         self._closed = False
-        _EAL.ports.append(self)
-        self._map_fast_path()
-        self._map_pool()
+        eal.ports().append(self)
+        try:
+            self._map_fast_path()
+            self._map_pool()
+            self._timestamps()
+        except BaseException:
+            self.close()
+            raise
         self._fields = _MbufFields()
         self._lines = self._pool8[: len(self._pool8) // 64 * 64].view("V64")
         self._pool64 = self._pool8[: len(self._pool8) // 8 * 8].view(np.uint64)
-        self._ptrs = np.zeros(self.batch_frames, np.uint64)
-        self._ts = np.zeros(self.batch_frames, np.int64)
+        self._ptrs = np.zeros(self.batch_frames, np.uint64)  # mbuf pointers of the batch
+        self._ts = np.zeros(self.batch_frames, np.int64)  # host time of each one's burst
         self._ptrs_addr = self._ptrs.ctypes.data
-        self._timestamps()
         self._last_frame = time.monotonic()
 
     # -- set-up -------------------------------------------------------------------------
@@ -256,7 +196,7 @@ class DpdkPort:
     def _attach(self) -> int:
         port = ctypes.c_uint16()
         if self.fn.rte_eth_dev_get_port_by_name(self.device.encode(), ctypes.byref(port)) == 0:
-            if any(p.port == port.value for p in _EAL.ports):
+            if any(p.port == port.value for p in eal.ports()):
                 raise CaptureError(f"{self.name}: port {self.device} is already open")
             return port.value  # made by --vdev in the EAL arguments: left in place at close
         ret = self.fn.rte_vdev_init(self.device.encode(), self.devargs.encode())
@@ -447,7 +387,7 @@ class DpdkPort:
         return asdict(self._stats)
 
     def pool_free(self) -> int:
-        """Mbufs available in the pool (tests: all come back after close of a batch)."""
+        """Mbufs available in the pool (all of them once no batch is held)."""
         return int(self.fn.rte_mempool_avail_count(self._pool)) if self._pool else 0
 
     def close(self) -> None:
@@ -460,8 +400,8 @@ class DpdkPort:
         self._closed = True
         with self._ns():
             self._teardown()
-        if _EAL is not None and self in _EAL.ports:
-            _EAL.ports.remove(self)
+        if self in eal.ports():
+            eal.ports().remove(self)
         self._pool8 = self._pool64 = self._lines = None
 
     def _teardown(self) -> None:

@@ -9,6 +9,8 @@ without root these tests fail and say so (marker `root`).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -203,6 +205,32 @@ def test_dpdk_net_af_packet_receives_injected_frames(topo):
         port.close()
     assert got == frames_of(src)
     assert stats["ipackets"] == len(src) and stats["frames"] == len(src)
+
+
+def test_dpdk_eal_arguments_vdev_and_pinning():
+    """In a fresh process: a device made by --vdev in the EAL arguments is found by name,
+    `-l 0` without restore_affinity leaves the thread pinned to CPU 0 (the EAL's doing), and
+    a second init with other arguments is refused."""
+    script = f"""
+import os
+from mirrorckpt.capture.batch import CaptureError
+from mirrorckpt.capture.dpdk import DEFAULT_EAL_ARGS, eal_init, open_port
+args = [*DEFAULT_EAL_ARGS, f"--file-prefix=mckvdev{{os.getpid()}}", "-l", "0",
+        "--vdev=net_pcap7,rx_pcap={SMALL}"]
+port = open_port("net_pcap7", eal_args=args, idle_timeout=0.3, restore_affinity=False)
+frames = sum(len(b) for b in port)
+pinned = sorted(os.sched_getaffinity(0))
+try:
+    eal_init(["--no-huge"])
+    again = "accepted"
+except CaptureError:
+    again = "refused"
+port.close()
+print(frames, pinned, again)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[-2] == f"{len(read_all(SMALL))} [0] refused"
 
 
 def test_dpdk_names_a_missing_interface_and_file():
