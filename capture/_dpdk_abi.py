@@ -82,7 +82,8 @@ def probe_source() -> str:
 def cflags() -> list[str]:
     """Compiler flags for the installed headers (pkg-config, else Debian's paths)."""
     if shutil.which("pkg-config"):
-        r = subprocess.run(["pkg-config", "--cflags", "libdpdk"], capture_output=True, text=True)
+        r = subprocess.run(["pkg-config", "--cflags", "libdpdk"], capture_output=True, text=True,
+                           check=False)
         if r.returncode == 0 and r.stdout.strip():
             return r.stdout.split()
     return list(DEFAULT_CFLAGS)
@@ -129,7 +130,8 @@ def measure(use_cache: bool = True) -> dict[str, int]:
     with tempfile.TemporaryDirectory(prefix="mirrorckpt-abi-") as tmp:
         c, exe = Path(tmp) / "probe.c", Path(tmp) / "probe"
         c.write_text(source)
-        r = subprocess.run([gcc, *flags, "-o", str(exe), str(c)], capture_output=True, text=True)
+        r = subprocess.run([gcc, *flags, "-o", str(exe), str(c)], capture_output=True,
+                           text=True, check=False)
         if r.returncode != 0:
             raise DpdkAbiError(f"the DPDK ABI probe does not compile against the installed "
                                f"headers ({' '.join(flags)}):\n{r.stderr.strip()[-2000:]}")

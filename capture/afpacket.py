@@ -207,10 +207,10 @@ class AfPacketRing:
 
     # -- iteration ----------------------------------------------------------------------
 
-    def __iter__(self) -> "AfPacketRing":
+    def __iter__(self) -> AfPacketRing:
         return self
 
-    def __enter__(self) -> "AfPacketRing":
+    def __enter__(self) -> AfPacketRing:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -287,10 +287,10 @@ class DpdkPort:
 
     # -- receiving ----------------------------------------------------------------------
 
-    def __iter__(self) -> "DpdkPort":
+    def __iter__(self) -> DpdkPort:
         return self
 
-    def __enter__(self) -> "DpdkPort":
+    def __enter__(self) -> DpdkPort:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -105,14 +105,14 @@ class Topology:
     def bridge(self) -> str:
         return f"{self.prefix}br"
 
-    def __enter__(self) -> "Topology":
+    def __enter__(self) -> Topology:
         self.setup()
         return self
 
     def __exit__(self, *exc) -> None:
         self.teardown()
 
-    def setup(self) -> "Topology":
+    def setup(self) -> Topology:
         """Creates namespaces, bridge, veths, addresses and neighbour entries."""
         require_root()
         cleanup_prefix(self.prefix)
@@ -276,7 +276,7 @@ def _ip(*argv: str) -> None:
 def _run(argv: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
     kw.setdefault("capture_output", True)
     kw.setdefault("text", True)
-    r = subprocess.run(argv, **kw)
+    r = subprocess.run(argv, check=False, **kw)
     if check and r.returncode != 0:
         raise TopologyError(f"{' '.join(argv)}: exit {r.returncode}: {(r.stderr or '').strip()}")
     return r
@@ -323,7 +323,7 @@ class FrameSender:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "FrameSender":
+    def __enter__(self) -> FrameSender:
         return self
 
     def __exit__(self, *exc) -> None:
