@@ -15,9 +15,11 @@ the prio qdisc). Directions use the tc hook names on the bridge port ``Ph<i>p``:
     with Topology(hosts=2, mtu=9000) as topo:       # torn down on exit, also on error
         topo.mirror(0, "both")
         mon = topo.monitors[0]
-        with in_netns(mon.netns):                    # sockets made here live in P_mon0
-            ring = open_ring(mon.ifname)
-        topo.run(topo.hosts[0], "ping", "-c", "1", topo.hosts[1].ip)
+        ring = open_ring(mon.ifname, netns=mon.netns)
+        server = topo.popen(topo.hosts[1], sys.executable, "-m", "http.server", "-b",
+                            topo.hosts[1].ip)
+        topo.run(topo.hosts[0], "curl", f"http://{topo.hosts[1].ip}:8000/")
+        with in_netns(mon.netns): ...                # sockets made here live in P_mon0
 
 Hosts get fixed MACs and static ARP (and, with ``ipv6=True``, static ND) entries, so no
 resolution traffic appears on the mirrors; with ``ipv6=False`` IPv6 is disabled on every
@@ -45,7 +47,7 @@ from mirrorckpt.capture.afpacket import in_netns  # re-exported: enter a namespa
 from mirrorckpt.capture.batch import FrameBatch
 
 __all__ = ["FrameSender", "Host", "Monitor", "Topology", "TopologyError", "cleanup_prefix",
-           "in_netns", "send_frames", "unique_prefix"]
+           "cleanup_stale", "in_netns", "send_frames", "unique_prefix"]
 
 _SOL_PACKET = 263
 _PACKET_QDISC_BYPASS = 20
@@ -79,15 +81,15 @@ class Topology:
     """Hosts h0..hN-1 on a bridge plus monitor ports; see the module docstring.
 
     `prefix` names everything (namespaces ``P_h<i>``/``P_mon<j>``, interfaces ``P...``) and
-    must be at most 8 characters; by default it is unique to this process. Leftovers of an
+    must be at most 10 characters; by default it is unique to this process ("mk" + pid). Leftovers of an
     earlier run with the same prefix are removed first."""
 
     def __init__(self, hosts: int = 2, monitors: int = 1, prefix: str | None = None,
                  mtu: int = 1500, ipv6: bool = False, offloads: bool = False):
         self.hosts_count, self.monitors_count = int(hosts), int(monitors)
         self.prefix = prefix or unique_prefix()
-        if not (self.prefix.isalnum() and len(self.prefix) <= 8):
-            raise ValueError(f"prefix {self.prefix!r}: up to 8 letters/digits (interface names "
+        if not (self.prefix.isalnum() and len(self.prefix) <= 10):
+            raise ValueError(f"prefix {self.prefix!r}: up to 10 letters/digits (interface names "
                              "are limited to 15 characters)")
         if not 1 <= self.hosts_count <= 99 or not 0 <= self.monitors_count <= 9:
             raise ValueError("hosts must be 1..99 and monitors 0..9")
@@ -115,6 +117,7 @@ class Topology:
     def setup(self) -> Topology:
         """Creates namespaces, bridge, veths, addresses and neighbour entries."""
         require_root()
+        cleanup_stale()
         cleanup_prefix(self.prefix)
         self._up = True
         try:
@@ -237,12 +240,21 @@ class Topology:
 
 def unique_prefix() -> str:
     """A prefix no other process is using: 'mk' and this process id."""
-    return f"mk{os.getpid() % 1000000}"
+    return f"mk{os.getpid()}"
 
 
 def require_root() -> None:
     if os.geteuid() != 0:
         raise TopologyError("network namespaces, veths and tc need root (CI runs as root)")
+
+
+def cleanup_stale() -> None:
+    """Removes topologies with default prefixes ("mk" + pid) of processes that are gone
+    (a test run that was killed before its teardown)."""
+    for ns in _netns_list():
+        head = ns.partition("_")[0]
+        if head.startswith("mk") and head[2:].isdigit() and not os.path.exists(f"/proc/{head[2:]}"):
+            cleanup_prefix(head)
 
 
 def cleanup_prefix(prefix: str) -> None:
