@@ -81,8 +81,9 @@ class Topology:
     """Hosts h0..hN-1 on a bridge plus monitor ports; see the module docstring.
 
     `prefix` names everything (namespaces ``P_h<i>``/``P_mon<j>``, interfaces ``P...``) and
-    must be at most 10 characters; by default it is unique to this process ("mk" + pid). Leftovers of an
-    earlier run with the same prefix are removed first."""
+    has at most 10 characters; by default it is "mk" + this process's pid. Leftovers of an
+    earlier run with the same prefix, or of default-prefix runs whose process is gone, are
+    removed first."""
 
     def __init__(self, hosts: int = 2, monitors: int = 1, prefix: str | None = None,
                  mtu: int = 1500, ipv6: bool = False, offloads: bool = False):
