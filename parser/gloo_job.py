@@ -82,120 +82,240 @@ class GlooStreams:
     def tcp_keys(self) -> set[StreamKey]:
         return {k for d in self.decoders for k in d.tcp.streams}
 
+    def gloo_hosts(self, master_port: int = MASTER_PORT) -> set[bytes]:
+        """Both ends of every connection that opened with gloo's sequence-number preamble and
+        framed cleanly since (the full mesh, idle pairs included; not the TCPStore)."""
+        return {a for d in self.decoders for k, f in d.framers.items()
+                if f.seq_number is not None and f.epoch == 0 and master_port not in (k.sport, k.dport)
+                for a in (k.src, k.dst)}
+
 
 class RankFinder:
     """Ranks from addresses: rank 0 holds the master port, the ring gives the rest."""
 
-    def __init__(self, nranks: int | None, master_port: int = MASTER_PORT):
+    def __init__(self, nranks: int | None, master_port: int = MASTER_PORT,
+                 max_segment: int = gs.MAX_SEGMENT_BYTES):
         self.nranks = nranks
         self.master_port = master_port
-        self.edges: set[tuple[bytes, bytes, int]] = set()  # (src, dst, rank step of dst)
-        self.hosts: set[bytes] = set()  # addresses with gloo ops
+        self.max_segment = max_segment
+        self.edges: set[tuple[bytes, bytes, int]] = set()  # (src, dst, rank of dst - rank of src)
+        self.data_hosts: set[bytes] = set()  # addresses that sent or received data ops
+        self.allreduce_seen = False
+        self.lengths: dict = {}  # (source, stream) -> tag -> [all-reduce data op lengths]
+        self.tree: set[tuple[bytes, bytes]] = set()  # broadcast data: parent -> child
 
     def add(self, ops: list[GlooOp]) -> None:
         for op in ops:
-            self.hosts.update((op.stream.src, op.stream.dst))
-            if op.is_data and op.prefix == gs.PREFIX_ALLREDUCE:
+            if not op.is_data:
+                continue
+            self.data_hosts.update((op.stream.src, op.stream.dst))
+            if op.prefix == gs.PREFIX_ALLREDUCE:
                 self.edges.add((op.stream.src, op.stream.dst, -1))
-            elif op.is_data and op.prefix == gs.PREFIX_ALLGATHER:
+                self.allreduce_seen = True
+                if op.trusted:
+                    seq = self.lengths.setdefault((op.source, op.stream), {}).setdefault(op.tag, [])
+                    if op.index == len(seq):
+                        seq.append(op.length)
+            elif op.prefix == gs.PREFIX_ALLGATHER:
                 self.edges.add((op.stream.src, op.stream.dst, +1))
+            elif op.prefix == gs.PREFIX_BROADCAST:
+                self.tree.add((op.stream.src, op.stream.dst))
 
-    def ranks(self, keys: set[StreamKey], notes: list[str]) -> dict[bytes, int] | None:
+    def fit(self, model: JobModel, n: int) -> dict[bytes, int]:
+        """Senders whose all-reduce op lengths fit the ring schedule of one rank only (the
+        short or empty last segments sit at a rank-dependent place in the send order)."""
+        specs = {(c.count, c.dtype) for i in (0, 1) for c in model.grads(i)}
+        out = {}
+        for (_, stream), tags in self.lengths.items():
+            possible = set(range(n))
+            for seq in tags.values():
+                fits = set()
+                for count, dt in specs:
+                    es = dtype_size(dt)
+                    for r in range(n):
+                        want = [x.length for x in gs.allreduce_sends(count * es, es, n, r, self.max_segment)]
+                        if want[:len(seq)] == seq:
+                            fits.add(r)
+                possible &= fits
+            if len(possible) == 1:
+                out[stream.src] = possible.pop()
+        return out
+
+    def ranks(self, streams: "GlooStreams", notes: list[str], final: bool = False,
+              model: JobModel | None = None) -> dict[bytes, int] | None:
+        """Address -> rank when the evidence fixes it: every gloo host, or (once two all-reduces
+        were seen, or at the end) every host that carried data."""
+        keys = streams.tcp_keys()
         zero = {k.src for k in keys if k.sport == self.master_port} | \
                {k.dst for k in keys if k.dport == self.master_port}
-        if len(zero) != 1:
+        hosts = streams.gloo_hosts(self.master_port) | self.data_hosts | zero
+        n = self.nranks or (model.ring.nranks if model is not None else len(hosts))
+        if len(zero) > 1 or n < 2 or len(hosts) > n:
             return None
-        n = self.nranks or len(self.hosts)
-        if n < 2:
-            return None
-        ranks = {zero.pop(): 0}
-        grew = True
-        while grew:
-            grew = False
-            for src, dst, step in self.edges:
-                if src in ranks and dst not in ranks:
-                    ranks[dst] = (ranks[src] + step) % n
-                    grew = True
-                elif dst in ranks and src not in ranks:
-                    ranks[src] = (ranks[dst] - step) % n
-                    grew = True
-                elif src in ranks and dst in ranks and ranks[dst] != (ranks[src] + step) % n:
-                    raise InferenceError(f"the ring is inconsistent: {addr_text(src)} (rank {ranks[src]}) "
-                                         f"sends ring traffic to {addr_text(dst)} (rank {ranks[dst]})")
-        if len(ranks) < n or len(set(ranks.values())) != len(ranks):
+        anchors = {a: 0 for a in zero}
+        if model is not None:
+            for a, r in self.fit(model, n).items():
+                if anchors.setdefault(a, r) != r:
+                    raise InferenceError(f"{addr_text(a)}: the TCPStore says rank {anchors[a]}, the "
+                                         f"all-reduce schedule rank {r}")
+        # DDP's broadcasts all come from rank 0: a broadcast send is an edge of that tree.
+        tree = {(p, c) for p in range(n) for c in gs.broadcast_children(n, 0, p)}
+        pairs = [(a, b, tree) for a, b in self.tree]
+        sols = solve_ranks(sorted(hosts), self.edges, anchors, n, pairs)
+        if not sols:
+            raise InferenceError("no rank assignment fits the ring traffic")
+        fixed = {a: sols[0][a] for a in hosts if all(s[a] == sols[0][a] for s in sols)}
+        enough = len(self.lengths_tags()) >= 2 or final
+        if not (set(fixed) == hosts or (enough and self.data_hosts <= set(fixed))):
             return None
         notes.append("ranks from the wire: " + ", ".join(f"{addr_text(a)} = {r}" for a, r in
-                                                           sorted(ranks.items(), key=lambda x: x[1])))
-        return ranks
+                                                           sorted(fixed.items(), key=lambda x: x[1])))
+        return fixed
+
+    def lengths_tags(self) -> set[int]:
+        return {t for tags in self.lengths.values() for t in tags}
+
+
+def solve_ranks(hosts: list[bytes], edges, anchors: dict[bytes, int], n: int, pairs=(),
+                limit: int = 64) -> list[dict[bytes, int]]:
+    """Every assignment of distinct ranks 0..n-1 to ``hosts`` that keeps each edge
+    (rank(dst) = rank(src) + step mod n), each anchor and each pair constraint (a, b, allowed
+    (rank a, rank b) pairs); at most ``limit`` of them."""
+    rel: dict[bytes, tuple[bytes, int]] = {}  # host -> (component root, offset from it)
+
+    def find(a):
+        r, off = rel.get(a, (a, 0))
+        if r == a:
+            return a, 0
+        root, o2 = find(r)
+        rel[a] = (root, (off + o2) % n)
+        return root, (off + o2) % n
+
+    for src, dst, step in edges:
+        (rs, os_), (rd, od) = find(src), find(dst)
+        if rs == rd:
+            if (os_ + step - od) % n:
+                return []
+            continue
+        rel[rd] = (rs, (os_ + step - od) % n)  # rank(rd) = rank(rs) + os + step - od
+    comps: dict[bytes, list[tuple[bytes, int]]] = {}
+    for a in hosts:
+        root, off = find(a)
+        comps.setdefault(root, []).append((a, off))
+    base: dict[bytes, set[int]] = {}
+    for root, members in comps.items():
+        opts = set(range(n))
+        for a, off in members:
+            if a in anchors:
+                opts &= {(anchors[a] - off) % n}
+        base[root] = opts
+    roots = sorted(comps, key=lambda r: len(base[r]))
+    out: list[dict[bytes, int]] = []
+
+    def walk(k, used, acc):
+        if len(out) >= limit:
+            return
+        if k == len(roots):
+            out.append(dict(acc))
+            return
+        root = roots[k]
+        for b in sorted(base[root]):
+            vals = [(a, (b + off) % n) for a, off in comps[root]]
+            rs = {v for _, v in vals}
+            if len(rs) < len(vals) or rs & used:
+                continue
+            acc.update(vals)
+            if any(a in acc and b in acc and (acc[a], acc[b]) not in ok for a, b, ok in pairs):
+                for a, _ in vals:
+                    del acc[a]
+                continue
+            walk(k + 1, used | rs, acc)
+            for a, _ in vals:
+                del acc[a]
+
+    walk(0, set(), {})
+    return out
 
 
 @dataclass
 class WireStartup:
-    """DDP's start-up collectives read off the wire, in tag order (only trusted data ops)."""
+    """DDP's start-up collectives read off the wire (trusted, complete data ops), by tag order:
+    the parameter count (all-gather), the shapes (broadcast), the initial weights (broadcasts of
+    ``ddp.broadcast_groups``; their size gives the element size) and the two rebuild broadcasts."""
 
     dtype: str | None = None
+    notes: list[str] = field(default_factory=list)
+    ops: dict = field(default_factory=dict)  # tag -> [op]
     nparams: int | None = None
     shapes: list[tuple[int, ...]] | None = None
     esize: int | None = None
     buckets: list[BucketSpec] | None = None
-    notes: list[str] = field(default_factory=list)
-    _halves: dict = field(default_factory=dict)
-    _tags: list[int] = field(default_factory=list)  # tags of: count, shapes, init..., rebuild idx
-    _rebuild_idx: np.ndarray | None = None
-    _groups: int = 1  # initial-weight broadcasts (250 MiB groups)
 
     def add(self, ops: list[GlooOp]) -> None:
         for op in ops:
-            if op.is_data and op.trusted and op.complete and self.buckets is None:
-                self._op(op)
+            if op.is_data and op.trusted and op.complete and op.prefix in (gs.PREFIX_ALLGATHER,
+                                                                          gs.PREFIX_BROADCAST):
+                self.ops.setdefault(op.tag, []).append(op)
 
-    def _op(self, op: GlooOp) -> None:
-        last = self._tags[-1] if self._tags else -1
-        if self.nparams is None:
-            if op.prefix == gs.PREFIX_ALLGATHER and op.index in (0, 1):
-                key = (op.source, op.stream, op.slot)
-                h = self._halves.setdefault(key, {})
-                h[op.index] = bytes(op.data)
-                if len(h) == 2 and len(h[0]) + len(h[1]) == 8:  # rank's own int64, in two halves
-                    n = int(np.frombuffer(h[0] + h[1], "<i8")[0])
-                    if 1 <= n <= 1 << 20:
-                        self.nparams = n
-                        self._tags.append(op.tag)
+    def _read(self) -> None:
+        """Walks the tags in order; stops where the start-up is not (yet) visible."""
+        tags = sorted(self.ops)
+        bcast = [t for t in tags if self.ops[t][0].prefix == gs.PREFIX_BROADCAST]
+        self.nparams = self.shapes = self.esize = self.buckets = None
+        t_pc = None
+        for t in tags:
+            if self.ops[t][0].prefix == gs.PREFIX_ALLGATHER:
+                n = self._count(self.ops[t])
+                if n is not None:
+                    self.nparams, t_pc = n, t
+                    break
+        if t_pc is None:
             return
-        if op.prefix != gs.PREFIX_BROADCAST or op.tag <= last:
-            return
-        if self.shapes is None:
+        later = [t for t in bcast if t > t_pc]
+        for k, t in enumerate(later):
+            op = self.ops[t][0]
             if op.length % 8 == 0:
                 try:
                     self.shapes = ddp.parse_shapes(op.data.view("<i8"), self.nparams)
-                    self._tags.append(op.tag)
                 except ValueError:
-                    pass
+                    continue
+                later = later[k + 1:]
+                break
+        if self.shapes is None or not later:
             return
-        numel = sum(int(np.prod(s)) for s in self.shapes)
-        if self.esize is None:
-            for es in ([dtype_size(self.dtype)] if self.dtype else [4, 2, 8]):
-                lay = self._layout(ESIZE_DTYPES[es] if not self.dtype else self.dtype)
-                first = ddp.broadcast_groups(lay)[0]
-                if op.length == sum(lay.params[i].numel for i in first) * es:
-                    self.esize = es
-                    self._groups = len(ddp.broadcast_groups(lay))
-                    self._tags.append(op.tag)
-                    break
+        first = self.ops[later[0]][0].length
+        for es in ([dtype_size(self.dtype)] if self.dtype else [4, 2, 8]):
+            groups = ddp.broadcast_groups(self._layout(self.dtype or ESIZE_DTYPES[es]))
+            if first == sum(self.shapes_numel[i] for i in groups[0]) * es:
+                self.esize = es
+                later = later[len(groups):]
+                break
+        if self.esize is None or len(later) < 2:
             return
-        if len(self._tags) < 2 + self._groups:
-            self._tags.append(op.tag)  # a further initial-weight group
-            return
-        if self._rebuild_idx is None:
-            if op.length == 4 * (self.nparams + 1):
-                self._rebuild_idx = op.data.view("<i4").copy()
-                self._tags.append(op.tag)
+        a, b = self.ops[later[0]][0], self.ops[later[1]][0]
+        if a.length != 4 * (self.nparams + 1):
             return
         try:
-            self.buckets = ddp.parse_rebuild(self._rebuild_idx, op.data.view("<i4"), self.nparams)
+            self.buckets = ddp.parse_rebuild(a.data.view("<i4"), b.data.view("<i4"), self.nparams)
         except ValueError as e:
             self.notes.append(f"rebuild broadcasts unreadable: {e}")
-            self._rebuild_idx = None
+
+    @staticmethod
+    def _count(ops: list[GlooOp]) -> int | None:
+        """A rank's own int64 parameter count: its first two all-gather sends (two halves)."""
+        by = {}
+        for op in ops:
+            by.setdefault((op.source, op.stream), {})[op.index] = op
+        for h in by.values():
+            if 0 in h and 1 in h and h[0].length + h[1].length == 8:
+                n = int(np.frombuffer(bytes(h[0].data) + bytes(h[1].data), "<i8")[0])
+                if 1 <= n <= 1 << 20:
+                    return n
+        return None
+
+    @property
+    def shapes_numel(self) -> list[int]:
+        return [int(np.prod(s)) for s in self.shapes]
 
     def _layout(self, dtype: str, buckets=None) -> JobLayout:
         params = [ParamSpec(f"param{i}", tuple(s), "float32") for i, s in enumerate(self.shapes)]
@@ -203,6 +323,7 @@ class WireStartup:
         return JobLayout(params, list(buckets or one), list(one), dtype)
 
     def layout(self, final: bool = False) -> JobLayout | None:
+        self._read()
         if self.esize is None:
             return None
         dtype = self.dtype or ESIZE_DTYPES[self.esize]
@@ -225,13 +346,14 @@ class GlooJobStream:
                  ranks: dict[bytes, int] | None = None, nranks: int | None = None,
                  master_port: int = MASTER_PORT, dtype: str | None = None, tag_base: int = 0,
                  window: int | None = None, tcp_window: int | None = None, max_in_flight: int = 2,
-                 max_held_ops: int = 500_000):
+                 max_held_ops: int = 500_000, max_segment: int = gs.MAX_SEGMENT_BYTES):
         self.streams = GlooStreams(sources, tcp_window, max_in_flight)
         self.model, self.ranks = model, ranks
         self.nranks = nranks or (model.ring.nranks if model is not None else None)
-        self.finder = RankFinder(self.nranks, master_port)
+        self.finder = RankFinder(self.nranks, master_port, max_segment)
         self.startup = WireStartup(dtype)
         self.tag_base, self.window, self.max_held = tag_base, window, max_held_ops
+        self.max_segment = max_segment  # gloo AllreduceOptions::setMaxSegmentSize (torch never sets it)
         self.notes: list[str] = []
         self.placer: GlooPlacer | None = None
         self.reassembly: Reassembly | None = None
@@ -268,24 +390,23 @@ class GlooJobStream:
         self.finder.add(ops)
         if self.model is None:
             self.startup.add(ops)
-        if self.ranks is None:
-            self.ranks = self.finder.ranks(self.streams.tcp_keys(), self.notes)
-        if self.model is None:
             layout = self.startup.layout(final)
             if layout is not None:
-                n = self.nranks or (len(self.ranks) if self.ranks else len(self.finder.hosts))
-                ring = RingSpec(nranks=n)
-                self.model = JobModel.ddp(ring, layout)
+                n = self.nranks or len(self.streams.gloo_hosts(self.finder.master_port) | self.finder.data_hosts)
+                self.model = JobModel.ddp(RingSpec(nranks=n), layout)
                 self.notes += self.startup.notes
                 self.notes.append(f"DDP job from the wire: {len(layout.params)} parameters, "
                                   f"{len(layout.buckets)} buckets after the rebuild, {layout.grad_dtype}")
+        if self.ranks is None:
+            self.ranks = self.finder.ranks(self.streams, self.notes, final, self.model)
         if self.ranks is None or self.model is None:
             if final:
                 raise InferenceError("cannot place the gloo traffic: missing " + "; ".join(self._missing()))
             return
-        if self.model.ring.nranks != len(self.ranks):
-            raise InferenceError(f"{len(self.ranks)} ranks on the wire, the job has {self.model.ring.nranks}")
-        self.placer = GlooPlacer(self.model, self.ranks, self.tag_base)
+        if max(self.ranks.values()) >= self.model.ring.nranks:
+            raise InferenceError(f"rank {max(self.ranks.values())} on the wire, the job has "
+                                 f"{self.model.ring.nranks} ranks")
+        self.placer = GlooPlacer(self.model, self.ranks, self.tag_base, self.max_segment)
         self.reassembly = Reassembly(self.model, self.ranks, {}, self.window, placer=self.placer)
 
 

@@ -1,216 +1,185 @@
 """Runs the gloo DDP trainer (``tools.ddp_gloo_job``) in network namespaces with mirrored ports.
 
-Topology: one namespace per rank (``<p>r<k>``, interface ``eth0``, 10.208.<n>.<k+1>/24), their
-veth peers on a bridge in the root namespace, and a monitor namespace whose veth ends receive
-``tc mirred`` copies of chosen rank ports (clsact: the port's ingress hook sees what the rank
-sends, its egress hook what the rank receives; u32 match-all, since this kernel has no matchall).
-All names start with a unique prefix and ``down()`` removes everything it made.
+The topology is ``tools.netns.Topology`` (one host namespace per rank on a bridge, monitor
+namespaces); the mirrors are set here because one port hook may feed several monitors: the
+first u32 filter that matches ends classification, so all monitors of a hook get one filter
+with one ``mirred`` action each. Directions are the appliance's (``MirrorSpec``): "egress" is
+what the rank sends (the bridge port's ingress hook), "ingress" what it receives.
 
-This is test tooling: root, iproute2, tc and tcpdump are required; it raises with the failing
-command's output otherwise.
+Segmentation offloads stay on by default, as on a real host: mirrored frames are TSO/GSO
+super-frames with partial checksums. Test tooling: root, iproute2, tc and tcpdump are needed.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from mirrorckpt.capture.afpacket import open_ring
+from mirrorckpt.tools.netns import Monitor, Topology, TopologyError
+
 MASTER_PORT = 29500
+_HOOK = {"egress": ("ingress",), "ingress": ("egress",), "both": ("ingress", "egress")}
 
 
-class HarnessError(RuntimeError):
-    pass
-
-
-def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(cmd), capture_output=True, text=True)
-    if check and p.returncode != 0:
-        raise HarnessError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip() or p.stdout.strip()}")
-    return p
-
-
-@dataclass
-class Mirror:
-    """A monitor interface and the (rank, direction) streams copied to it."""
-
-    name: str  # interface inside the monitor namespace
-    streams: list[tuple[int, str]]  # direction: "egress" (what the rank sends), "ingress", "both"
-
-
-@dataclass
-class Topology:
-    nranks: int
-    mirrors: list[Mirror] = field(default_factory=list)
-    prefix: str = ""
-    subnet: int = 0
-
-    def __post_init__(self):
-        self.prefix = self.prefix or "mck8" + secrets.token_hex(2)
-        self.subnet = self.subnet or 100 + secrets.randbelow(100)
-        self.made_ns: list[str] = []
-        self.made_links: list[str] = []
-
-    # names ---------------------------------------------------------------------------------
-    def ns(self, rank: int) -> str:
-        return f"{self.prefix}r{rank}"
-
-    @property
-    def mon_ns(self) -> str:
-        return f"{self.prefix}mon"
-
-    @property
-    def bridge(self) -> str:
-        return f"{self.prefix}br"
-
-    def port(self, rank: int) -> str:
-        return f"{self.prefix}p{rank}"
-
-    def addr(self, rank: int) -> str:
-        return f"10.208.{self.subnet}.{rank + 1}"
-
-    def mon_iface(self, k: int) -> str:
-        return self.mirrors[k].name
-
-    # lifecycle -------------------------------------------------------------------------------
-    def up(self) -> "Topology":
-        try:
-            self._up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def _up(self) -> None:
-        sh("ip", "link", "add", self.bridge, "type", "bridge")
-        self.made_links.append(self.bridge)
-        sh("ip", "link", "set", self.bridge, "up")
-        for r in range(self.nranks):
-            ns, port, inner = self.ns(r), self.port(r), f"{self.prefix}e{r}"
-            sh("ip", "netns", "add", ns)
-            self.made_ns.append(ns)
-            sh("ip", "link", "add", port, "type", "veth", "peer", "name", inner)
-            self.made_links.append(port)
-            sh("ip", "link", "set", inner, "netns", ns)
-            sh("ip", "-n", ns, "link", "set", inner, "name", "eth0")
-            sh("ip", "-n", ns, "addr", "add", f"{self.addr(r)}/24", "dev", "eth0")
-            sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "link", "set", port, "master", self.bridge)
-            sh("ip", "link", "set", port, "up")
-        if self.mirrors:
-            sh("ip", "netns", "add", self.mon_ns)
-            self.made_ns.append(self.mon_ns)
-        hooks: dict[tuple[int, str], list[str]] = {}
-        for k, m in enumerate(self.mirrors):
-            tgt = f"{self.prefix}q{k}"
-            sh("ip", "link", "add", tgt, "type", "veth", "peer", "name", m.name)
-            self.made_links.append(tgt)
-            sh("ip", "link", "set", m.name, "netns", self.mon_ns)
-            sh("ip", "-n", self.mon_ns, "link", "set", m.name, "up")
-            sh("ip", "link", "set", tgt, "up")
-            for rank, direction in m.streams:
-                if direction in ("egress", "both"):
-                    hooks.setdefault((rank, "ingress"), []).append(tgt)
-                if direction in ("ingress", "both"):
-                    hooks.setdefault((rank, "egress"), []).append(tgt)
-        for rank in sorted({r for r, _ in hooks}):
-            sh("tc", "qdisc", "add", "dev", self.port(rank), "clsact")
-        for (rank, hook), targets in hooks.items():
-            # One filter with one mirred action per target: the first matching filter ends
-            # classification, so two filters would feed only one monitor.
+def gloo_topology(nranks: int, mirrors: dict[int, list[tuple[int, str]]], offloads: bool = True,
+                  prefix: str | None = None) -> Topology:
+    """A set-up topology with ``mirrors``: monitor index -> [(rank, direction)]."""
+    topo = Topology(hosts=nranks, monitors=max(mirrors, default=-1) + 1, prefix=prefix, offloads=offloads)
+    topo.setup()
+    try:
+        hooks: dict[tuple[str, str], list[str]] = {}
+        for j, streams in mirrors.items():
+            for rank, direction in streams:
+                for hook in _HOOK[direction]:
+                    hooks.setdefault((topo.hosts[rank].port, hook), []).append(topo.monitors[j].peer)
+        for dev in sorted({d for d, _ in hooks}):
+            topo.run(None, "tc", "qdisc", "add", "dev", dev, "clsact")
+        for (dev, hook), peers in hooks.items():
             acts = []
-            for t in targets:
-                acts += ["action", "mirred", "egress", "mirror", "dev", t]
-            sh("tc", "filter", "add", "dev", self.port(rank), hook, "protocol", "all", "prio", "1",
-               "u32", "match", "u32", "0", "0", *acts)
-
-    def down(self) -> None:
-        for link in reversed(self.made_links):
-            sh("ip", "link", "del", link, check=False)
-        for ns in reversed(self.made_ns):
-            sh("ip", "netns", "del", ns, check=False)
-        self.made_links, self.made_ns = [], []
-
-    def __enter__(self) -> "Topology":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
+            for p in peers:
+                acts += ["action", "mirred", "egress", "mirror", "dev", p]
+            topo.run(None, "tc", "filter", "add", "dev", dev, hook, "protocol", "all", "prio", "1",
+                     "u32", "match", "u32", "0", "0", *acts)
+    except BaseException:
+        topo.teardown()
+        raise
+    return topo
 
 
 class Tcpdump:
-    """tcpdump on a monitor interface, writing a pcap; ``stop`` flushes and waits for it."""
+    """tcpdump on a monitor, writing a pcap; ``stop`` flushes and waits for it."""
 
-    def __init__(self, topo: Topology, iface: str, path: Path):
+    def __init__(self, topo: Topology, mon: Monitor, path: Path):
         self.path = Path(path)
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", topo.mon_ns, "tcpdump", "-i", iface, "-w", str(self.path), "-s", "0",
-             "-B", "65536", "-n", "--immediate-mode"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.banner = ""
+        self.proc = topo.popen(mon, "tcpdump", "-i", mon.ifname, "-w", str(self.path), "-s", "0",
+                               "-B", "65536", "-n", "--immediate-mode",
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.log = ""
         self._wait_listening()
 
     def _wait_listening(self) -> None:
-        # tcpdump prints "listening on ..." once the socket is bound; frames before that are lost.
-        deadline = time.monotonic() + 10
+        # tcpdump says "listening on ..." once its socket is bound; frames before are not seen.
         fd = self.proc.stderr.fileno()
         os.set_blocking(fd, False)
-        line = ""
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                line += os.read(fd, 4096).decode(errors="replace")
+                self.log += os.read(fd, 4096).decode(errors="replace")
             except BlockingIOError:
                 pass
-            if "listening on" in line:
-                self.banner = line
+            if "listening on" in self.log:
                 return
             if self.proc.poll() is not None:
-                raise HarnessError(f"tcpdump exited: {line.strip()}")
+                raise TopologyError(f"tcpdump exited: {self.log.strip()}")
             time.sleep(0.02)
-        raise HarnessError(f"tcpdump did not start: {line.strip()}")
+        raise TopologyError(f"tcpdump did not start: {self.log.strip()}")
 
     def stop(self) -> str:
+        """Stops tcpdump; returns its output (with the kernel drop count)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         os.set_blocking(self.proc.stderr.fileno(), True)
-        return self.banner + self.proc.stderr.read().decode(errors="replace")
+        self.log += self.proc.stderr.read().decode(errors="replace")
+        return self.log
+
+
+class LiveSource:
+    """Batches from an AF_PACKET ring on a monitor until ``stop``; then the ring is drained
+    (until a poll finds nothing) and iteration ends. Iterate it from the consuming thread."""
+
+    def __init__(self, mon: Monitor, block_count: int = 256):
+        self.ring = open_ring(mon.ifname, netns=mon.netns, block_count=block_count,
+                              poll_timeout=0.2)
+        self.name = self.ring.name
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def __iter__(self):
+        try:
+            for b in self.ring:
+                if len(b):
+                    yield b
+                elif self._stop.is_set():
+                    return
+        finally:
+            self.stats = self.ring.stats()
+            self.ring.close()
+
+
+class Consumer(threading.Thread):
+    """Runs ``fn()`` (e.g. iterating a GlooJobStream over a LiveSource) in a thread; ``result()``
+    returns its value or raises what it raised."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.value, self.error = fn, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # handed to the caller
+            self.error = e
+
+    def result(self, timeout: float = 120):
+        self.join(timeout)
+        if self.is_alive():
+            raise TimeoutError("the live consumer did not finish")
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def start_ranks(topo: Topology, out: Path, steps: int = 8, extra: list[str] | None = None,
                 port: int = MASTER_PORT) -> list[subprocess.Popen]:
     """One trainer process per rank in its namespace; rank 0 hosts the TCPStore."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = []
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for r in range(topo.nranks):
-        cmd = ["ip", "netns", "exec", topo.ns(r), sys.executable, "-m", "mirrorckpt.tools.ddp_gloo_job",
-               "--rank", str(r), "--world", str(topo.nranks), "--master", topo.addr(0), "--port", str(port),
-               "--out", str(out), "--steps", str(steps)] + list(extra or [])
+    for r, h in enumerate(topo.hosts):
+        env["GLOO_SOCKET_IFNAME"] = h.ifname
         log = open(out / f"rank{r}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(topo.popen(h, sys.executable, "-m", "mirrorckpt.tools.ddp_gloo_job", "--rank", r,
+                                "--world", len(topo.hosts), "--master", topo.hosts[0].ip, "--port", port,
+                                "--out", out, "--steps", steps, *(extra or []),
+                                env=dict(env), stdout=log, stderr=subprocess.STDOUT))
+        log.close()
     return procs
 
 
-def wait_ranks(procs: list[subprocess.Popen], out: Path, timeout: float = 120) -> None:
+def wait_ranks(procs: list[subprocess.Popen], out: Path, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     try:
         for r, p in enumerate(procs):
-            left = max(0.1, deadline - time.monotonic())
-            rc = p.wait(timeout=left)
+            try:
+                rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TopologyError(f"rank {r} did not finish in {timeout} s: "
+                                    f"{(out / f'rank{r}.log').read_text()[-2000:]}") from None
             if rc != 0:
-                raise HarnessError(f"rank {r} exited {rc}: {(out / f'rank{r}.log').read_text()[-2000:]}")
+                raise TopologyError(f"rank {r} exited {rc}: {(out / f'rank{r}.log').read_text()[-2000:]}")
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def wait_file(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TopologyError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.01)
