@@ -409,7 +409,7 @@ def test_attach_mid_run_with_the_configured_layout():
 # -- loss never makes a wrong iteration -------------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(__import__("os").environ.get("MCK8_EXAMPLES", "25")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=hst.integers(0, 10_000), drop=hst.floats(0.0, 0.05), attach=hst.floats(0, 0.5),
        corrupt=hst.integers(0, 3))
 def test_damage_never_yields_a_wrong_iteration(seed, drop, attach, corrupt):

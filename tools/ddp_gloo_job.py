@@ -54,7 +54,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dims", default=",".join(map(str, DEFAULT_DIMS)))
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step")
-    ap.add_argument("--wait-file", default="", help="before step --wait-step, wait for this file")
+    ap.add_argument("--wait-file", default="", help="rank 0: before step --wait-step, wait for this file "
+                                                    "(the other ranks go on into that step's all-reduces)")
     ap.add_argument("--wait-step", type=int, default=-1)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / "init.pt")
     opt = torch.optim.Adam(model.parameters(), lr=a.lr, foreach=False, fused=False)
     for step in range(a.steps):
-        if step == a.wait_step and a.wait_file:
+        if step == a.wait_step and a.wait_file and a.rank == 0:
             deadline = time.monotonic() + 60
             while not os.path.exists(a.wait_file) and time.monotonic() < deadline:
                 time.sleep(0.02)

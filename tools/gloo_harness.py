@@ -30,6 +30,7 @@ _HOOK = {"egress": ("ingress",), "ingress": ("egress",), "both": ("ingress", "eg
 def gloo_topology(nranks: int, mirrors: dict[int, list[tuple[int, str]]], offloads: bool = True,
                   prefix: str | None = None) -> Topology:
     """A set-up topology with ``mirrors``: monitor index -> [(rank, direction)]."""
+    prefix = prefix or f"mck8{os.getpid() % 10000}"  # names start with the issue's prefix
     topo = Topology(hosts=nranks, monitors=max(mirrors, default=-1) + 1, prefix=prefix, offloads=offloads)
     topo.setup()
     try:
