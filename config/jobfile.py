@@ -162,6 +162,14 @@ class JobConfig:
         return out
 
 
+def _source(spec: str, base: Path | None) -> str:
+    """A capture-file source relative to the configuration file's folder; live specs unchanged."""
+    if not spec or base is None or spec.startswith(("afpacket:", "dpdk:")):
+        return spec
+    path = Path(spec.removeprefix("file:"))
+    return str(path if path.is_absolute() else base / path)
+
+
 def load_job(path) -> JobConfig:
     p = Path(path)
     name = p.name
@@ -171,10 +179,10 @@ def load_job(path) -> JobConfig:
         raise ConfigError(f"{name}: {e}") from None
     except OSError as e:
         raise ConfigError(f"{name}: {e.strerror}") from None
-    return parse_job(raw, name)
+    return parse_job(raw, name, p.resolve().parent)
 
 
-def parse_job(raw: dict, name: str = "config") -> JobConfig:
+def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobConfig:
     for k, check in TOP.items():
         if k in raw and not isinstance(raw[k], dict if check is _table else list):
             raise ConfigError(f"{name}: [{k}] must be a {'table' if check is _table else 'array of tables'}")
@@ -207,7 +215,7 @@ def parse_job(raw: dict, name: str = "config") -> JobConfig:
         if mm["rank"] >= ring.nranks:
             raise ConfigError(f"{name}: [[mirror]] #{i + 1} rank: {mm['rank']} is outside the ring "
                               f"(ranks 0..{ring.nranks - 1})")
-        cfg.mirrors.append(MirrorSpec(mm["rank"], mm.get("direction", "both"), mm.get("source", "")))
+        cfg.mirrors.append(MirrorSpec(mm["rank"], mm.get("direction", "both"), _source(mm.get("source", ""), base)))
     for sec in ("persist", "control", "metrics", "capture"):
         if sec in raw:
             setattr(cfg, sec, _check(f"{name}: [{sec}]", sec, raw[sec]))

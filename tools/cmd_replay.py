@@ -59,13 +59,18 @@ def persist_spec(job, checkpoint_dir):
 
 
 def run(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, replica_training=None,
-        persist=None, progress=None):
+        persist=None, progress=None, transport="roce"):
     """The main job. Returns (JobStream, results, iterations, Appliance or None)."""
     from mirrorckpt.tools.appliance import Appliance
 
-    streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
-    kw = dict(model=job.model(), ranks=job.ranks(), channels=None) if job is not None else {}
-    js = JobStream(streams, dtype=dtype, nccl_version=nccl_version, **kw)
+    if transport == "gloo":  # PyTorch DDP over gloo/TCP: same pipeline after the placer
+        from mirrorckpt.parser.gloo_job import open_job_stream
+
+        js = open_job_stream(captures, job, dtype)
+    else:
+        streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
+        kw = dict(model=job.model(), ranks=job.ranks(), channels=None) if job is not None else {}
+        js = JobStream(streams, dtype=dtype, nccl_version=nccl_version, **kw)
     results, iterations, app = [], [], None
     for done, its in js:
         results += done
@@ -98,7 +103,10 @@ def run(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, replica_
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with every all-reduce's verdict.")
 @click.option("--no-icrc", is_flag=True, help="Skip the ICRC check.")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
-def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer, lr, as_json, no_icrc, quiet):
+@click.option("--transport", type=click.Choice(["roce", "gloo"]), default="roce", show_default=True,
+              help="NCCL over RoCEv2, or PyTorch DDP over gloo/TCP.")
+def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer, lr, as_json, no_icrc, quiet,
+           transport):
     """Replay mirror CAPTURES of one job: reassemble every all-reduce, keep the replica, commit checkpoints.
 
     With no CAPTURE, the bundled demo (tests/pcaps/demo) is replayed into ./mirrorckpt-demo."""
@@ -121,7 +129,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
             sys.exit(2)
         nccl_version = job.ring.nccl_version
         if demo:
-            captures = tuple(str(DEMO / m.source) for m in job.mirrors)
+            captures = tuple(m.source for m in job.mirrors)
     keep_replica = checkpoint_dir is not None or (job is not None and bool(job.persist))
     try:
         persist = persist_spec(job, checkpoint_dir) if keep_replica else None
@@ -130,6 +138,8 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
+    if keep_replica:
+        import mirrorckpt.tools.appliance  # noqa: F401  (torch's import is not replay time)
     t0 = time.perf_counter()
     shown = {"n": 0}
 
@@ -140,7 +150,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
 
     try:
         js, results, iterations, app = run(captures, job, dtype, nccl_version, not no_icrc, training, persist,
-                                           progress)
+                                           progress, transport)
     except CaptureError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

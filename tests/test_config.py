@@ -1,0 +1,82 @@
+"""The job configuration file: round trip, and errors that name the file, table and key."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from mirrorckpt.config.jobfile import ConfigError, dump_job, load_job, parse_job
+from mirrorckpt.tools.cli import main
+
+GOOD = """
+[ring]
+nranks = 3
+nchannels = 2
+protocol = "LL"
+addresses = ["fe80::1", "fe80::2", "10.0.0.3"]
+
+[job]
+grad_dtype = "bfloat16"
+
+[[job.params]]
+name = "w"
+shape = [4, 3]
+
+[[job.params]]
+name = "b"
+shape = [4]
+
+[job.buckets]
+after_rebuild = [[1], [0]]
+
+[[mirror]]
+rank = 0
+direction = "egress"
+source = "afpacket:lo"
+"""
+
+
+def write(tmp_path, text, name="job.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_round_trip(tmp_path):
+    job = load_job(write(tmp_path, GOOD))
+    assert job.ring.nranks == 3 and job.layout.grad_dtype == "bfloat16"
+    assert [b.params for b in job.layout.buckets] == [(1,), (0,)]
+    assert job.ranks()[bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 3])] == 2
+    again = load_job(write(tmp_path, dump_job(job), "again.toml"))
+    assert again.layout == job.layout and again.ring == job.ring and again.mirrors == job.mirrors
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("nranks = 3", "nranks = 3\nnrank = 3"), "[ring]: unknown key 'nrank'"),
+    (("nranks = 3", 'nranks = "three"'), "[ring] nranks: expected an integer >= 2, got 'three'"),
+    (('protocol = "LL"', 'protocol = "LL64"'), "[ring] protocol: expected one of LL, LL128, Simple"),
+    (("rank = 0", "rank = 5"), "[[mirror]] #1 rank: 5 is outside the ring (ranks 0..2)"),
+    (('"10.0.0.3"', '"10.0.0.300"'), "[ring] addresses: expected an IPv4 or IPv6 address"),
+    (("[[mirror]]", "[mirrors]\nx = 1\n[[mirror]]"), "unknown table [mirrors]"),
+    (("after_rebuild = [[1], [0]]", "after_rebuild = [[1], [1]]"), "every parameter must sit in exactly one bucket"),
+    (('shape = [4]', 'shape = 4'), "shape: expected a list of integers"),
+    (("nranks = 3", "nranks = 3\n[ring"), "job.toml:"),
+])
+def test_errors_are_located(tmp_path, edit, message):
+    text = GOOD.replace(*edit, 1)
+    with pytest.raises(ConfigError) as e:
+        load_job(write(tmp_path, text))
+    assert message in str(e.value) and str(e.value).startswith("job.toml")
+
+
+def test_relative_sources_follow_the_file(tmp_path):
+    job = parse_job({"ring": {"nranks": 2}, "job": {"kind": "allreduce", "counts": [10]},
+                     "mirror": [{"rank": 1, "source": "a.pcapng"}]}, "x.toml", tmp_path)
+    assert job.mirrors[0].source == str(tmp_path / "a.pcapng")
+
+
+def test_serve_refuses_a_missing_interface(tmp_path):
+    p = write(tmp_path, GOOD.replace("afpacket:lo", "afpacket:mck_no_such_if0"))
+    res = CliRunner().invoke(main, ["serve", "--config", str(p)])
+    assert res.exit_code == 2
+    assert "interface 'mck_no_such_if0' does not exist" in res.stderr

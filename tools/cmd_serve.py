@@ -1,0 +1,74 @@
+"""`mirrorckpt serve --config FILE`: the appliance on live mirror ports (or paced capture files)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+
+def check_sources(job) -> list[str]:
+    """Problems with the configured mirror sources, each naming the [[mirror]] entry."""
+    errors = []
+    if not job.mirrors:
+        errors.append("no [[mirror]] entries: nothing to capture")
+    for i, m in enumerate(job.mirrors):
+        where = f"[[mirror]] #{i + 1} source"
+        if not m.source:
+            errors.append(f"{where}: missing (afpacket:IFACE, dpdk:VDEV or a capture file)")
+        elif m.source.startswith("afpacket:"):
+            iface = m.source.split(":", 1)[1]
+            if not (Path("/sys/class/net") / iface).exists():
+                errors.append(f"{where}: interface {iface!r} does not exist")
+        elif not m.source.startswith("dpdk:") and not Path(m.source.removeprefix("file:")).is_file():
+            errors.append(f"{where}: no capture file {m.source!r}")
+    return errors
+
+
+@click.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, exists=True))
+@click.option("--pace", help="For capture-file sources: 'recorded' or a rate in Gbit/s (default: as fast as possible).")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(config_path, pace, log_level):
+    """Run the appliance: capture the mirror ports, keep the replica, commit checkpoints."""
+    from mirrorckpt.config.jobfile import ConfigError, load_job
+    from mirrorckpt.config.training import PersistSpec, SpecError, TrainingSpec
+    from mirrorckpt.tools.metrics import Metrics
+    from mirrorckpt.tools.serve import Daemon, setup_logging
+
+    setup_logging(getattr(logging, log_level.upper()))
+    log = logging.getLogger("mirrorckpt.serve")
+    try:
+        job = load_job(config_path)
+        if job.kind == "ddp" and job.layout is None:
+            raise ConfigError(f"{config_path}: serve needs the job layout in [job]")
+        if not job.ring.addresses:
+            raise ConfigError(f"{Path(config_path).name}: [ring] addresses: serve needs every rank's address")
+        problems = check_sources(job)
+        if problems:
+            raise ConfigError("; ".join(f"{Path(config_path).name}: {p}" for p in problems))
+        training = TrainingSpec.from_dict(job.training) if job.training else TrainingSpec(grad_dtype=job.grad_dtype)
+        persist = PersistSpec.from_dict(job.persist) if job.persist else None
+    except (ConfigError, SpecError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    pace_v = None if pace is None else ("recorded" if pace == "recorded" else float(pace))
+    metrics = Metrics()
+    if job.metrics.get("listen"):
+        host, port = metrics.serve(job.metrics["listen"])
+        log.info("metrics endpoint up", extra={"listen": f"{host}:{port}"})
+    control = None
+    if job.control.get("listen"):
+        from mirrorckpt.control.appliance_side import ControlPlane
+
+        control = ControlPlane.from_config(job)
+    daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control)
+    signal.signal(signal.SIGTERM, daemon.request_stop)
+    signal.signal(signal.SIGINT, daemon.request_stop)
+    code = daemon.run()
+    if control is not None:
+        control.close()
+    sys.exit(code)

@@ -1,0 +1,51 @@
+"""The appliance's Prometheus metrics, in one registry (so tests can run several appliances)."""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        port = ["port"]
+        self.frames = Counter("mirrorckpt_frames_received", "Frames received per mirror port", port, registry=r)
+        self.bytes = Counter("mirrorckpt_bytes_received", "Bytes received per mirror port", port, registry=r)
+        self.dropped = Counter("mirrorckpt_frames_dropped", "Frames dropped per port: at the capture edge "
+                               "(the pipeline fell behind) or by the kernel/NIC", port + ["where"], registry=r)
+        self.icrc = Counter("mirrorckpt_icrc_failures", "RoCE packets whose ICRC failed", port, registry=r)
+        self.iterations = Counter("mirrorckpt_iterations", "Iterations seen on the wire", ["state"], registry=r)
+        self.replica_step = Gauge("mirrorckpt_replica_step", "Optimizer steps the replica has taken", registry=r)
+        self.replica_iteration = Gauge("mirrorckpt_replica_iteration", "Last iteration applied to the replica",
+                                       registry=r)
+        self.wire_iteration = Gauge("mirrorckpt_wire_iteration", "Last iteration reassembled from the wire",
+                                    registry=r)
+        self.lag = Gauge("mirrorckpt_replica_lag_iterations", "Iterations the replica is behind the wire",
+                         registry=r)
+        self.stale = Gauge("mirrorckpt_replica_stale", "1 while the replica waits for a resync", registry=r)
+        self.fallbacks = Counter("mirrorckpt_fallbacks", "Fallback checkpoints requested from the trainer",
+                                 registry=r)
+        self.persist_seconds = Histogram("mirrorckpt_persist_seconds", "Time to commit one checkpoint",
+                                         registry=r, buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300))
+        self.last_committed = Gauge("mirrorckpt_last_committed_step", "Iterations in the newest committed "
+                                    "checkpoint", registry=r)
+        self.queue_depth = Gauge("mirrorckpt_queue_depth", "Items waiting between pipeline stages", ["queue"],
+                                 registry=r)
+        self.memory = Gauge("mirrorckpt_resident_bytes", "Resident memory of the appliance process", registry=r)
+        self.memory.set_function(_rss)
+
+    def serve(self, listen: str):
+        """Starts the HTTP endpoint on HOST:PORT; returns the bound (host, port)."""
+        host, _, port = listen.rpartition(":")
+        server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        return server.server_address[:2]
+
+
+def _rss() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0.0

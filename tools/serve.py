@@ -1,0 +1,275 @@
+"""The appliance daemon: capture workers, parser, updater and persister as pipeline stages.
+
+    port 0: [capture thread] -> drop-if-full queue -> [packet path thread] -+
+    port 1: [capture thread] -> drop-if-full queue -> [packet path thread] -+-> sends queue
+                      (one process per mirror port: the GIL does not bind)  |
+    main process:  [parser thread: state machine, concatenator] -> iterations queue
+                   -> [updater thread: replica] -> [persister thread: DCP commits]
+
+Every queue is bounded. When a stage falls behind, its input queue fills, the stage before it
+blocks, and in the end the capture thread finds its queue full and drops the batch, counting its
+frames: the affected iterations come out incomplete (and ask for a fallback), never corrupt.
+SIGTERM/SIGINT: capture stops, queued data is drained, the last complete iteration is applied
+and committed, and the daemon exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("mirrorckpt.serve")
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any `extra` fields."""
+
+    skip = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+    def format(self, r: logging.LogRecord) -> str:
+        d = {"ts": round(r.created, 6), "level": r.levelname.lower(), "logger": r.name, "msg": r.getMessage()}
+        d.update({k: v for k, v in vars(r).items() if k not in self.skip})
+        if r.exc_info:
+            d["exc"] = self.formatException(r.exc_info)
+        return json.dumps(d, default=str)
+
+
+def setup_logging(level=logging.INFO) -> None:
+    h = logging.StreamHandler()
+    h.setFormatter(JsonLogFormatter())
+    root = logging.getLogger("mirrorckpt")
+    root.handlers[:] = [h]
+    root.setLevel(level)
+    root.propagate = False
+
+
+# -- capture worker (one process per mirror port) ---------------------------------------------
+
+
+@dataclass
+class WorkerSpec:
+    port: int
+    source: str
+    batch_frames: int = 65536
+    local_batches: int = 8  # batches held between capture and decode before dropping
+    icrc: bool = True
+    nccl_version: str = "2.18"
+    pace: str | float | None = None  # file replay: None (as fast as possible), "recorded", Gbit/s
+
+
+def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
+    """Capture thread + packet-path thread; sends and counters go to the main process."""
+    from mirrorckpt.capture.batch import CaptureError
+    from mirrorckpt.capture.source import open_source, paced
+    from mirrorckpt.parser.packet_path import PacketPath
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
+    local: queue.Queue = queue.Queue(maxsize=spec.local_batches)
+    counters = {"frames": 0, "bytes": 0, "dropped_capture": 0, "dropped_kernel": 0, "icrc": 0}
+    pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version)
+    damage = None
+
+    def decode():
+        while True:
+            b = local.get()
+            if b is None:
+                break
+            _, sends = pp.feed(b)
+            counters["icrc"] = pp.counters.icrc_failed
+            if sends:
+                out.put(("sends", spec.port, sends))
+        _, sends = pp.flush()
+        if sends:
+            out.put(("sends", spec.port, sends))
+
+    t = threading.Thread(target=decode, name="decode", daemon=True)
+    t.start()
+    last = time.monotonic()
+    try:
+        src = open_source(spec.source, batch_frames=spec.batch_frames) if spec.source.startswith(
+            ("afpacket:", "dpdk:")) else open_source(spec.source)
+        it = paced(src, spec.pace) if spec.pace is not None else src
+        for batch in it:
+            counters["frames"] += len(batch)
+            counters["bytes"] += batch.nbytes
+            try:
+                local.put_nowait(batch.copy())  # the source may reuse its buffer once we move on
+            except queue.Full:
+                counters["dropped_capture"] += len(batch)
+            kstats = getattr(src, "kernel_drops", None)
+            if kstats is not None:
+                counters["dropped_kernel"] = int(kstats() if callable(kstats) else kstats)
+            if time.monotonic() - last > 0.2:
+                out.put(("stats", spec.port, dict(counters)))
+                last = time.monotonic()
+            if stop.is_set():
+                break
+    except CaptureError as e:
+        damage = str(e)
+    finally:
+        local.put(None)
+        t.join()
+        out.put(("stats", spec.port, dict(counters)))
+        out.put(("end", spec.port, damage))
+
+
+# -- main process ------------------------------------------------------------------------------
+
+
+class QueueStreams:
+    """Sends from the capture workers, as the parser's stream interface (what MirrorStreams is
+    for files in one process)."""
+
+    def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event):
+        self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
+        self.ended: dict[int, str | None] = {}
+        self.counters: dict[int, dict] = {}
+        self.decoders: list = []  # CTS tags live in the workers; serve takes ranks from the config
+
+    def __iter__(self):
+        while len(self.ended) < self.nports:
+            try:
+                kind, port, payload = self.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if kind == "sends":
+                yield payload
+            elif kind == "stats":
+                self._stats(port, payload)
+            elif kind == "end":
+                self.ended[port] = payload
+                if payload:
+                    log.error("capture source failed", extra={"port": port, "error": payload})
+
+    def _stats(self, port: int, c: dict) -> None:
+        old = self.counters.get(port, {})
+        m, lp = self.metrics, str(port)
+        m.frames.labels(lp).inc(c["frames"] - old.get("frames", 0))
+        m.bytes.labels(lp).inc(c["bytes"] - old.get("bytes", 0))
+        m.dropped.labels(lp, "capture").inc(c["dropped_capture"] - old.get("dropped_capture", 0))
+        m.dropped.labels(lp, "kernel").inc(max(0, c["dropped_kernel"] - old.get("dropped_kernel", 0)))
+        m.icrc.labels(lp).inc(max(0, c["icrc"] - old.get("icrc", 0)))
+        self.counters[port] = c
+
+
+class Daemon:
+    """`mirrorckpt serve`: owns the workers, the parser and updater threads and the endpoints."""
+
+    def __init__(self, job, training, persist, metrics, iteration_queue: int = 4, sends_queue: int = 64,
+                 pace=None, updater_delay: float = 0.0, control=None):
+        self.job, self.training, self.persist, self.metrics = job, training, persist, metrics
+        self.pace = pace
+        self.updater_delay = updater_delay  # tests: a deliberately slow updater
+        self.control = control  # ControlPlane-like object: on_stale(exc), attach(appliance)
+        self.ctx = mp.get_context("spawn")
+        self.sends_q = self.ctx.Queue(maxsize=sends_queue)
+        self.iters_q: queue.Queue = queue.Queue(maxsize=iteration_queue)
+        self.stop_capture = self.ctx.Event()
+        self.stopping = threading.Event()
+        self.workers: list = []
+        self.appliance = None
+        self.error: BaseException | None = None
+
+    def start_workers(self) -> None:
+        cap = self.job.capture
+        for i, m in enumerate(self.job.mirrors):
+            spec = WorkerSpec(port=i, source=m.source, batch_frames=cap.get("batch_frames", 65536),
+                              local_batches=cap.get("queue_batches", 8), nccl_version=self.job.ring.nccl_version,
+                              pace=self.pace)
+            p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture),
+                                 name=f"mirrorckpt-capture-{i}", daemon=True)
+            p.start()
+            self.workers.append(p)
+        log.info("capture workers started", extra={"ports": [m.source for m in self.job.mirrors]})
+
+    def request_stop(self, *_):
+        if not self.stopping.is_set():
+            log.info("stop requested: draining, then committing a last checkpoint")
+        self.stopping.set()
+        self.stop_capture.set()
+
+    def _parser(self) -> None:
+        from mirrorckpt.parser.pipeline import JobStream
+
+        streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping)
+        js = JobStream(streams, model=self.job.model(), ranks=self.job.ranks(), channels=None,
+                       nccl_version=self.job.ring.nccl_version, infer_after=2000)
+        self.jobstream = js
+        try:
+            for done, its in js:
+                if self.appliance.replica is None and js.reassembly is not None:
+                    self.appliance.start_from_wire(js.reassembly.startup, js.model.layout)
+                for it in its:
+                    self.metrics.iterations.labels("complete" if it.complete else "incomplete").inc()
+                    self.metrics.wire_iteration.set(it.index)
+                    self.iters_q.put(it)  # blocks when the updater is behind: back-pressure
+                    self.metrics.queue_depth.labels("iterations").set(self.iters_q.qsize())
+        except BaseException as e:  # a parser failure stops the daemon with the reason logged
+            self.error = e
+            log.exception("parser stopped")
+        finally:
+            self.iters_q.put(None)
+
+    def _updater(self) -> None:
+        m = self.metrics
+        while True:
+            it = self.iters_q.get()
+            m.queue_depth.labels("iterations").set(self.iters_q.qsize())
+            if it is None:
+                break
+            if self.updater_delay:
+                time.sleep(self.updater_delay)
+            self.appliance.apply(it)
+            r = self.appliance.replica
+            if r is not None:
+                m.replica_step.set(r.step)
+                m.replica_iteration.set(r.iteration)
+                m.stale.set(1 if r.stale is not None else 0)
+                m.lag.set(max(0, it.index - r.iteration))
+
+    def _on_stale(self, exc) -> None:
+        self.metrics.fallbacks.inc()
+        log.warning("replica stale: fallback checkpoint requested",
+                    extra={"iteration": exc.iteration, "step": exc.step})
+        if self.control is not None:
+            self.control.on_stale(exc)
+
+    def _on_commit(self, path) -> None:
+        from mirrorckpt.updater import ckptdir
+
+        self.metrics.last_committed.set(ckptdir.parse_step(path.name))
+        log.info("checkpoint committed", extra={"path": str(path)})
+
+    def run(self) -> int:
+        from mirrorckpt.tools.appliance import Appliance
+
+        self.appliance = Appliance(self.job.layout, self.training, self.persist, on_stale=self._on_stale)
+        if self.appliance.persister is not None:
+            p = self.appliance.persister
+            user = p.on_commit
+
+            def committed(path):
+                user(path)
+                self._on_commit(path)
+
+            p.on_commit = committed
+        if self.control is not None:
+            self.control.attach(self.appliance)
+        self.start_workers()
+        parser = threading.Thread(target=self._parser, name="parser", daemon=True)
+        updater = threading.Thread(target=self._updater, name="updater", daemon=True)
+        parser.start()
+        updater.start()
+        parser.join()
+        updater.join()
+        for w in self.workers:
+            w.join(timeout=10)
+        summary = self.appliance.close()
+        log.info("appliance stopped", extra=summary.to_dict())
+        return 1 if self.error is not None else 0
