@@ -410,17 +410,24 @@ class GlooJobStream:
         self.reassembly = Reassembly(self.model, self.ranks, {}, self.window, placer=self.placer)
 
 
-def run_replay(captures: list[str], job=None, dtype: str | None = None, master_port: int = MASTER_PORT,
-               tag_base: int = 0):
-    """``mirrorckpt replay`` for gloo captures: (GlooJobStream, results, iterations), the same
-    shape as ``tools.cmd_replay.run_parser`` returns."""
+def open_job_stream(captures: list[str], job=None, dtype: str | None = None,
+                    master_port: int = MASTER_PORT, tag_base: int = 0) -> GlooJobStream:
+    """A GlooJobStream over capture files, configured from a ``config.jobfile.JobConfig`` when
+    given (its ring addresses, when present, fix the ranks); the hook ``mirrorckpt replay
+    --transport gloo`` uses."""
     from mirrorckpt.capture.pcapfile import open_capture
 
     kw = {}
     if job is not None:
         kw = dict(model=job.model(), ranks=job.ranks() or None)
-    js = GlooJobStream([(c, open_capture(c)) for c in captures], dtype=dtype, master_port=master_port,
-                       tag_base=tag_base, **kw)
+    return GlooJobStream([(c, open_capture(c)) for c in captures], dtype=dtype, master_port=master_port,
+                         tag_base=tag_base, **kw)
+
+
+def run_replay(captures: list[str], job=None, dtype: str | None = None, master_port: int = MASTER_PORT,
+               tag_base: int = 0):
+    """Decode and reassemble gloo captures: (GlooJobStream, results, iterations)."""
+    js = open_job_stream(captures, job, dtype, master_port, tag_base)
     results, iterations = [], []
     for done, its in js:
         results += done

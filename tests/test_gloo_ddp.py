@@ -298,3 +298,17 @@ def test_loss_and_late_attach_never_yield_a_wrong_iteration(run: Run):
         totals["bad"] += bad
         totals["trials"] += 1
     assert totals["bad"] > 0 and totals["good"] > totals["bad"], totals
+
+
+def test_mirrorckpt_replay_cli_takes_gloo_captures(run: Run):
+    from click.testing import CliRunner
+
+    from mirrorckpt.tools.cmd_replay import replay
+
+    res = CliRunner().invoke(replay, ["--transport", "gloo", "--json", str(run.pcap("egress01.pcap"))])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert [it["complete"] for it in report["iterations"]] == [True] * STEPS
+    live = [r.sha256() for r in run.live[1] if r.spec.kind == "allreduce"]
+    assert [a["sha256"] for a in report["allreduces"]] == live
+    assert report["placement"].get("mismatch", 0) == 0 and report["placement"]["placed"] > 0
