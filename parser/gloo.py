@@ -23,6 +23,7 @@ import numpy as np
 
 from mirrorckpt.parser.gloo_schedule import slot_parts
 from mirrorckpt.parser.headers import GLOO_OP
+from mirrorckpt.parser import tcp
 from mirrorckpt.parser.tcp import StreamKey, TcpStream
 
 SEND_BUFFER, SEND_UNBOUND_BUFFER, NOTIFY_SEND_READY, NOTIFY_RECV_READY = 0, 1, 2, 3
@@ -265,8 +266,6 @@ class GlooDecoder:
     """One capture source: frame batches -> TCP streams -> ops with slot counts."""
 
     def __init__(self, source: int = 0, window: int | None = None, max_in_flight: int = 2):
-        from mirrorckpt.parser import tcp
-
         self.source = source
         self.tcp = tcp.TcpReassembler(window) if window else tcp.TcpReassembler()
         self.counters = tcp.TcpCounters()
@@ -275,11 +274,10 @@ class GlooDecoder:
         self.max_in_flight = max_in_flight
 
     def feed(self, batch) -> list[GlooOp]:
-        from mirrorckpt.parser import tcp
-
         segs, c = tcp.decode(batch)
         self.counters.add(c)
-        return self._pull(self.tcp.feed(segs, batch.data))
+        now = int(batch.ts_ns.max()) if len(batch) else None
+        return self._pull(self.tcp.feed(segs, batch.data, now))
 
     def flush(self) -> list[GlooOp]:
         return self._pull(self.tcp.flush())

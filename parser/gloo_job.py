@@ -298,7 +298,9 @@ class WireStartup:
         try:
             self.buckets = ddp.parse_rebuild(a.data.view("<i4"), b.data.view("<i4"), self.nparams)
         except ValueError as e:
-            self.notes.append(f"rebuild broadcasts unreadable: {e}")
+            note = f"rebuild broadcasts unreadable: {e}"
+            if note not in self.notes:
+                self.notes.append(note)
 
     @staticmethod
     def _count(ops: list[GlooOp]) -> int | None:
@@ -403,7 +405,7 @@ class GlooJobStream:
             if final:
                 raise InferenceError("cannot place the gloo traffic: missing " + "; ".join(self._missing()))
             return
-        if max(self.ranks.values()) >= self.model.ring.nranks:
+        if self.ranks and max(self.ranks.values()) >= self.model.ring.nranks:
             raise InferenceError(f"rank {max(self.ranks.values())} on the wire, the job has "
                                  f"{self.model.ring.nranks} ranks")
         self.placer = GlooPlacer(self.model, self.ranks, self.tag_base, self.max_segment)

@@ -50,7 +50,6 @@ class TagMap:
         self.base = tag_base
         self.coll: dict[int, int] = {}  # tag -> model collective
         self.extra: set[int] = set()  # tags of collectives outside the model
-        self.bad: set[int] = set()  # tags that fit no collective
 
     def mark_extra(self, tag: int) -> None:
         if tag not in self.coll:
@@ -74,7 +73,7 @@ class TagMap:
     def lookup(self, tag: int, fits) -> int | None:
         """The collective of ``tag``: mapped already, or the first candidate ``fits`` accepts."""
         c = self.coll.get(tag)
-        if c is not None or tag in self.bad:
+        if c is not None:
             return c
         for c in self.candidates(tag):
             if fits(c):

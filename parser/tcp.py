@@ -8,7 +8,8 @@ Checksums are never checked: mirrored copies of offloaded traffic carry partial 
 (32-bit sequence numbers unwrapped against the stream's highest byte). Bytes are copied once,
 from the batch into the stream buffer. A byte received twice must agree with the copy held,
 else both are distrusted: the range becomes a hole. A missing range waits until the stream has
-moved ``window`` bytes past it (or ``flush``), then it is declared lost. The consumer reads the
+moved ``window`` bytes past it, or ``hole_ns`` of capture time passed (or ``flush``), then it
+is declared lost. The consumer reads the
 stream below ``settled``: every byte there is final, present or lost, and never changes again.
 """
 
@@ -31,6 +32,7 @@ _HALF = 1 << 31
 FIN, SYN, RST, ACK = 0x01, 0x02, 0x04, 0x10
 MAX_JUMP = 1 << 30  # a segment this far past the stream's end is not believed
 DEFAULT_WINDOW = 4 << 20  # bytes a hole may wait for a late copy (above Linux's usual TCP window)
+DEFAULT_HOLE_NS = 2_000_000_000  # capture time a hole may wait (a retransmission comes after an RTO)
 
 
 @dataclass
@@ -216,9 +218,11 @@ def _overlaps(iv: list[list[int]], a: int, b: int) -> list[tuple[int, int]]:
 class TcpStream:
     """The bytes of one direction, addressed by unwrapped sequence number."""
 
-    def __init__(self, key: StreamKey, window: int = DEFAULT_WINDOW):
+    def __init__(self, key: StreamKey, window: int = DEFAULT_WINDOW, hole_ns: int = DEFAULT_HOLE_NS):
         self.key = key
         self.window = window
+        self.hole_ns = hole_ns
+        self._hole: tuple[int, int] | None = None  # (where, capture time first seen) of the first hole
         self.stats = StreamStats()
         self.restart(None, 0)
 
@@ -234,6 +238,7 @@ class TcpStream:
         self.buf_lo = start if start is not None else 0  # sequence number of buf[0]
         self.have: list[list[int]] = []  # received ranges
         self.bad: list[list[int]] = []  # ranges whose copies disagreed
+        self._hole = None
         self.last_ts = ts
 
     # -- writing --------------------------------------------------------------------------------
@@ -310,17 +315,25 @@ class TcpStream:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def settle(self, final: bool = False) -> None:
+    def settle(self, final: bool = False, now: int | None = None) -> None:
         """Moves ``settled`` over received bytes and over holes the stream has left ``window``
-        bytes behind (every hole when ``final``)."""
-        s = max(self.settled, self.hi if final else self.hi - self.window)
-        for lo, hi in self.have:  # runs are merged: one step reaches the end of the run
-            if lo <= s < hi:
-                s = hi
-                break
+        bytes behind or that waited ``hole_ns`` since capture time ``now`` first saw them
+        (every hole when ``final``)."""
+        s = self._run_end(max(self.settled, self.hi if final else self.hi - self.window))
+        if not final and now is not None and s < self.hi:  # a hole starts at s
+            if self._hole is None or self._hole[0] != s:
+                self._hole = (s, now)
+            elif now - self._hole[1] >= self.hole_ns:
+                s = self._run_end(min((lo for lo, _ in self.have if lo > s), default=self.hi))
         if s > self.settled:
             self.stats.lost_bytes += (s - self.settled) - self._present(self.settled, s)
             self.settled = s
+
+    def _run_end(self, s: int) -> int:
+        for lo, hi in self.have:  # runs are merged: one step reaches the end of the run
+            if lo <= s < hi:
+                return hi
+        return s
 
     def _present(self, a: int, b: int) -> int:
         return sum(e - s for s, e in _overlaps(self.have, a, b))
@@ -369,13 +382,26 @@ class TcpStream:
 
 
 class TcpReassembler:
-    """Streams by direction; ``feed`` places a batch's segments and settles the touched streams."""
+    """Streams by direction; ``feed`` places a batch's segments and settles the streams it
+    touched and those waiting on a hole (by the batch's capture time)."""
 
-    def __init__(self, window: int = DEFAULT_WINDOW):
+    def __init__(self, window: int = DEFAULT_WINDOW, hole_ns: int = DEFAULT_HOLE_NS):
         self.window = window
+        self.hole_ns = hole_ns
         self.streams: dict[StreamKey, TcpStream] = {}
 
-    def feed(self, segs: TcpSegments, data: np.ndarray) -> list[TcpStream]:
+    def feed(self, segs: TcpSegments, data: np.ndarray, now: int | None = None) -> list[TcpStream]:
+        touched = self._feed(segs, data, now)
+        seen = {id(st) for st in touched}
+        for st in self.streams.values():
+            if id(st) not in seen and st.settled < st.hi:
+                before = st.settled
+                st.settle(now=now)
+                if st.settled > before:
+                    touched.append(st)
+        return touched
+
+    def _feed(self, segs: TcpSegments, data: np.ndarray, now: int | None) -> list[TcpStream]:
         if not len(segs):
             return []
         keys = np.concatenate([segs.src, segs.dst, segs.sport.astype(">u2").view(np.uint8).reshape(-1, 2),
@@ -392,12 +418,12 @@ class TcpReassembler:
                             int.from_bytes(raw[34:], "big"))
             st = self.streams.get(key)
             if st is None:
-                st = self.streams[key] = TcpStream(key, self.window)
-            self._feed_stream(st, segs.take(rows), data)
+                st = self.streams[key] = TcpStream(key, self.window, self.hole_ns)
+            self._feed_stream(st, segs.take(rows), data, now)
             touched.append(st)
         return touched
 
-    def _feed_stream(self, st: TcpStream, s: TcpSegments, data: np.ndarray) -> None:
+    def _feed_stream(self, st: TcpStream, s: TcpSegments, data: np.ndarray, now: int | None) -> None:
         st.stats.segments += len(s)
         st.stats.bytes += int(s.pay_len.sum())
         st.last_ts = max(st.last_ts, int(s.ts_ns.max()))
@@ -419,7 +445,7 @@ class TcpReassembler:
             # Data in a SYN segment starts one past its sequence number.
             rest.seq = np.where(rest.flags & SYN, (rest.seq + 1) % SEQ_MOD, rest.seq)
         self._place(st, rest, data)
-        st.settle()
+        st.settle(now=now)
 
     def _place(self, st: TcpStream, s: TcpSegments, data: np.ndarray) -> None:
         d = s.pay_len > 0

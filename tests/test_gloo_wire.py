@@ -461,6 +461,15 @@ def test_tcp_stream_holes_settle_and_conflicts():
     assert st.settled == 1410 and st.holes(1310, 1410) == []
     st.settle(final=True)
     assert st.settled == st.hi == 1410
+    # a hole on a quiet stream is given up after hole_ns of capture time
+    st.hole_ns = 1000
+    put(1420, 5, 0)
+    st.settle(now=5000)
+    assert st.settled == 1410
+    st.settle(now=5999)
+    assert st.settled == 1410
+    st.settle(now=6000)
+    assert st.settled == 1425 and st.holes(1410, 1425) == [(0, 10)]
 
 
 def test_tcp_decode_ignores_checksums_and_reads_tso_super_frames():
@@ -544,3 +553,21 @@ def test_broadcast_tree_and_allgather_pieces():
                 pieces.setdefault(s.origin, []).append((s.offset, s.length))
         for o, ps in pieces.items():
             assert sorted(set(ps)) == [(0, 5), (5, 5)] and len(ps) == 2 * (P - 1)
+
+
+def test_a_quiet_stream_gives_up_its_hole_on_capture_time():
+    r = tcp.TcpReassembler(hole_ns=1_000_000)
+    a = [tcp_frame("10.0.0.1", "10.0.0.2", 1, 2, 100, b"x" * 10), tcp_frame("10.0.0.1", "10.0.0.2", 1, 2, 120, b"y" * 10)]
+    b = lambda seq: tcp_frame("10.0.0.3", "10.0.0.4", 3, 4, seq, b"z" * 10)  # noqa: E731
+    feed = lambda fr, t: r.feed(*_segs(FrameBatch.from_frames(fr, ts_ns=[t] * len(fr))), now=t)  # noqa: E731
+    feed(a, 0)
+    quiet = r.streams[next(k for k in r.streams if k.sport == 1)]
+    assert quiet.settled == 110
+    assert quiet not in feed([b(0)], 500_000)  # the hole at 110 has waited since 0
+    assert quiet not in feed([b(10)], 999_999)
+    assert quiet in feed([b(20)], 1_000_000) and quiet.settled == 130 and quiet.stats.lost_bytes == 10
+
+
+def _segs(batch):
+    segs, _ = tcp.decode(batch)
+    return segs, batch.data
