@@ -43,12 +43,11 @@ def put(buf: np.ndarray, base: np.ndarray, header: Header, name: str, values) ->
         raw = np.frombuffer(bytes(values), np.uint8) if isinstance(values, (bytes, bytearray)) else values
         raw = np.broadcast_to(raw.reshape(-1, f.size), (n, f.size))
     else:
-        width = 4 if f.size == 3 else f.size
-        dt = np.dtype(f"{'>' if f.order == 'big' else '<'}{'i' if f.signed else 'u'}{width}")
+        # as 8-byte integers in the field's byte order, then the field's low bytes
+        dt = np.dtype(f"{'>' if f.order == 'big' else '<'}{'i' if f.signed else 'u'}8")
         v = np.broadcast_to(np.asarray(values).astype(np.int64 if f.signed else np.uint64), (n,)).astype(dt)
-        raw = v.view(np.uint8).reshape(n, width)
-        if f.size == 3:  # a 24-bit field: the low three bytes
-            raw = raw[:, 1:] if f.order == "big" else raw[:, :3]
+        raw = v.view(np.uint8).reshape(n, 8)
+        raw = raw[:, 8 - f.size:] if f.order == "big" else raw[:, :f.size]
     buf[pos[:, None] + np.arange(f.size)] = raw
 
 

@@ -283,7 +283,7 @@ class Wire:
                    nbytes=nbytes, wire_bytes=wire_len,
                    offset=msg.offset, nelem=msg.nelem)
         if isinstance(msg, RingStep):
-            rec.update(phase=msg.phase, chunk=msg.chunk)
+            rec.update(phase=msg.phase, chunk=msg.chunk, loop=msg.loop, ring_step=msg.step, slice=msg.slice)
         # what a decoder yields: LL/LL128 whole lines/groups, the tail zero as written
         rec["sha256"] = hashlib.sha256(padded.tobytes()).hexdigest()
         self.sends.append(rec)
