@@ -143,15 +143,15 @@ class RankFinder:
 
     def ranks(self, streams: "GlooStreams", notes: list[str], final: bool = False,
               model: JobModel | None = None) -> dict[bytes, int] | None:
-        """Address -> rank when the evidence fixes it: every gloo host, or (once two all-reduces
+        """Address -> rank when the evidence fixes it: all ``n`` ranks, or (once two all-reduces
         were seen, or at the end) every host that carried data."""
         keys = streams.tcp_keys()
         zero = {k.src for k in keys if k.sport == self.master_port} | \
                {k.dst for k in keys if k.dport == self.master_port}
         hosts = streams.gloo_hosts(self.master_port) | self.data_hosts | zero
-        n = self.nranks or (model.ring.nranks if model is not None else len(hosts))
-        if len(zero) > 1 or n < 2 or len(hosts) > n:
-            return None
+        n = self.nranks or (model.ring.nranks if model is not None else None)
+        if n is None or len(zero) > 1 or len(hosts) > n:
+            return None  # the ring size comes from the configuration or DDP's start-up
         anchors = {a: 0 for a in zero}
         if model is not None:
             for a, r in self.fit(model, n).items():
@@ -166,7 +166,7 @@ class RankFinder:
             raise InferenceError("no rank assignment fits the ring traffic")
         fixed = {a: sols[0][a] for a in hosts if all(s[a] == sols[0][a] for s in sols)}
         enough = len(self.lengths_tags()) >= 2 or final
-        if not (set(fixed) == hosts or (enough and self.data_hosts <= set(fixed))):
+        if not (len(fixed) == n or (enough and self.data_hosts <= set(fixed))):
             return None
         notes.append("ranks from the wire: " + ", ".join(f"{addr_text(a)} = {r}" for a, r in
                                                            sorted(fixed.items(), key=lambda x: x[1])))
@@ -247,6 +247,7 @@ class WireStartup:
     notes: list[str] = field(default_factory=list)
     ops: dict = field(default_factory=dict)  # tag -> [op]
     nparams: int | None = None
+    nranks: int | None = None  # from the count all-gather: each rank sends 2(P-1) halves
     shapes: list[tuple[int, ...]] | None = None
     esize: int | None = None
     buckets: list[BucketSpec] | None = None
@@ -261,13 +262,16 @@ class WireStartup:
         """Walks the tags in order; stops where the start-up is not (yet) visible."""
         tags = sorted(self.ops)
         bcast = [t for t in tags if self.ops[t][0].prefix == gs.PREFIX_BROADCAST]
-        self.nparams = self.shapes = self.esize = self.buckets = None
+        self.nparams = self.nranks = self.shapes = self.esize = self.buckets = None
         t_pc = None
         for t in tags:
             if self.ops[t][0].prefix == gs.PREFIX_ALLGATHER:
                 n = self._count(self.ops[t])
                 if n is not None:
                     self.nparams, t_pc = n, t
+                    sent = max(sum(1 for o in self.ops[t] if (o.source, o.stream) == k)
+                               for k in {(o.source, o.stream) for o in self.ops[t]})
+                    self.nranks = sent // 2 + 1 if sent % 2 == 0 else None
                     break
         if t_pc is None:
             return
@@ -393,8 +397,8 @@ class GlooJobStream:
         if self.model is None:
             self.startup.add(ops)
             layout = self.startup.layout(final)
-            if layout is not None:
-                n = self.nranks or len(self.streams.gloo_hosts(self.finder.master_port) | self.finder.data_hosts)
+            n = self.nranks or self.startup.nranks
+            if layout is not None and n is not None:
                 self.model = JobModel.ddp(RingSpec(nranks=n), layout)
                 self.notes += self.startup.notes
                 self.notes.append(f"DDP job from the wire: {len(layout.params)} parameters, "

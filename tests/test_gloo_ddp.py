@@ -54,8 +54,8 @@ class Run:
     init: dict
     final: dict
     addrs: list[str]
-    live: tuple = ()  # (GlooJobStream, results, iterations) decoded live
-    live_stats: object = None
+    live: dict = field(default_factory=dict)  # monitor -> (GlooJobStream, results, iterations), live
+    live_stats: dict = field(default_factory=dict)  # monitor -> AF_PACKET ring statistics
     tcpdump: dict = field(default_factory=dict)  # pcap name -> tcpdump's report
 
     def pcap(self, name: str) -> Path:
@@ -76,9 +76,9 @@ def run(tmp_path_factory) -> Run:
     try:
         dumps = {"r1both.pcap": h.Tcpdump(topo, topo.monitors[0], out / "r1both.pcap"),
                  "egress01.pcap": h.Tcpdump(topo, topo.monitors[1], out / "egress01.pcap")}
-        live = h.LiveSource(topo.monitors[0])
+        lives = {m: h.LiveSource(topo.monitors[m]) for m in (0, 1)}
 
-        def consume():  # the appliance, live: nothing configured
+        def consume(live):  # the appliance, live: nothing configured
             js = GlooJobStream([(live.name, live)])
             res, its = [], []
             for d, i in js:
@@ -86,7 +86,7 @@ def run(tmp_path_factory) -> Run:
                 its += i
             return js, res, its
 
-        consumer = h.Consumer(consume)
+        consumers = {m: h.Consumer(lambda live=live: consume(live)) for m, live in lives.items()}
         # rank 0 holds step 3 until the late capture runs; ranks 1 and 2 are already in its
         # all-reduces then, so the late capture starts with ops in flight
         procs = h.start_ranks(topo, out, steps=STEPS, extra=["--lr", str(LR), "--wait-step", "3",
@@ -96,14 +96,16 @@ def run(tmp_path_factory) -> Run:
         (out / "go").write_text("")
         h.wait_ranks(procs, out)
         reports = {k: d.stop() for k, d in dumps.items()}
-        live.stop()
-        decoded = consumer.result()
+        for live in lives.values():
+            live.stop()
+        decoded = {m: c.result() for m, c in consumers.items()}
         addrs = [hh.ip for hh in topo.hosts]
     finally:
         topo.teardown()
     meta = json.loads((out / "meta.json").read_text())
     return Run(out, meta, [torch.load(out / f"grads_{i}.pt") for i in range(STEPS)],
-               torch.load(out / "init.pt"), torch.load(out / "final.pt"), addrs, decoded, live.stats, reports)
+               torch.load(out / "init.pt"), torch.load(out / "final.pt"), addrs, decoded,
+               {m: live.stats for m, live in lives.items()}, reports)
 
 
 # -- checks ---------------------------------------------------------------------------------------
@@ -184,16 +186,28 @@ def decode(sources, **kw):
 def test_capture_saw_every_frame(run: Run):
     for name, report in run.tcpdump.items():
         assert re.search(r"^0 packets dropped by kernel", report, re.M), (name, report)
-    assert run.live_stats.kernel_drops == 0 and run.live_stats.frames > 1000
+    for stats in run.live_stats.values():
+        assert stats.kernel_drops == 0 and stats.frames > 1000
     assert run.meta["ddp_logging"]["rebuilt_bucket_sizes"].count(",") == 1  # two buckets after the rebuild
     total = sum(int(np.prod(s)) for s in run.meta["shapes"])
     assert 1_400_000 < total < 1_600_000
+    # offloads were on: large mirrored frames carry partial (wrong) TCP checksums, which the
+    # decoder must not check
+    full = read_all(run.pcap("r1both.pcap"))
+    big = [full.frame(k) for k in range(len(full)) if full.caplen[k] > 20_000][:50]
+    assert big and not any(tcp_checksum_ok(f) for f in big)
+    fixed = bytearray(big[0])  # the check itself: the same frame with its checksum filled in
+    at = 14 + (fixed[14] & 15) * 4 + 16
+    fixed[at:at + 2] = b"\0\0"
+    fixed[at:at + 2] = _checksum_fill(bytes(fixed), at).to_bytes(2, "big")
+    assert tcp_checksum_ok(bytes(fixed))
 
 
-def test_live_one_port_drives_a_bit_exact_replica(run: Run):
-    """AF_PACKET on rank 1's mirror, nothing configured: ranks, layout and the initial weights
-    come from the wire; every iteration is bit-exact and the replica ends in the trainer's state."""
-    js, results, its = run.live
+@pytest.mark.parametrize("monitor", [0, 1], ids=["rank1-both-directions", "egress-of-ranks-0-and-1"])
+def test_live_capture_drives_a_bit_exact_replica(run: Run, monitor: int):
+    """AF_PACKET on a mirror, nothing configured: ranks, layout and the initial weights come
+    from the wire; every iteration is bit-exact and the replica ends in the trainer's state."""
+    js, results, its = run.live[monitor]
     layout = js.model.layout
     assert [p.shape for p in layout.params] == [tuple(s) for s in run.meta["shapes"]]
     assert [i.index for i in its] == list(range(STEPS)) and all(i.complete for i in its)
@@ -208,14 +222,35 @@ def test_live_one_port_drives_a_bit_exact_replica(run: Run):
     for it in its:
         rep.apply(it)
     assert_final_state(run, rep)
-    # the TSO super-frames and offloaded checksums were really there
+    # the frames were TSO super-frames
     assert max(s.stats.bytes / max(1, s.stats.segments) for d in js.streams.decoders
                for s in d.tcp.streams.values()) > 10_000
 
 
+def _ones_sum(frame: bytes) -> int:
+    ihl = (frame[14] & 15) * 4
+    total = int.from_bytes(frame[16:18], "big")
+    seg = frame[14 + ihl:14 + total]
+    data = frame[26:34] + bytes([0, 6]) + len(seg).to_bytes(2, "big") + seg + b"\0" * (len(seg) % 2)
+    s = int(np.frombuffer(data, ">u2").astype(np.uint64).sum())
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return s
+
+
+def _checksum_fill(frame: bytes, at: int) -> int:
+    """The checksum value for a frame whose checksum field (at ``at``) is zero."""
+    return 0xFFFF - _ones_sum(frame)
+
+
+def tcp_checksum_ok(frame: bytes) -> bool:
+    """RFC 793 checksum of an IPv4/TCP frame (one's-complement sum over pseudo-header and segment)."""
+    return _ones_sum(frame) == 0xFFFF
+
+
 def test_replay_of_the_same_port_agrees_with_live(run: Run):
     js, results, its = run_replay([str(run.pcap("r1both.pcap"))])
-    live = {r.index: r.sha256() for r in run.live[1]}
+    live = {r.index: r.sha256() for r in run.live[0][1]}
     assert {r.index: r.sha256() for r in results} == live and None not in live.values()
     assert len(its) == STEPS and all(i.complete for i in its)
 
@@ -309,6 +344,6 @@ def test_mirrorckpt_replay_cli_takes_gloo_captures(run: Run):
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
     assert [it["complete"] for it in report["iterations"]] == [True] * STEPS
-    live = [r.sha256() for r in run.live[1] if r.spec.kind == "allreduce"]
+    live = [r.sha256() for r in run.live[1][1] if r.spec.kind == "allreduce"]
     assert [a["sha256"] for a in report["allreduces"]] == live
     assert report["placement"].get("mismatch", 0) == 0 and report["placement"]["placed"] > 0

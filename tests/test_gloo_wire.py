@@ -277,11 +277,11 @@ def batches(frames: list[tuple[int, bytes]], size: int = 50) -> list[FrameBatch]
     return out
 
 
-def decode(job: SynthJob, frames, config=True, **kw):
+def decode(job: SynthJob, frames, config=True, batch=50, **kw):
     if config:
         kw.setdefault("model", job.model)
         kw.setdefault("ranks", job.ranks())
-    js = GlooJobStream([("synth", batches(frames))], max_segment=job.max_segment, **kw)
+    js = GlooJobStream([("synth", batches(frames, batch))], max_segment=job.max_segment, **kw)
     results, its = [], []
     for d, i in js:
         results += d
@@ -333,10 +333,13 @@ def test_ipv6_vlan_small_segments_and_sequence_wrap():
     assert check_iterations(job, its) == (3, 0)
 
 
-def test_two_ranks_egress_only():
+@pytest.mark.parametrize("batch", [3, 50, 100_000])
+def test_two_ranks_egress_only(batch):
+    """Live rings hand over small batches: the job must not be settled on the first hosts seen."""
     job = SynthJob(seed=3)
-    js, _, its = decode(job, job.frames([(0, "egress"), (1, "egress")]), config=False)
+    js, _, its = decode(job, job.frames([(0, "egress"), (1, "egress")]), config=False, batch=batch)
     assert check_iterations(job, its) == (4, 0)
+    assert sorted(js.ranks.values()) == [0, 1, 2] and js.model.ring.nranks == 3
 
 
 def test_one_direction_alone_is_never_complete():
