@@ -61,6 +61,7 @@ def eal_init(args=None, restore_affinity: bool = True, libraries=None) -> Dpdk:
     args = list(default_eal_args() if args is None else args)
     if os.geteuid() != 0:
         raise CaptureError("DPDK needs root (the EAL writes /var/run/dpdk and maps memory)")
+    _remove_stale_runtime_dirs()
     argv = [b"mirrorckpt", *(a.encode() for a in args)]
     c_argv = (ctypes.c_char_p * (len(argv) + 1))(*argv, None)
     saved = os.sched_getaffinity(0)
@@ -91,3 +92,14 @@ def _remove_runtime_dir(args: list[str]) -> None:
         if a.startswith("--file-prefix="):
             with contextlib.suppress(OSError):
                 os.rmdir(f"/var/run/dpdk/{a.split('=', 1)[1]}")
+
+
+def _remove_stale_runtime_dirs() -> None:
+    """Empty runtime directories of our default prefix whose process is gone (killed before
+    its exit handler ran)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/var/run/dpdk"):
+            pid = name[len("mirrorckpt"):]
+            if name.startswith("mirrorckpt") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(f"/var/run/dpdk/{name}")
