@@ -1,0 +1,518 @@
+"""The appliance's control-plane handlers and its mirror follower.
+
+``AppliancePlane`` owns the replica (through ``tools.appliance.Appliance``) and serialises every
+change of it under one lock: mirror iterations (``feed``, from the parser thread) and control
+messages (handlers, from connection threads). Content is validated before anything changes:
+
+* REGISTER: layout, ring and training spec must match what the appliance was configured with or
+  what an earlier registration (and so the traffic being parsed) fixed; the initial state must
+  hold exactly the layout's parameters as float32 of the layout's shapes. A registration without
+  state (reconnection, appliance restart) when there is no consistent replica asks for a fallback.
+* STEP_META: per step RNG states and data position, joined to the mirror iteration of that step;
+  an iteration waits for its metadata (at most ``max_meta_lag`` iterations) so a state served for
+  a restore always has them.
+* FINGERPRINT: compared with the replica at that step; a difference (drift) makes the replica
+  stale and asks for a fallback.
+* GOCKPT_PART / GOCKPT_DONE: the rebuild (``control.gockpt.Rebuild``), verified against the
+  trainer's fingerprints of S_{N+k} before it replaces the replica; mirror iterations that
+  arrived meanwhile are replayed from N+k on.
+* RESTORE_REQUEST: the replica's state from memory, else the latest committed checkpoint on disk.
+
+Each trigger (incomplete iteration, drift, no state) asks for exactly one fallback; a fallback
+not finished within ``fallback_timeout`` is asked again (bounded).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config.layout import JobLayout, RingSpec
+from ..config.training import PersistSpec, TrainingSpec
+from ..parser.iteration import ReducedIteration
+from ..tools.appliance import Appliance
+from ..updater.dcp_keys import dumps
+from ..updater.replica import Replica, ReplicaStale
+from . import gockpt
+from . import messages as m
+from .endpoint import ControlServer
+
+log = logging.getLogger("mirrorckpt.control.appliance")
+
+
+class Refused(ValueError):
+    """A message whose content does not fit the appliance's state; nothing was changed."""
+
+
+@dataclass
+class Fallback:
+    reason: str
+    requested: float
+    attempt: int = 1
+    rebuild: gockpt.Rebuild | None = None
+
+
+@dataclass
+class PlaneStats:
+    fallbacks_requested: int = 0
+    fallbacks_done: int = 0
+    fallbacks_failed: int = 0  # rebuild did not verify, or timed out
+    drift_events: int = 0
+    fingerprints_checked: int = 0
+    fingerprints_missed: int = 0  # arrived for a step the replica had already passed
+    replayed: int = 0  # mirror iterations applied after a resync from the buffer
+    applied_without_meta: int = 0
+    restores: dict = field(default_factory=lambda: {"memory": 0, "disk": 0})
+    events: list = field(default_factory=list)  # (kind, detail) in order, for logs and tests
+
+
+class AppliancePlane:
+    def __init__(self, secret, *, host: str = "127.0.0.1", port: int = 0, training: TrainingSpec | None = None,
+                 layout: JobLayout | None = None, ring: RingSpec | None = None, persist: PersistSpec | None = None,
+                 parts: int = 7, fingerprint_every: int = 10, fallback_timeout: float = 60.0,
+                 max_attempts: int = 3, max_meta_lag: int = 8, max_buffered: int = 256, on_iteration=None,
+                 server_options: dict | None = None):
+        self.training, self.layout, self.ring = training, layout, ring
+        self.persist = persist
+        self.parts = parts
+        self.fingerprint_every = fingerprint_every
+        self.fallback_timeout, self.max_attempts = fallback_timeout, max_attempts
+        self.max_meta_lag = max_meta_lag
+        self.on_iteration = on_iteration
+        self.lock = threading.RLock()
+        self.app: Appliance | None = None
+        self.stats = PlaneStats()
+        self.registered = threading.Event()  # layout and training known (a trainer registered)
+        self.fallback: Fallback | None = None
+        self.trainer_attached = False
+        self._metas: dict[int, dict] = {}  # step -> {"rng", "data_position"}
+        self._waiting: collections.deque[ReducedIteration] = collections.deque()  # for their metadata
+        self._buffer: collections.deque[ReducedIteration] = collections.deque(maxlen=max_buffered)
+        self._trainer_fps: dict[int, dict] = {}
+        self._own_fps: collections.OrderedDict[int, dict] = collections.OrderedDict()
+        self._meta_missing_at: int | None = None
+        if layout is not None and training is not None:
+            self._make_app()
+        handlers = {m.REGISTER: self._on_register, m.STEP_META: self._on_step_meta,
+                    m.FINGERPRINT: self._on_fingerprint, m.GOCKPT_PART: self._on_part,
+                    m.GOCKPT_DONE: self._on_done, m.RESTORE_REQUEST: self._on_restore}
+        self.server = ControlServer(host, port, secret, handlers, **(server_options or {}))
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "AppliancePlane":
+        self.server.start()
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self) -> None:
+        self.server.stop()
+        with self.lock:
+            if self.app is not None:
+                self.app.close()
+
+    @property
+    def replica(self) -> Replica | None:
+        return self.app.replica if self.app is not None else None
+
+    def _event(self, kind: str, detail) -> None:
+        self.stats.events.append((kind, detail))
+
+    def _make_app(self, replica: Replica | None = None) -> None:
+        self.app = Appliance(self.layout, self.training, self.persist, replica=replica,
+                             on_stale=self._on_stale, on_iteration=self.on_iteration)
+        self.registered.set()
+
+    # ------------------------------------------------------------------ fallback trigger
+    def _on_stale(self, e: ReplicaStale) -> None:
+        self.request_fallback(f"iteration {e.iteration} could not be reassembled")
+
+    def request_fallback(self, reason: str) -> bool:
+        """Ask the trainer for a GoCkpt checkpoint; False if one is already under way."""
+        with self.lock:
+            if self.fallback is not None:
+                return False
+            self.fallback = Fallback(reason, time.monotonic())
+            self.stats.fallbacks_requested += 1
+            self._event("fallback_requested", reason)
+            self._push_request()
+            return True
+
+    def _push_request(self) -> None:
+        r = self.replica
+        msg = m.make(m.FALLBACK_REQUEST, reason=self.fallback.reason[:m.MAX_STR],
+                     step=r.iterations_done if r is not None else 0, parts=self.parts)
+        sent = self.server.push(msg)
+        log.warning("fallback requested (%s), attempt %d, %s", self.fallback.reason, self.fallback.attempt,
+                    f"sent to {sent} trainer connection(s)" if sent else "no trainer connected yet")
+
+    def poll(self) -> None:
+        """Re-ask a fallback that did not finish in time (called from feed and the handlers)."""
+        with self.lock:
+            f = self.fallback
+            if f is None or time.monotonic() - f.requested < self.fallback_timeout:
+                return
+            self.stats.fallbacks_failed += 1
+            if f.attempt >= self.max_attempts:
+                log.error("fallback (%s) gave no consistent state after %d attempts; still waiting "
+                          "for the trainer", f.reason, f.attempt)
+            f.attempt += 1
+            f.requested, f.rebuild = time.monotonic(), None
+            self._push_request()
+
+    # ------------------------------------------------------------------ mirror iterations
+    def feed(self, it: ReducedIteration) -> None:
+        """One iteration from the parser (any thread)."""
+        with self.lock:
+            self.poll()
+            r = self.replica
+            if self.app is None:
+                return
+            if r is None or r.stale is not None or self.fallback is not None:
+                s = self.app.summary
+                if not it.complete:
+                    s.iterations_incomplete += 1
+                    if r is not None and r.stale is None and it.index >= r.iterations_done:
+                        self.app.apply(it)  # turns the replica stale and asks for the fallback
+                    elif r is None and self.fallback is None and self.trainer_attached:
+                        self.request_fallback("no consistent replica")
+                    return
+                self._buffer.append(it)  # replayed after the resync if it is newer than the state
+                s.iterations_skipped += 1
+                return
+            if it.index < r.iterations_done + len(self._waiting):
+                return  # already part of the state (e.g. arrived during a fallback)
+            self._waiting.append(it)
+            self._drain()
+
+    def _drain(self) -> None:
+        while self._waiting:
+            r = self.replica
+            if r is None or r.stale is not None:
+                self._buffer.extend(self._waiting)
+                self._waiting.clear()
+                return
+            it = self._waiting[0]
+            meta = self._metas.get(it.index + 1)
+            if meta is None and self.trainer_attached and len(self._waiting) <= self.max_meta_lag:
+                return  # wait for the trainer's STEP_META of this step
+            self._waiting.popleft()
+            if it.index != r.iterations_done:
+                if it.index < r.iterations_done:
+                    continue
+            if meta is not None:
+                it.meta.update(meta)
+            elif self.trainer_attached:
+                self.stats.applied_without_meta += 1
+                self._meta_missing_at = it.index + 1
+                log.warning("iteration %d applied without the trainer's step metadata", it.index)
+            self.app.apply(it)
+            r = self.replica
+            if r is not None and r.stale is None:
+                self._metas = {k: v for k, v in self._metas.items() if k > r.iterations_done}
+                self._after_step(r)
+
+    # ------------------------------------------------------------------ drift
+    def _after_step(self, r: Replica) -> None:
+        t = r.iterations_done
+        want = self._trainer_fps.pop(t, None)
+        if want is not None:
+            self._compare(r, t, want)
+        elif self.fingerprint_every and t % self.fingerprint_every == 0:
+            self._own_fps[t] = r.fingerprints(optimizer=True)
+            while len(self._own_fps) > 4:
+                self._own_fps.popitem(last=False)
+
+    def _compare(self, r: Replica, step: int, want: dict, have: dict | None = None) -> None:
+        have = have if have is not None else r.fingerprints(optimizer=True)
+        self.stats.fingerprints_checked += 1
+        diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        if not diff:
+            return
+        self.stats.drift_events += 1
+        log.warning("drift at step %d: replica differs from the trainer in %d tensor(s), first %s",
+                    step, len(diff), diff[0])
+        self._event("drift", {"step": step, "tensors": diff[:8]})
+        r.stale = ReplicaStale(r.step, r.iterations_done, {})
+        self._buffer.extend(self._waiting)
+        self._waiting.clear()
+        self.request_fallback(f"drift at step {step} in {diff[0]}")
+
+    # ------------------------------------------------------------------ handlers
+    def _on_register(self, msg: m.Message, peer) -> m.Message:
+        b = msg.body
+        layout = JobLayout.from_dict(b["layout"])  # the schema already checked it parses
+        training = TrainingSpec.from_dict(b["training"])
+        ring = RingSpec.from_dict(b["ring"]) if b.get("ring") is not None else None
+        with self.lock:
+            if self.layout is not None and layout.to_dict() != self.layout.to_dict():
+                raise Refused(_differs("layout", self.layout.to_dict(), layout.to_dict()))
+            if self.training is not None and training.to_dict() != self.training.to_dict():
+                raise Refused(_differs("training", self.training.to_dict(), training.to_dict()))
+            if self.ring is not None and ring is not None and not _same_ring(self.ring, ring):
+                raise Refused("ring does not match the configured ring "
+                              f"({self.ring.nranks} ranks, {self.ring.protocol}, {self.ring.nchannels} channels)")
+            state = None
+            if msg.tensors:
+                if b["step"] != 0:
+                    raise Refused("REGISTER carries an initial state only at step 0")
+                state = _initial_params(layout, msg.tensors)
+            self.layout, self.training = layout, training
+            self.ring = self.ring or ring
+            self.trainer_attached = True
+            if self.app is None:
+                self._make_app()
+            r = self.replica
+            if r is None and state is not None:
+                self.app.replica = Replica(layout, training, state)
+                self._event("registered", {"step": 0, "state": True})
+                log.info("job %r registered at step 0 with its initial state (%d parameters)", b["job"],
+                         len(layout.params))
+                return m.make(m.ACK, info={"step": 0})
+            self._event("registered", {"step": b["step"], "state": False})
+            if r is None or r.stale is not None:
+                if self.fallback is None:
+                    self.request_fallback("no consistent replica for this job (appliance start or restart)")
+                else:
+                    self._push_request()  # the trainer may not have heard it
+            return m.make(m.ACK, info={"step": r.iterations_done if r is not None else None})
+
+    def _on_step_meta(self, msg: m.Message, peer) -> None:
+        step = msg.body["step"]
+        rng = {}
+        for k, v in msg.tensors.items():
+            if not k.startswith("rng:") or v.dim() != 1 or len(k) < 5:
+                raise Refused(f"STEP_META tensor {k!r} is not an RNG state (rng:<name>, uint8 vector)")
+            rng[k[4:]] = v.clone()
+        if step < 1:
+            raise Refused("STEP_META step must be >= 1")
+        with self.lock:
+            r = self.replica
+            meta = {"rng": rng, "data_position": msg.body.get("data_position")}
+            if r is not None and step <= r.iterations_done:
+                if step == r.iterations_done and r.stale is None and not self._waiting:
+                    r.rng = {k: v for k, v in rng.items()}  # late metadata of the current step
+                    r.data_position = meta["data_position"]
+                return None
+            if len(self._metas) > 4 * self.max_meta_lag + 64:
+                self._metas.pop(min(self._metas))
+            self._metas[step] = meta
+            self._drain()
+        return None
+
+    def _on_fingerprint(self, msg: m.Message, peer) -> None:
+        step, fps = msg.body["step"], msg.body["fingerprints"]
+        with self.lock:
+            r = self.replica
+            if r is None or r.stale is not None or self.fallback is not None:
+                return None
+            if step in self._own_fps:
+                self._compare(r, step, fps, self._own_fps.pop(step))
+            elif step == r.iterations_done:
+                self._compare(r, step, fps)
+            elif step > r.iterations_done:
+                self._trainer_fps[step] = fps
+                while len(self._trainer_fps) > 16:
+                    self._trainer_fps.pop(min(self._trainer_fps))
+            else:
+                self.stats.fingerprints_missed += 1
+        return None
+
+    def _on_part(self, msg: m.Message, peer) -> None:
+        b = msg.body
+        with self.lock:
+            f = self.fallback
+            if f is None or self.layout is None:
+                raise Refused("GOCKPT_PART without a fallback in progress")
+            if b["index"] == 0:
+                if not 1 <= b["parts"] <= gockpt.MAX_PARTS:
+                    raise Refused(f"parts must be in 1..{gockpt.MAX_PARTS}")
+                rb = gockpt.Rebuild(self.layout, self.training, b["parts"])
+                rb.add_part(b["step"], 0, b["parts"], b.get("slices", {}), msg.tensors)
+                f.rebuild = rb
+            else:
+                if f.rebuild is None:
+                    raise Refused(f"part {b['index']} before part 0")
+                f.rebuild.add_part(b["step"], b["index"], b["parts"], b.get("slices", {}), msg.tensors)
+        return None
+
+    def _on_done(self, msg: m.Message, peer) -> None:
+        b = msg.body
+        with self.lock:
+            f = self.fallback
+            rb = f.rebuild if f is not None else None
+            if rb is None or not rb.complete:
+                raise Refused("GOCKPT_DONE before every part arrived")
+            if b["step"] != rb.final_step or b["parts"] != rb.parts:
+                raise Refused(f"GOCKPT_DONE for step {b['step']} ({b['parts']} parts), the rebuild is at "
+                              f"{rb.final_step} ({rb.parts} parts)")
+            want = b.get("fingerprints")
+            if not want:
+                raise Refused("GOCKPT_DONE without fingerprints: the rebuilt state cannot be verified")
+            rep = Replica(self.layout, self.training, rb.state())
+            have = rep.fingerprints(optimizer=True)
+            diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+            if diff:
+                self.stats.fallbacks_failed += 1
+                f.rebuild = None
+                log.error("GoCkpt rebuild to step %d does not match the trainer's fingerprints (%d tensors, "
+                          "first %s); asking again", rb.final_step, len(diff), diff[0])
+                self._event("fallback_unverified", {"step": rb.final_step, "tensors": diff[:8]})
+                f.attempt += 1
+                f.requested = time.monotonic()
+                self._push_request()
+                return None
+            self._install(rep, rb)
+        return None
+
+    def _install(self, rep: Replica, rb: gockpt.Rebuild) -> None:
+        self.app.replica = rep
+        self.fallback = None
+        self._meta_missing_at = None
+        self._own_fps.clear()
+        self._trainer_fps = {k: v for k, v in self._trainer_fps.items() if k > rep.iterations_done}
+        self.stats.fallbacks_done += 1
+        self._event("resynced", {"step": rep.iterations_done, "parts": rb.parts, "start": rb.start})
+        log.warning("replica resynced at step %d by a GoCkpt checkpoint (%d parts from step %d); "
+                    "mirror mode resumes", rep.iterations_done, rb.parts, rb.start)
+        if self.on_iteration is not None:
+            self.on_iteration(rep.iterations_done - 1, rep)
+        if self.app.persister is not None:
+            self.app.persister.submit(rep, force=True)
+        backlog = sorted((it for it in self._buffer if it.index >= rep.iterations_done), key=lambda it: it.index)
+        self._buffer.clear()
+        for it in backlog:
+            if it.index == rep.iterations_done + len(self._waiting):
+                self._waiting.append(it)
+                self.stats.replayed += 1
+        self._drain()
+
+    def _on_restore(self, msg: m.Message, peer) -> m.Message:
+        want = msg.body.get("step")
+        with self.lock:
+            r = self.replica
+            source, state = None, None
+            if r is not None and r.stale is None and self._meta_missing_at != r.iterations_done and \
+                    (want is None or want == r.iterations_done):
+                st = r.state()
+                source = "memory"
+                state = _cloned(st)
+        if state is None and self.persist is not None:
+            from ..updater.restore import read_state
+
+            try:
+                state = read_state(self.persist.directory)
+                source = "disk"
+            except Exception as e:  # noqa: BLE001 - no committed checkpoint, or one that fails verification
+                raise Refused(f"no consistent state in memory and none on disk: {type(e).__name__}: {e}") from None
+            if want is not None and state.iterations_done != want:
+                raise Refused(f"step {want} is neither in memory nor the latest on disk ({state.iterations_done})")
+        if state is None:
+            raise Refused("no consistent state in memory (replica stale or never started) and no checkpoint root")
+        self.stats.restores[source] += 1
+        log.info("restore: state of step %d sent from %s", state.iterations_done, source)
+        return restore_message(state, source)
+
+
+# ------------------------------------------------------------------------ helpers
+
+def _differs(what: str, have: dict, got: dict) -> str:
+    keys = sorted(k for k in set(have) | set(got) if have.get(k) != got.get(k))
+    return f"{what} does not match the traffic/configured {what} (differs in {', '.join(map(str, keys[:4]))})"
+
+
+def _same_ring(a: RingSpec, b: RingSpec) -> bool:
+    return (a.nranks, a.nchannels, a.protocol) == (b.nranks, b.nchannels, b.protocol)
+
+
+def _initial_params(layout: JobLayout, tensors: dict) -> dict[str, torch.Tensor]:
+    want = {gockpt.param_key(p.name): tuple(p.shape) for p in layout.params}
+    extra, missing = sorted(set(tensors) - set(want)), sorted(set(want) - set(tensors))
+    if extra or missing:
+        raise Refused(f"initial state does not match the layout: unexpected {extra[:3]}, missing {missing[:3]}")
+    out = {}
+    for k, shape in want.items():
+        t = tensors[k]
+        if t.dtype != torch.float32 or tuple(t.shape) != shape:
+            raise Refused(f"{k}: {t.dtype} {tuple(t.shape)}, the layout says float32 {shape}")
+        if not bool(torch.isfinite(t).all()):
+            raise Refused(f"{k}: initial parameters hold inf or nan")
+        out[k[2:]] = t.clone()
+    return out
+
+
+def _cloned(st):
+    from dataclasses import replace
+
+    return replace(st, params={k: v.clone() for k, v in st.params.items()},
+                   optim={"state": {n: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+                                    for n, s in st.optim["state"].items()},
+                          "param_groups": [dict(g) for g in st.optim["param_groups"]]},
+                   rng={k: v.clone() for k, v in st.rng.items()})
+
+
+def restore_message(state, source: str) -> m.Message:
+    """RESTORE_STATE for a ReplicaState: p:/o:/rng: tensors, the rest in ``meta``."""
+    tensors = {gockpt.param_key(n): v for n, v in state.params.items()}
+    for n, s in state.optim["state"].items():
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                tensors[gockpt.state_key(n, k)] = v
+    tensors.update({gockpt.rng_key(k): v for k, v in (state.rng or {}).items()})
+    group = {k: v for k, v in state.optim["param_groups"][0].items() if k != "params"}
+    meta = {"iterations_done": int(state.iterations_done), "step": int(state.step), "source": source,
+            "param_group": dumps(group, "param_group"),
+            "lr_scheduler": dumps(state.lr_scheduler, "lr_scheduler") if state.lr_scheduler is not None else None,
+            "loss_scale": state.loss_scale, "data_position": state.data_position}
+    return m.make(m.RESTORE_STATE, tensors, step=int(state.iterations_done), layout=state.layout or {}, meta=meta)
+
+
+# ------------------------------------------------------------------------ the mirror follower
+
+class MirrorFollower(threading.Thread):
+    """Parser thread: mirror streams -> JobStream -> ``plane.feed``. Waits for the layout (from the
+    configuration or the trainer's REGISTER) before it reads, so frames queue up until then."""
+
+    def __init__(self, plane: AppliancePlane, streams, ring: RingSpec, with_startup: bool = False,
+                 wait_timeout: float = 120.0):
+        super().__init__(name="mirror-follower", daemon=True)
+        self.plane, self.streams, self.ring = plane, streams, ring
+        self.with_startup, self.wait_timeout = with_startup, wait_timeout
+        self.error: BaseException | None = None
+        self.iterations = 0
+        self.js = None
+
+    def run(self) -> None:
+        from ..parser.collectives import JobModel
+        from ..parser.pipeline import JobStream
+
+        try:
+            if not self.plane.registered.wait(self.wait_timeout):
+                raise TimeoutError("no layout: nobody registered the job")
+            model = JobModel.ddp(self.ring, self.plane.layout, with_startup=self.with_startup)
+            self.js = JobStream(self.streams, model=model, ranks=_ranks(self.ring), channels=None,
+                                nccl_version=self.ring.nccl_version)
+            for _done, its in self.js:
+                for it in its:
+                    self.iterations += 1
+                    self.plane.feed(it)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever joins
+            self.error = e
+            log.error("mirror follower stopped: %s: %s", type(e).__name__, e)
+
+
+def _ranks(ring: RingSpec) -> dict[bytes, int]:
+    import ipaddress
+
+    out = {}
+    for r, a in ring.addresses.items():
+        ip = ipaddress.ip_address(a)
+        out[(ip if ip.version == 6 else ipaddress.IPv6Address(f"::ffff:{ip}")).packed] = r
+    return out

@@ -1,0 +1,379 @@
+"""GoCkpt-style multi-step checkpoint: both sides of the protocol.
+
+The state (fp32 master parameters and their optimizer state) is split into ``k`` parts by
+``split``, contiguous in layout order and balanced by element count; both ends compute the same
+split from the registered layout, so every part's content is known before it arrives.
+
+Schedule on the trainer, for a fallback that starts at boundary N (``iterations_done == N``):
+
+    boundary N+j (after step N+j-1)    start copying part j of the state S_{N+j} (side stream or
+                                       copy thread; forward/backward never change the state)
+    before step N+j (optimizer pre-hook) wait for part j (a stall only if the copy is late: GoCkpt's
+                                       blocking rule), start copying the gradients of iteration
+                                       N+j of parts 0..j
+    after step N+j (post-hook)         wait for the gradient copies (they overlap the optimizer
+                                       step), send GOCKPT_PART j
+
+The last part goes out at the next pre-hook (step N+k), together with the non-tensor state of
+S_{N+k} (scheduler, param groups, counters, RNG, data position) and GOCKPT_DONE with the
+fingerprints of S_{N+k}. The appliance (``Rebuild``) steps each part with the gradients of the
+parts already received, using the trainer's optimizer; after part k-1 every part is at S_{N+k}.
+
+Message content (names of the tensors of GOCKPT_PART j):
+
+    p:<name>           master parameter of part j at version N+j (float32, layout shape)
+    o:<name>:<key>     its optimizer state tensors (absent for a parameter never stepped)
+    g:<name>           gradient of iteration N+j for every parameter of parts 0..j
+    rng:<name>         RNG states (last part only, uint8)
+
+and ``slices = {"params": [names of part j], "lr": lr of iteration N+j, "tail": {...} (last
+part only)}``.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config.layout import JobLayout
+from ..config.training import TrainingSpec
+from ..updater.dcp_keys import ReplicaState, loads, rng_tensor
+from ..updater.optim import build_optimizer, state_keys
+
+MAX_PARTS = 64
+
+
+class PartError(ValueError):
+    """A GoCkpt message that does not fit the rebuild in progress; nothing was applied."""
+
+
+# ------------------------------------------------------------------------------------ the split
+
+def split(layout: JobLayout, parts: int) -> list[list[int]]:
+    """Parameter indices of each part: contiguous, balanced by element count, none empty."""
+    n = len(layout.params)
+    parts = max(1, min(int(parts), n))
+    sizes = [p.numel for p in layout.params]
+    total = max(1, sum(sizes))
+    out, cur, acc = [], [], 0
+    for i, s in enumerate(sizes):
+        cur.append(i)
+        acc += s
+        left_parts = parts - len(out) - 1  # parts still to open after this one
+        left_params = n - i - 1
+        if left_parts > 0 and (acc * parts >= total * (len(out) + 1) or left_params == left_parts):
+            out.append(cur)
+            cur = []
+    out.append(cur)
+    return [p for p in out if p]
+
+
+def effective_parts(layout: JobLayout, parts: int) -> int:
+    return len(split(layout, parts))
+
+
+def param_key(name: str) -> str:
+    return f"p:{name}"
+
+
+def state_key(name: str, key: str) -> str:
+    return f"o:{name}:{key}"
+
+
+def grad_key(name: str) -> str:
+    return f"g:{name}"
+
+
+def rng_key(name: str) -> str:
+    return f"rng:{name}"
+
+
+# ------------------------------------------------------------------------------------ fingerprints
+
+_MASK64 = (1 << 64) - 1
+_CHUNK_WORDS = 1 << 22
+
+
+def torch_fingerprint(t: torch.Tensor) -> int:
+    """``updater.fingerprint.fingerprint`` computed with torch ops on the tensor's own device
+    (a GPU never copies the tensor to the host): sum((2i+1) * w_i) mod 2**64 over its 32-bit words.
+    int64 products and sums wrap modulo 2**64, which is all the definition needs."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if b.numel() % 4:
+        b = torch.cat([b, torch.zeros(4 - b.numel() % 4, dtype=torch.uint8, device=b.device)])
+    words = b.view(torch.int32)
+    total = 0
+    for lo in range(0, words.numel(), _CHUNK_WORDS):
+        w = words[lo:lo + _CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
+        idx = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=w.device) * 2 + 1
+        total += int((w * idx).sum())
+    return total & _MASK64
+
+
+def state_fingerprints(names: list[str], params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Fingerprints keyed as ``Replica.fingerprints(optimizer=True)`` keys them."""
+    out = {}
+    for n, p in zip(names, params):
+        out[f"model.{n}"] = torch_fingerprint(p)
+    for n, p in zip(names, params):
+        for k, v in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(v, torch.Tensor):
+                out[f"optim.state.{n}.{k}"] = torch_fingerprint(v)
+    return out
+
+
+# ------------------------------------------------------------------------------------ copy engines
+
+@dataclass
+class Copy:
+    """One asynchronous copy: host tensors by name, complete once ``wait`` returns."""
+
+    future: Future | None = None
+    tensors: dict = field(default_factory=dict)
+    event: object = None  # torch.cuda.Event on the side stream
+
+    def done(self) -> bool:
+        if self.future is not None:
+            return self.future.done()
+        return self.event is None or self.event.query()
+
+
+class HostCopier:
+    """CPU training: copies run on one worker thread while the training thread runs forward and
+    backward (torch copies release the GIL); ``fence`` waits for them before the state changes."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gockpt-copy")
+
+    def copy(self, tensors: dict[str, torch.Tensor]) -> Copy:
+        src = dict(tensors)
+        return Copy(future=self._pool.submit(lambda: {n: t.detach().clone() for n, t in src.items()}))
+
+    def run(self, fn) -> Copy:
+        """Any other state read (fingerprints) on the copy thread."""
+        return Copy(future=self._pool.submit(fn))
+
+    def fence(self, c: Copy) -> None:
+        """Block until ``c`` is complete: the training thread may change its sources after."""
+        c.tensors = c.future.result()
+
+    def result(self, c: Copy):
+        self.fence(c)
+        return c.tensors
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class CudaCopier:
+    """GPU training: device-to-host copies on a side stream into pinned buffers. The side stream
+    waits for the training stream's work so far (the state is final); ``fence`` makes the training
+    stream wait for the copy (a GPU-side wait: the host is never blocked); ``result`` is called
+    from a sender thread and waits on the copy's event before the bytes are read."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+
+    def copy(self, tensors: dict[str, torch.Tensor]) -> Copy:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        out = {}
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for n, t in tensors.items():
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t.detach(), non_blocking=True)
+                t.record_stream(self.stream)  # the allocator must not reuse t before the copy ran
+                out[n] = buf
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return Copy(tensors=out, event=done)
+
+    def run(self, fn) -> Copy:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            value = fn()  # torch_fingerprint's reductions are queued on the side stream
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return Copy(tensors=value, event=done)
+
+    def fence(self, c: Copy) -> None:
+        torch.cuda.current_stream(self.device).wait_event(c.event)
+
+    def result(self, c: Copy):
+        c.event.synchronize()
+        return c.tensors
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def copier_for(params: list[torch.Tensor]):
+    dev = params[0].device if params else torch.device("cpu")
+    return CudaCopier(dev) if dev.type == "cuda" else HostCopier()
+
+
+# ------------------------------------------------------------------------------------ appliance side
+
+def _decoded(text, what: str):
+    """Tagged JSON (updater.dcp_keys) from the peer; anything malformed is a PartError."""
+    if not isinstance(text, str):
+        raise PartError(f"{what} must be a tagged-JSON string")
+    try:
+        return loads(text)
+    except Exception as e:  # noqa: BLE001 - whatever hostile text provokes
+        raise PartError(f"{what} is not valid tagged JSON: {type(e).__name__}") from None
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class Rebuild:
+    """The appliance's half: parts arrive in order, each is stepped with the gradients that come
+    after it, and after the last one the state is one consistent version S_{N+k}.
+
+    Every message is validated completely before anything is changed: names, dtypes, shapes,
+    part index, step numbers (part j must be state version N+j), gradient set (parts 0..j)."""
+
+    def __init__(self, layout: JobLayout, training: TrainingSpec, parts: int, request_id: int = 0):
+        self.layout, self.training = layout, training
+        self.plan = split(layout, parts)
+        self.parts = len(self.plan)
+        self.request_id = request_id
+        self.names = [p.name for p in layout.params]
+        self.shapes = [tuple(p.shape) for p in layout.params]
+        self.params = [torch.zeros(s, dtype=torch.float32) for s in self.shapes]
+        self.optimizer = build_optimizer(training.optimizer, self.params)
+        self.keys = set(state_keys(training.optimizer))
+        self.start: int | None = None  # N, from part 0
+        self.received = 0
+        self.tail: dict | None = None
+        self.rng: dict[str, torch.Tensor] = {}
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.parts and self.tail is not None
+
+    @property
+    def final_step(self) -> int | None:
+        return None if self.start is None else self.start + self.parts
+
+    def _expect(self, cond: bool, msg: str) -> None:
+        if not cond:
+            raise PartError(msg)
+
+    def check_part(self, step: int, index: int, parts: int, slices: dict, tensors: dict) -> None:
+        """Raise PartError unless this is exactly the next part of this rebuild."""
+        self._expect(parts == self.parts, f"part says {parts} parts, the rebuild has {self.parts}")
+        self._expect(index == self.received, f"part {index} arrived, expected part {self.received}")
+        if self.start is not None:
+            self._expect(step == self.start + index,
+                         f"part {index} holds step {step}, expected {self.start + index} (start {self.start})")
+        self._expect(isinstance(slices, dict), "slices must be an object")
+        mine = [self.names[i] for i in self.plan[index]]
+        self._expect(slices.get("params") == mine, f"part {index} lists parameters other than the split's")
+        self._expect(_finite(slices.get("lr")) and slices["lr"] >= 0, "lr must be a finite number >= 0")
+        last = index == self.parts - 1
+        self._expect(last == ("tail" in slices), "the tail comes with the last part only")
+        want: dict[str, tuple] = {}
+        for i in self.plan[index]:
+            want[param_key(self.names[i])] = self.shapes[i]
+        for j in range(index + 1):
+            for i in self.plan[j]:
+                want[grad_key(self.names[i])] = self.shapes[i]
+        for i in self.plan[index]:
+            n = self.names[i]
+            have = {k for k in self.keys if state_key(n, k) in tensors}
+            self._expect(not have or have == self.keys,
+                         f"{n}: optimizer state {sorted(have)} is neither complete {sorted(self.keys)} nor empty")
+            for k in have:
+                want[state_key(n, k)] = () if k == "step" else self.shapes[i]
+        rng = {k for k in tensors if k.startswith("rng:")}
+        self._expect(last or not rng, "RNG states come with the last part only")
+        extra = sorted(set(tensors) - set(want) - rng)
+        missing = sorted(set(want) - set(tensors))
+        self._expect(not extra and not missing, f"part {index}: unexpected {extra[:3]}, missing {missing[:3]}")
+        for name, shape in want.items():
+            t = tensors[name]
+            self._expect(t.dtype == torch.float32, f"{name}: dtype {t.dtype}, expected float32")
+            self._expect(tuple(t.shape) == shape, f"{name}: shape {tuple(t.shape)}, layout says {shape}")
+        for name in rng:
+            self._expect(tensors[name].dtype == torch.uint8 and tensors[name].dim() == 1, f"{name}: not a uint8 vector")
+        if last:
+            self._check_tail(slices["tail"], step)
+
+    def _check_tail(self, tail, step: int) -> None:
+        self._expect(isinstance(tail, dict), "tail must be an object")
+        start = self.start if self.start is not None else step - (self.parts - 1)
+        want = start + self.parts
+        self._expect(tail.get("iterations_done") == want, f"tail is at iteration {tail.get('iterations_done')}, expected {want}")
+        st = tail.get("step")
+        self._expect(isinstance(st, int) and not isinstance(st, bool) and 0 <= st <= want,
+                     "tail step must be an integer <= iterations_done")
+        pg = _decoded(tail.get("param_group"), "param_group")
+        self._expect(isinstance(pg, dict) and _finite(pg.get("lr")), "tail needs the param group with a finite lr")
+        sched = tail.get("lr_scheduler")
+        self._expect((sched is None) == (not self.training.lr_schedule.enabled),
+                     "scheduler state present exactly when the training spec has a schedule")
+        if sched is not None:
+            self._expect(isinstance(_decoded(sched, "lr_scheduler"), dict), "lr_scheduler must encode an object")
+
+    @torch.no_grad()
+    def add_part(self, step: int, index: int, parts: int, slices: dict, tensors: dict) -> None:
+        """Validate, then load part ``index`` and step parts 0..index with its gradients."""
+        self.check_part(step, index, parts, slices, tensors)
+        if self.start is None:
+            self.start = step
+        for i in self.plan[index]:
+            n, p = self.names[i], self.params[i]
+            p.copy_(tensors[param_key(n)])
+            st = {k: tensors[state_key(n, k)].clone() for k in self.keys if state_key(n, k) in tensors}
+            if st:
+                self.optimizer.state[p] = st
+        stepped = [i for j in range(index + 1) for i in self.plan[j]]
+        for i in stepped:
+            self.params[i].grad = tensors[grad_key(self.names[i])]
+        self.optimizer.param_groups[0]["lr"] = float(slices["lr"])
+        try:
+            self.optimizer.step()  # parameters without .grad are skipped, as in the trainer
+        finally:
+            for i in stepped:
+                self.params[i].grad = None
+        self.received += 1
+        if index == self.parts - 1:
+            self.tail = dict(slices["tail"])
+            self.rng = {k[4:]: rng_tensor(v, k) for k, v in tensors.items() if k.startswith("rng:")}
+
+    def state(self) -> ReplicaState:
+        """The consistent version S_{N+k} as a ReplicaState (for Replica.resync)."""
+        if not self.complete:
+            raise PartError(f"rebuild incomplete: {self.received} of {self.parts} parts")
+        t = self.tail
+        group = dict(_decoded(t["param_group"], "param_group"))
+        group["params"] = list(self.names)
+        if "betas" in group and isinstance(group["betas"], list):
+            group["betas"] = tuple(group["betas"])
+        ostate = {}
+        for n, p in zip(self.names, self.params):
+            s = self.optimizer.state.get(p)
+            if s:
+                ostate[n] = dict(s)
+        return ReplicaState(
+            params=dict(zip(self.names, self.params)),
+            optim={"state": ostate, "param_groups": [group]},
+            iterations_done=int(t["iterations_done"]),
+            step=int(t["step"]),
+            lr_scheduler=_decoded(t["lr_scheduler"], "lr_scheduler") if t.get("lr_scheduler") is not None else None,
+            loss_scale=t.get("loss_scale"),
+            rng=dict(self.rng),
+            data_position=t.get("data_position"),
+            layout=self.layout.to_dict(),
+            training=self.training.to_dict(),
+        )

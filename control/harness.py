@@ -1,0 +1,539 @@
+"""Test harness: real CPU DDP training (gloo) joined to the appliance through real RoCEv2 frames.
+
+``register(ddp_model, ...)`` installs a DDP communication hook that performs the real collective
+among the ranks (an all-gather of every rank's bucket over gloo) and reduces it in NCCL's ring
+order, so the gradient every rank steps with is bit for bit the value NCCL's LL ring would have
+put on the wire. Rank 0 also runs the generator's packetiser (``tools.generator.packetize.NcclRing``)
+on the gathered buckets: the frames NCCL would have sent for that all-reduce, one mirror port per
+rank's egress, go to the appliance over a loopback TCP frame stream (``FrameStreamServer`` on the
+appliance turns it back into ``FrameBatch``es per port, which ``MirrorStreams`` reads as live
+captures). Loss is injected in that stream: ``drop`` names (iteration, bucket) all-reduces whose
+middle data frames never reach any mirror port, so the iteration cannot be reassembled.
+
+``python -m mirrorckpt.control.harness --rank R --world W ...`` is a complete DDP job using it
+together with ``control.trainer.attach`` (tests and the stall benchmark run it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..capture.batch import FrameBatch
+from ..config.layout import MirrorSpec, RingSpec
+from ..parser import ringreduce, schedule
+from ..parser import nccl_versions as nv
+from ..tools.generator import topology as topo_mod
+from ..tools.generator.faults import FaultInjector, FaultOptions
+from ..tools.generator.mirrors import CaptureSet, MirrorFile
+from ..tools.generator.noise import NoiseOptions, NoiseSource
+from ..tools.generator.packetize import NcclRing
+from ..tools.generator.wire import Wire, WireOptions
+
+log = logging.getLogger("mirrorckpt.control.harness")
+
+_MAGIC = 0x4D434B46  # "MCKF": one batch of frames of one mirror port
+_BATCH = struct.Struct(">IHHIQ")  # magic, port, reserved, frames, data bytes
+
+
+def ring_for(world: int, seed: int = 1, protocol: str = "LL", nccl_version: str = "2.18"):
+    """(RingSpec with the NIC addresses, Topology) of the simulated fabric, the same on every rank
+    and on the appliance (drawn from ``seed``)."""
+    ring = RingSpec(nranks=world, nchannels=1, protocol=protocol, nccl_version=nccl_version)
+    topo = topo_mod.build(world, ring.orders(), seed, ring.nccl_version)
+    ring.addresses = {n.rank: n.ip_text(True) for n in topo.nics}
+    return ring, topo
+
+
+# ------------------------------------------------------------------------------ frame stream
+
+class FrameStreamSender:
+    """Sends frame batches per mirror port over one TCP connection; reconnects when the appliance
+    comes back (frames sent while it is away are lost, as on a mirror port)."""
+
+    def __init__(self, host: str, port: int, connect_timeout: float = 5.0):
+        self.addr = (host, port)
+        self.connect_timeout = connect_timeout
+        self.sock: socket.socket | None = None
+        self.sent_frames = 0
+        self.lost_frames = 0
+
+    def _connect(self) -> bool:
+        try:
+            self.sock = socket.create_connection(self.addr, timeout=self.connect_timeout)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return True
+        except OSError:
+            self.sock = None
+            return False
+
+    def send(self, port: int, batch: FrameBatch) -> None:
+        n = len(batch)
+        if n == 0:
+            return
+        lens = batch.caplen.astype(">u4")
+        ts = batch.ts_ns.astype(">u8")
+        data = b"".join(batch.frame(i) for i in range(n)) if n < 64 else _gather(batch)
+        msg = _BATCH.pack(_MAGIC, port, 0, n, len(data)) + lens.tobytes() + ts.tobytes() + data
+        for _ in range(2):
+            if self.sock is None and not self._connect():
+                break
+            try:
+                self.sock.sendall(msg)
+                self.sent_frames += n
+                return
+            except OSError:
+                self.sock.close()
+                self.sock = None
+        self.lost_frames += n
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+            self.sock = None
+
+
+def _gather(batch: FrameBatch) -> bytes:
+    return batch.copy().data.tobytes()
+
+
+class FrameStreamServer:
+    """The appliance's end of the frame stream: per mirror port an iterable of FrameBatches for
+    ``parser.streams.MirrorStreams``. A stream ends when the sender disconnects (``end_on_close``)
+    or at ``stop``."""
+
+    def __init__(self, ports: int, host: str = "127.0.0.1", port: int = 0, end_on_close: bool = True,
+                 max_frames: int = 1 << 20):
+        self.nports = ports
+        self.queues = [queue.Queue() for _ in range(ports)]
+        self.end_on_close = end_on_close
+        self.max_frames = max_frames
+        self.received = 0
+        self._lsock = socket.create_server((host, port))
+        self._lsock.settimeout(0.1)
+        self.port = self._lsock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="frame-stream", daemon=True)
+        self._thread.start()
+
+    def sources(self) -> list[tuple[str, object]]:
+        return [(f"mirror{k}", self._iter(k)) for k in range(self.nports)]
+
+    def _iter(self, k: int):
+        first = 0
+        while True:
+            b = self.queues[k].get()
+            if b is None:
+                return
+            b.first_index = first
+            first += len(b)
+            yield b
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            try:
+                self._read(conn)
+            except (OSError, ValueError) as e:
+                log.warning("frame stream: %s", e)
+            finally:
+                conn.close()
+            if self.end_on_close:
+                break
+        self._end()
+
+    def _read(self, conn: socket.socket) -> None:
+        conn.settimeout(0.2)
+        f = conn.makefile("rb")
+        while not self._stop.is_set():
+            try:
+                head = f.read(_BATCH.size)
+            except socket.timeout:
+                continue
+            if not head:
+                return
+            if len(head) < _BATCH.size:
+                raise ValueError("frame stream cut in a batch header")
+            magic, port, _, n, nbytes = _BATCH.unpack(head)
+            if magic != _MAGIC or port >= self.nports or n > self.max_frames or nbytes > n * 65536:
+                raise ValueError(f"frame stream: bad batch header (port {port}, {n} frames, {nbytes} bytes)")
+            body = _read_exact(f, n * 12 + nbytes)
+            lens = np.frombuffer(body, ">u4", n).astype(np.int64)
+            ts = np.frombuffer(body, ">u8", n, offset=n * 4).astype(np.int64)
+            if int(lens.sum()) != nbytes:
+                raise ValueError("frame stream: frame lengths do not add up")
+            data = np.frombuffer(body, np.uint8, nbytes, offset=n * 12).copy()
+            off = np.zeros(n, np.int64)
+            np.cumsum(lens[:-1], out=off[1:])
+            self.queues[port].put(FrameBatch(data, off, lens, lens.copy(), ts, np.zeros(n, np.int32),
+                                             source=f"mirror{port}"))
+            self.received += n
+
+    def _end(self) -> None:
+        for q in self.queues:
+            q.put(None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._lsock.close()
+        self._thread.join(5)
+        self._end()
+
+
+def _read_exact(f, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        try:
+            chunk = f.read(n - len(out))
+        except socket.timeout:
+            continue
+        if not chunk:
+            raise ValueError("frame stream cut in a batch")
+        out += chunk
+    return bytes(out)
+
+
+# ------------------------------------------------------------------------------ the sink
+
+class _PortWriter:
+    """Stands where a capture file writer would: hands batches to the frame stream, dropping
+    the frames the loss rule selects."""
+
+    def __init__(self, sink: "StreamSink", port: int):
+        self.sink, self.port = sink, port
+
+    def write_batch(self, b: FrameBatch) -> None:
+        keep = self.sink.keep_mask(b)
+        if keep is not None:
+            self.sink.dropped += int((~keep).sum())
+            idx = np.flatnonzero(keep)
+            b = FrameBatch(b.data, b.offset[idx], b.caplen[idx], b.wirelen[idx], b.ts_ns[idx], b.iface[idx], b.source)
+        self.sink.sender.send(self.port, b)
+
+    def close(self) -> None:
+        pass
+
+
+class _StreamPort(MirrorFile):
+    """A mirror port whose frames go to the frame stream instead of a file."""
+
+    def __init__(self, sink: "StreamSink", port: int, mirror: MirrorSpec, topo, v6: bool):
+        self.path = Path(f"mirror{port}")
+        self.mirror = mirror
+        self.egress = mirror.direction in ("egress", "both")
+        self.ingress = mirror.direction in ("ingress", "both")
+        self.writer = _PortWriter(sink, port)
+        self.noise = NoiseSource(NoiseOptions(), topo, mirror.rank, self.egress, self.ingress, v6, self.path.name)
+        self.faults = FaultInjector(FaultOptions(), self.path.name)
+        self.noise_t = None
+        self.last_ts = -1
+        self.frames = 0
+
+
+class StreamSink(CaptureSet):
+    """The packetiser's sink: every rank's egress is one mirror port of the frame stream."""
+
+    def __init__(self, topo, sender: FrameStreamSender, nranks: int, v6: bool = True):
+        from ..tools.generator.messages import MessageLog
+
+        self.topo, self.v6, self.fmt, self.switch_ns = topo, v6, "stream", 600
+        mirrors = [MirrorSpec(r, "egress") for r in range(nranks)]
+        self.sender = sender
+        self.files = [_StreamPort(self, k, mm, topo, v6) for k, mm in enumerate(mirrors)]
+        self.egress = set(range(nranks))
+        self.ingress = set()
+        self.log = MessageLog()
+        self.flush_packets = 1 << 30  # flushed once per collective by the hook
+        self.macs = np.array([list(n.mac) for n in topo.nics], np.uint8)
+        self.ips = np.array([list(n.ip(v6)) for n in topo.nics], np.uint8)
+        self.drop_middle = False
+        self.dropped = 0
+
+    def keep_mask(self, b: FrameBatch) -> np.ndarray | None:
+        """While ``drop_middle`` is set: lose the middle fifth of the data frames (>= 200 bytes)
+        of this collective on every port; the same bytes on every port, so no copy covers them."""
+        if not self.drop_middle or len(b) == 0:
+            return None
+        data = np.flatnonzero(b.caplen >= 200)
+        keep = np.ones(len(b), bool)
+        if data.size:
+            lo, hi = int(data.size * 0.4), max(int(data.size * 0.6), int(data.size * 0.4) + 1)
+            keep[data[lo:hi]] = False
+        return keep
+
+
+# ------------------------------------------------------------------------------ the comm hook
+
+class HarnessState:
+    """Per rank: the ring, and on rank 0 the packetiser and its frame stream."""
+
+    def __init__(self, world: int, rank: int, frames: tuple[str, int] | None, seed: int = 1,
+                 drop: set[tuple[int, int]] | None = None, group=None):
+        self.world, self.rank, self.group = world, rank, group
+        self.ring, self.topo = ring_for(world, seed)
+        self.drop = set(drop or ())
+        self.iteration = 0
+        self.calls = 0
+        self.comm = None
+        self.sink = None
+        if rank == 0 and frames is not None:
+            self.sender = FrameStreamSender(*frames)
+            self.sink = StreamSink(self.topo, self.sender, world)
+            wire = Wire(self.ring.nccl_version, WireOptions(), self.sink, seed, send_truth=False)
+            self.comm = NcclRing(self.ring, self.topo, wire)
+        self._proto = nv.protocol(self.ring.protocol)
+        self._version = nv.version(self.ring.nccl_version)
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.flush()
+            self.sender.close()
+
+
+def _wire_array(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def mirror_allreduce_hook(state: HarnessState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average as the reducer does (x * 1/world), gather every rank's bucket (the
+    real collective, over gloo), reduce in NCCL's ring order; rank 0 emits NCCL's frames."""
+    buf = bucket.buffer()
+    buf.mul_(1.0 / state.world)
+    parts = [torch.empty_like(buf) for _ in range(state.world)]
+    dist.all_gather(parts, buf, group=state.group)
+    inputs = [_wire_array(p.contiguous()) for p in parts]
+    b = bucket.index()
+    what = f"grad:iter={state.iteration}:bucket={b}"
+    if state.comm is not None:
+        state.sink.drop_middle = (state.iteration, b) in state.drop
+        try:
+            result = state.comm.all_reduce(inputs, what)
+            state.sink.flush()
+        finally:
+            state.sink.drop_middle = False
+    else:
+        plan = schedule.allreduce_plan(inputs[0].size, inputs[0].itemsize, state.world, 1, state._proto,
+                                       state._version)
+        result = ringreduce.allreduce_result(inputs, plan, ringreduce.BF16 if inputs[0].dtype == np.uint16
+                                             else inputs[0].dtype.name)
+    out = torch.from_numpy(np.ascontiguousarray(result))
+    buf.copy_(out.view(torch.bfloat16) if buf.dtype == torch.bfloat16 else out)
+    state.calls += 1
+    if bucket.is_last():
+        state.iteration += 1
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+# DDP checks the hook's annotations as objects (this module postpones them as strings)
+mirror_allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=HarnessState,
+                                             **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def register(ddp_model, frames: tuple[str, int] | None, *, seed: int = 1, drop=None) -> HarnessState:
+    """Install the hook on ``ddp_model``; ``frames`` is the appliance's frame-stream address
+    (used by rank 0)."""
+    state = HarnessState(dist.get_world_size(), dist.get_rank(), frames, seed, drop)
+    ddp_model.register_comm_hook(state, mirror_allreduce_hook)
+    return state
+
+
+# ------------------------------------------------------------------------------ the job
+
+class Shard:
+    """A rank's data: batch ``position`` is drawn from (seed, rank, position); the position is
+    the data-loader state the appliance keeps (state_dict / load_state_dict)."""
+
+    def __init__(self, dims, seed: int, rank: int, batch: int = 8):
+        self.dims, self.seed, self.rank, self.batch = dims, seed, rank, batch
+        self.position = 0
+
+    def next(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 10_007 + self.position)
+        self.position += 1
+        return torch.randn(self.batch, self.dims[0], generator=g), torch.randn(self.batch, self.dims[-1], generator=g)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.position = int(d["position"])
+
+
+def build_model(dims, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for k in range(len(dims) - 1):
+        layers.append(nn.Linear(dims[k], dims[k + 1]))
+        if k < len(dims) - 2:
+            layers += [nn.ReLU(), nn.Dropout(0.1)]  # dropout: the RNG state matters for a resume
+    return nn.Sequential(*layers)
+
+
+def digest(link_or_none, module, optimizer, scheduler, shard) -> dict:
+    """The five state components of a rank, hashed: parameters, optimizer state, schedule and
+    counters, RNG state, data position."""
+    from ..updater.fingerprint import state_sha256
+    from .trainer import reducer_params
+
+    params = [p for _, p in reducer_params(module)]
+    ps, os_ = state_sha256(params, optimizer)
+    return {"params": ps, "optim": os_, "lr": optimizer.param_groups[0]["lr"],
+            "sched": scheduler.state_dict()["last_epoch"] if scheduler is not None else None,
+            "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+            "data": shard.state_dict()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="a DDP job joined to the appliance (tests, benchmark)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master-port", type=int, required=True)
+    ap.add_argument("--control-port", type=int, default=0, help="appliance control plane (0: none)")
+    ap.add_argument("--frames-port", type=int, default=0, help="appliance frame stream (0: no mirror)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--dims", default="32,64,16")
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--parts", type=int, default=3)
+    ap.add_argument("--fingerprint-every", type=int, default=2)
+    ap.add_argument("--drop", default="", help="iteration:bucket,... all-reduces that lose frames")
+    ap.add_argument("--restore", default="", help="'appliance' or a checkpoint root")
+    ap.add_argument("--step-delay", type=float, default=0.0)
+    ap.add_argument("--wait-file", default="", help="before each step, wait while this file exists")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    secret = os.environ["MIRRORCKPT_SECRET"]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format=f"rank{a.rank} %(asctime)s %(name)s: %(message)s")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=a.rank,
+                            world_size=a.world)
+    from .trainer import attach
+
+    dims = tuple(int(x) for x in a.dims.split(","))
+    model = build_model(dims, a.seed + a.rank)  # differs per rank: DDP's broadcast makes them agree
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    drop = {tuple(int(v) for v in d.split(":")) for d in a.drop.split(",") if d}
+    hs = register(ddp, ("127.0.0.1", a.frames_port) if a.frames_port else None, seed=1, drop=drop)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    shard = Shard(dims, a.seed, a.rank)
+    link = None
+    appliance = ("127.0.0.1", a.control_port) if a.control_port else None
+    if appliance is not None or a.restore:
+        link = attach(ddp, opt, appliance=appliance, secret=secret, scheduler=sched, data=shard, ring=hs.ring,
+                      parts=a.parts, fingerprint_every=a.fingerprint_every,
+                      restore=a.restore or None, connect_timeout=10.0,
+                      client_options={"backoff_max": 0.2})
+    start = link.iterations_done if link is not None else 0
+    rec = open(out / f"digests_rank{a.rank}.jsonl", "a")
+    for _ in range(a.steps):
+        while a.wait_file and os.path.exists(a.wait_file):
+            time.sleep(0.01)
+        x, y = shard.next()
+        x = x + 0.01 * torch.randn_like(x)  # input noise from the global RNG
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        start += 1
+        rec.write(json.dumps({"step": start, **digest(link, model, opt, sched, shard)}) + "\n")
+        rec.flush()
+        if a.step_delay:
+            time.sleep(a.step_delay)
+    rec.close()
+    if link is not None:
+        link.close()
+        if link.stats.fallbacks:
+            (out / f"fallbacks_rank{a.rank}.json").write_text(json.dumps(link.stats.fallbacks))
+    hs.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+
+
+# ------------------------------------------------------------------------------ launching (tests)
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(world: int, out, secret: str, *, control_port: int = 0, frames_port: int = 0, steps: int = 10,
+                extra: list[str] | None = None, rank_extra: dict[int, list[str]] | None = None):
+    """Start the job of ``main`` as ``world`` processes on 127.0.0.1; returns the Popen list."""
+    import subprocess
+    import sys
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, MIRRORCKPT_SECRET=secret, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    master = free_port()
+    procs = []
+    for r in range(world):
+        logf = open(out / f"rank{r}.log", "a")
+        cmd = [sys.executable, "-m", "mirrorckpt.control.harness", "--rank", str(r), "--world", str(world),
+               "--master-port", str(master), "--control-port", str(control_port), "--frames-port",
+               str(frames_port), "--steps", str(steps), "--out", str(out), *(extra or []),
+               *((rank_extra or {}).get(r, []))]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT))
+        logf.close()
+    return procs
+
+
+def wait_ranks(procs, out, timeout: float = 120.0) -> None:
+    """Wait for every rank; on a failure or timeout kill the rest and raise with the rank's log."""
+    import subprocess
+
+    deadline = time.monotonic() + timeout
+    try:
+        for r, p in enumerate(procs):
+            try:
+                rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"rank {r} did not finish in {timeout:g} s:\n"
+                                   f"{(Path(out) / f'rank{r}.log').read_text()[-3000:]}") from None
+            if rc != 0:
+                raise RuntimeError(f"rank {r} exited {rc}:\n{(Path(out) / f'rank{r}.log').read_text()[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def read_digests(out, rank: int = 0) -> dict[int, dict]:
+    path = Path(out) / f"digests_rank{rank}.jsonl"
+    return {d["step"]: d for d in map(json.loads, path.read_text().splitlines())}

@@ -1,0 +1,576 @@
+"""Trainer-side integration: one call after building the DDP model and its optimizer.
+
+    link = mirrorckpt.control.trainer.attach(ddp_model, optimizer, appliance=("10.0.0.9", 7070),
+                                             secret=SECRET, scheduler=scheduler, data=loader)
+    ... the usual DDP loop, unchanged ...
+    link.close()
+
+Everything happens in the optimizer's step hooks (``register_step_pre_hook`` /
+``register_step_post_hook``): the first pre-hook registers the job (layout, ring, training spec,
+initial state); every post-hook sends STEP_META (lr, loss scale, RNG states, data position: what
+the wire does not carry); every ``fingerprint_every`` steps a FINGERPRINT of the state, computed
+off the training thread; a FALLBACK_REQUEST from the appliance starts a GoCkpt checkpoint at the
+next step boundary (schedule in ``control.gockpt``). Only the leader rank (0) talks to the
+appliance: plain DDP keeps every rank's state identical.
+
+Each step is counted once per ``optimizer.step()`` call: a GradScaler step skipped for inf/nan is
+not seen by the hooks, so fp16 dynamic loss scaling with skipped steps is not followed here.
+
+``restore_from_appliance`` / ``restore_from_disk`` load the five state components (parameters,
+optimizer state, scheduler and counters, RNG states, data position) into a fresh job; ``attach``
+calls them with ``restore=``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec
+from ..config.training import LRScheduleSpec, OptimizerSpec, TrainingSpec
+from ..updater.dcp_keys import dumps, loads
+from . import gockpt
+from . import messages as m
+from .endpoint import ControlClient
+
+log = logging.getLogger("mirrorckpt.control.trainer")
+
+_OPTIMIZER_NAMES = {torch.optim.Adam: "adam", torch.optim.AdamW: "adamw", torch.optim.SGD: "sgd"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# ------------------------------------------------------------------------------- job description
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def reducer_params(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """DDP's parameter order (named_modules, own parameters, requiring grad, deduplicated)."""
+    out, seen = [], set()
+    for mname, sub in module.named_modules():
+        for pname, p in sub.named_parameters(recurse=False):
+            if p.requires_grad and p not in seen:
+                seen.add(p)
+                out.append((f"{mname}.{pname}" if mname else pname, p))
+    return out
+
+
+def _assign(tensors, limits, indices=None) -> list[list[int]]:
+    buckets, _ = dist._compute_bucket_assignment_by_size(list(tensors), list(limits), [], list(indices or []))
+    return [list(b) for b in buckets]
+
+
+def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_order: list[int]) -> JobLayout:
+    """The buckets DDP (torch 2.x, default options) all-reduces: one bucket in iteration 0, then
+    the rebuild in first-backward ready order with DDP's caps (the reducer's own assignment)."""
+    import sys
+
+    first = list(reversed(_assign(params, [sys.maxsize])))
+    cap = int(getattr(ddp_model, "bucket_bytes_cap", 25 << 20))
+    first_cap = dist._DEFAULT_FIRST_BUCKET_BYTES if getattr(ddp_model, "bucket_bytes_cap_default", True) else cap
+    rebuilt = _assign([params[i] for i in ready_order], [first_cap, cap], ready_order)
+    dtype = _DTYPE_NAMES[params[0].dtype]
+    return JobLayout(params=[ParamSpec(n, tuple(p.shape), "float32") for n, p in zip(names, params)],
+                     buckets=[BucketSpec(tuple(b)) for b in rebuilt],
+                     first_buckets=[BucketSpec(tuple(b)) for b in first], grad_dtype=dtype)
+
+
+def training_spec(optimizer: torch.optim.Optimizer, scheduler=None, grad_dtype: str = "float32") -> TrainingSpec:
+    """The TrainingSpec of a torch optimizer (and scheduler): what the replica rebuilds."""
+    name = _OPTIMIZER_NAMES.get(type(optimizer))
+    if name is None:
+        raise ValueError(f"optimizer {type(optimizer).__name__} is not one the replica reproduces (Adam, AdamW, SGD)")
+    g = optimizer.param_groups[0]
+    kw = dict(name=name, lr=float(g["lr"]) if not isinstance(g["lr"], torch.Tensor) else float(g["lr"].item()),
+              weight_decay=float(g["weight_decay"]), maximize=bool(g.get("maximize", False)),
+              foreach=bool(g.get("foreach") or False), fused=bool(g.get("fused") or False))
+    if name == "sgd":
+        kw.update(momentum=float(g["momentum"]), dampening=float(g["dampening"]), nesterov=bool(g["nesterov"]))
+    else:
+        kw.update(betas=tuple(float(b) for b in g["betas"]), eps=float(g["eps"]), amsgrad=bool(g["amsgrad"]))
+    if scheduler is not None:
+        kw["lr"] = float(g.get("initial_lr", kw["lr"]))
+    return TrainingSpec(optimizer=OptimizerSpec(**kw), lr_schedule=schedule_spec(scheduler), grad_dtype=grad_dtype)
+
+
+def schedule_spec(scheduler) -> LRScheduleSpec:
+    """A scheduler's constructor arguments read back from its attributes (torch keeps them)."""
+    if scheduler is None:
+        return LRScheduleSpec()
+    cls = type(scheduler).__name__
+    sig = inspect.signature(type(scheduler).__init__)
+    kwargs = {}
+    for p in sig.parameters:
+        if p in ("self", "optimizer", "last_epoch", "verbose"):
+            continue
+        if hasattr(scheduler, p):
+            v = getattr(scheduler, p)
+            kwargs[p] = list(v) if isinstance(v, (tuple, set)) else v
+    return LRScheduleSpec(name=cls, kwargs=kwargs)
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    out = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            out[f"cuda{i}"] = torch.cuda.get_rng_state(i)
+    return out
+
+
+def set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    for name, t in states.items():
+        if name == "torch":
+            torch.set_rng_state(t.to(torch.uint8).clone())
+        elif name.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.set_rng_state(t.to(torch.uint8).clone(), int(name[4:]))
+        else:
+            log.warning("RNG state %r has no place in this process; ignored", name)
+
+
+# ------------------------------------------------------------------------------- the link
+
+@dataclass
+class FallbackRun:
+    """One GoCkpt checkpoint in progress on the trainer."""
+
+    start: int  # boundary N
+    plan: list[list[int]]
+    reason: str
+    state_copy: gockpt.Copy | None = None  # part j of S_{N+j}, in flight
+    grad_copy: gockpt.Copy | None = None
+    held: tuple | None = None  # the last part, sent with the tail
+    fingerprint: gockpt.Copy | None = None
+    stall: float = 0.0  # seconds the training thread spent on this checkpoint
+    blocked_parts: int = 0  # parts whose copy was not done when the step needed the state
+    state_bytes: int = 0
+    grad_bytes: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def parts(self) -> int:
+        return len(self.plan)
+
+
+@dataclass
+class LinkStats:
+    steps: int = 0
+    hook_seconds: float = 0.0  # all time spent in our hooks
+    fallbacks: list[dict] = field(default_factory=list)  # one record per finished checkpoint
+    fingerprints_sent: int = 0
+    step_meta_dropped: int = 0
+
+
+class TrainerLink:
+    def __init__(self, ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret,
+                 scheduler=None, scaler=None, data=None, training: TrainingSpec | None = None,
+                 ring: RingSpec | None = None, job: str = "job", parts: int = 7,
+                 fingerprint_every: int = 10, leader: int = 0, role: str = "trainer",
+                 client_options: dict | None = None):
+        self.ddp_model, self.optimizer = ddp_model, optimizer
+        self.module = unwrap(ddp_model)
+        self.scheduler, self.scaler, self.data = scheduler, scaler, data
+        self.ring, self.job, self.default_parts = ring, job, parts
+        self.fingerprint_every = fingerprint_every
+        named = reducer_params(self.module)
+        self.names = [n for n, _ in named]
+        self.model_params = [p for _, p in named]
+        self.masters = self._masters(optimizer)
+        self.grad_dtype = _DTYPE_NAMES[self.model_params[0].dtype]
+        self.training = training or training_spec(optimizer, scheduler, self.grad_dtype)
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.leader = self.rank == leader
+        self.iterations_done = 0
+        self.layout: JobLayout | None = None
+        self.stats = LinkStats()
+        self._ready: list[int] = []
+        self._ready_hooks = []
+        self._boundary: dict = {}  # rng, data position, lr at the last boundary
+        self._request: dict | None = None
+        self._run: FallbackRun | None = None
+        self._fp_pending: tuple[int, gockpt.Copy] | None = None
+        self._lock = threading.Lock()
+        self.copier = gockpt.copier_for(self.masters)
+        self.client: ControlClient | None = None
+        self._sendq: queue.Queue = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self._hooks = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+        if self.leader and appliance is not None:
+            for i, p in enumerate(self.model_params):
+                self._ready_hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready.append(i)))
+            host, port = appliance
+            self.client = ControlClient(host, port, secret, role, handlers={m.FALLBACK_REQUEST: self._on_fallback},
+                                        on_connect=self._on_connect, **(client_options or {}))
+            self._sender = threading.Thread(target=self._send_loop, name="mirrorckpt-link", daemon=True)
+            self._sender.start()
+            self.client.start()
+
+    def _masters(self, optimizer) -> list[torch.Tensor]:
+        if len(optimizer.param_groups) != 1:
+            raise ValueError("the replica keeps one optimizer param group; the optimizer has "
+                             f"{len(optimizer.param_groups)}")
+        opt = list(optimizer.param_groups[0]["params"])
+        if len(opt) != len(self.model_params):
+            raise ValueError(f"optimizer holds {len(opt)} parameters, the model {len(self.model_params)}")
+        if {id(p) for p in opt} == {id(p) for p in self.model_params}:
+            return list(self.model_params)  # fp32: the optimizer steps the model's own parameters
+        return opt  # fp32 masters of a low-precision model, in model order
+
+    # ---------------------------------------------------------------- messages
+    def _emit(self, build, copy: gockpt.Copy | None = None) -> None:
+        """Hand a message to the sender thread; ``build(tensors)`` runs there once ``copy`` is done."""
+        if self.client is not None:
+            self._sendq.put((copy, build))
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._sendq.get()
+            if item is None:
+                return
+            copy, build = item
+            try:
+                msg = build(_result(self.copier, copy) if copy is not None else None)
+                if msg is not None and not self.client.send(msg):
+                    self.stats.step_meta_dropped += 1
+            except Exception as e:  # noqa: BLE001 - a lost message is logged; the appliance re-asks
+                log.error("control message not sent: %s: %s", type(e).__name__, e)
+
+    def _register_msg(self, with_state: bool) -> m.Message:
+        tensors = {}
+        if with_state:
+            tensors = {gockpt.param_key(n): p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.masters)}
+        return m.make(m.REGISTER, tensors, job=self.job, step=self.iterations_done, layout=self.layout.to_dict(),
+                      ring=self.ring.to_dict() if self.ring is not None else None, training=self.training.to_dict())
+
+    def _on_connect(self, client) -> list:
+        # A reconnection (or an appliance restart): register again, without state; the appliance
+        # asks for a fallback checkpoint when it has no consistent replica.
+        with self._lock:
+            if self.layout is None:
+                return []
+            return [self._register_msg(with_state=False)]
+
+    def _on_fallback(self, msg: m.Message, client) -> None:
+        parts = max(1, min(gockpt.MAX_PARTS, msg.body["parts"]))
+        with self._lock:
+            self._request = {"parts": parts, "reason": msg.body["reason"], "at": msg.body["step"]}
+        log.info("fallback requested by the appliance (%s) at its step %d, %d parts",
+                 msg.body["reason"], msg.body["step"], parts)
+        return None
+
+    # ---------------------------------------------------------------- hooks
+    def _pre(self, optimizer, args, kwargs) -> None:
+        t0 = time.perf_counter()
+        if self.leader and self.client is not None:
+            if self.layout is None:
+                self._first_register()
+            if self._fp_pending is not None:
+                step, c = self._fp_pending
+                self._fp_pending = None
+                self.copier.fence(c)
+                self._emit(lambda fps, step=step: m.make(m.FINGERPRINT, step=step, fingerprints=fps), c)
+                self.stats.fingerprints_sent += 1
+            if self._run is not None:
+                self._pre_fallback(self._run, t0)
+        self.stats.hook_seconds += time.perf_counter() - t0
+
+    def _first_register(self) -> None:
+        for h in self._ready_hooks:
+            h.remove()
+        self._ready_hooks = []
+        order = list(dict.fromkeys(self._ready))
+        if sorted(order) != list(range(len(self.model_params))):
+            order = list(reversed(range(len(self.model_params))))  # no backward seen: DDP's default
+        with self._lock:
+            self.layout = ddp_layout(self.ddp_model, self.model_params, self.names, order)
+            fresh = self.iterations_done == 0 and not any(self.optimizer.state.get(p) for p in self.masters)
+            msg = self._register_msg(with_state=fresh)
+        self._emit(lambda _t: msg)
+
+    def _post(self, optimizer, args, kwargs) -> None:
+        t0 = time.perf_counter()
+        self.iterations_done += 1
+        self.stats.steps += 1
+        if self.leader and self.client is not None:
+            t = self.iterations_done
+            lr = optimizer.param_groups[0]["lr"]
+            self._boundary = {"rng": {k: v.clone() for k, v in rng_states().items()},
+                              "data_position": self.data.state_dict() if self.data is not None else None,
+                              "lr": float(lr)}
+            meta = self._boundary
+            scale = float(self.scaler.get_scale()) if self.scaler is not None else None
+            self._emit(lambda _t: m.make(m.STEP_META, {gockpt.rng_key(k): v for k, v in meta["rng"].items()},
+                                         step=t, lr=meta["lr"], loss_scale=scale,
+                                         data_position=meta["data_position"]))
+            run = self._run
+            if run is not None:
+                self._post_fallback(run, t)
+            with self._lock:
+                req, self._request = self._request, None
+            if req is not None and self.layout is not None:
+                if run is not None:
+                    log.warning("fallback %d..: abandoned for a new request", run.start)
+                self._start_fallback(req, t)
+            elif req is not None:
+                with self._lock:
+                    self._request = req  # not registered yet: start after the first step
+            if self._run is None and self.fingerprint_every and t % self.fingerprint_every == 0:
+                self._fp_pending = (t, self.copier.run(self._fingerprints))
+        self.stats.hook_seconds += time.perf_counter() - t0
+
+    def _fingerprints(self) -> dict[str, int]:
+        return gockpt.state_fingerprints(self.names, self.masters, self.optimizer)
+
+    # ---------------------------------------------------------------- GoCkpt (trainer half)
+    def _part_state(self, j: int, plan) -> dict[str, torch.Tensor]:
+        out = {}
+        for i in plan[j]:
+            n, p = self.names[i], self.masters[i]
+            out[gockpt.param_key(n)] = p
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    out[gockpt.state_key(n, k)] = v
+        return out
+
+    def _start_fallback(self, req: dict, t: int) -> None:
+        plan = gockpt.split(self.layout, req["parts"])
+        self._run = run = FallbackRun(start=t, plan=plan, reason=req["reason"])
+        t0 = time.perf_counter()
+        run.state_copy = self.copier.copy(self._part_state(0, plan))
+        run.stall += time.perf_counter() - t0
+        log.info("GoCkpt checkpoint from step %d in %d parts (%s)", t, run.parts, req["reason"])
+
+    def _pre_fallback(self, run: FallbackRun, t0: float) -> None:
+        j = self.iterations_done - run.start
+        if j < run.parts:
+            if not run.state_copy.done():
+                run.blocked_parts += 1  # GoCkpt's rule: a part not done in its step is finished blocking
+            self.copier.fence(run.state_copy)
+            grads = {}
+            for jj in range(j + 1):
+                for i in run.plan[jj]:
+                    g = self.masters[i].grad
+                    if g is None:
+                        g = torch.zeros_like(self.masters[i])
+                    grads[gockpt.grad_key(self.names[i])] = g
+            run.grad_copy = self.copier.copy(grads)
+        else:  # step N+k: the state is S_{N+k}; send the last part with the tail, then DONE
+            self.copier.fence(run.fingerprint)
+            self._finish_fallback(run)
+        run.stall += time.perf_counter() - t0
+
+    def _post_fallback(self, run: FallbackRun, t: int) -> None:
+        t0 = time.perf_counter()
+        j = t - 1 - run.start  # the step just taken was N+j
+        self.copier.fence(run.grad_copy)
+        state, grads, lr = run.state_copy, run.grad_copy, self._boundary["lr"]
+        if j < run.parts - 1:
+            self._emit(self._part_builder(run, j, state, grads, lr, None), _Both(state, grads))
+            run.state_copy = self.copier.copy(self._part_state(j + 1, run.plan))
+        else:
+            run.held = (j, state, grads, lr)
+            run.fingerprint = self.copier.run(self._fingerprints)
+        run.stall += time.perf_counter() - t0
+
+    def _part_builder(self, run: FallbackRun, j: int, state, grads, lr: float, tail: dict | None):
+        names = [self.names[i] for i in run.plan[j]]
+        start, parts = run.start, run.parts
+
+        def build(both):
+            st, gr = both
+            tensors = {**st, **gr}
+            slices = {"params": names, "lr": lr}
+            if tail is not None:
+                slices["tail"] = tail["body"]
+                tensors.update({gockpt.rng_key(k): v for k, v in tail["rng"].items()})
+            run.state_bytes += sum(v.numel() * v.element_size() for v in st.values())
+            run.grad_bytes += sum(v.numel() * v.element_size() for v in gr.values())
+            return m.make(m.GOCKPT_PART, tensors, step=start + j, index=j, parts=parts, slices=slices)
+        return build
+
+    def _tail(self) -> dict:
+        g = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        body = {"iterations_done": self.iterations_done, "step": self.iterations_done,
+                "param_group": dumps(g, "param_group"),
+                "lr_scheduler": dumps(self.scheduler.state_dict(), "lr_scheduler") if self.scheduler is not None else None,
+                "loss_scale": ({"scale": float(self.scaler.get_scale()),
+                                "growth_tracker": int(self.scaler._get_growth_tracker())}
+                               if self.scaler is not None else None),
+                "data_position": self._boundary.get("data_position")}
+        return {"body": body, "rng": self._boundary.get("rng", {})}
+
+    def _finish_fallback(self, run: FallbackRun) -> None:
+        j, state, grads, lr = run.held
+        self._emit(self._part_builder(run, j, state, grads, lr, self._tail()), _Both(state, grads))
+        fps = run.fingerprint
+        final = run.start + run.parts
+        self._emit(lambda f: m.make(m.GOCKPT_DONE, step=final, parts=run.parts, fingerprints=f), fps)
+        self._run = None
+        rec = {"start": run.start, "parts": run.parts, "stall_s": run.stall, "blocked_parts": run.blocked_parts,
+               "seconds": time.perf_counter() - run.t0}
+        self.stats.fallbacks.append(rec)
+        log.info("GoCkpt checkpoint steps %d..%d done: %d parts, training stalled %.2f ms (%d parts blocking)",
+                 run.start, final, run.parts, run.stall * 1e3, run.blocked_parts)
+
+    # ---------------------------------------------------------------- lifecycle
+    def wait_registered(self, timeout: float = 30.0) -> bool:
+        return self.client is not None and self.client.wait_connected(timeout)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every message handed over so far has been written to the appliance."""
+        end = time.monotonic() + timeout
+        while not self._sendq.empty() and time.monotonic() < end:
+            time.sleep(0.005)
+        return self.client is None or self.client.flush(max(0.0, end - time.monotonic()))
+
+    def close(self, flush_timeout: float = 30.0) -> None:
+        run = self._run
+        if run is not None and self.leader:
+            if run.held is not None:  # only the tail is missing: the state at close is S_{N+k}
+                self.copier.fence(run.fingerprint)
+                self._finish_fallback(run)
+            else:
+                log.warning("GoCkpt checkpoint from step %d abandoned at close", run.start)
+                self._run = None
+        for h in self._hooks + self._ready_hooks:
+            h.remove()
+        self._hooks, self._ready_hooks = [], []
+        if self.client is not None:
+            self.flush(flush_timeout)
+            self._sendq.put(None)
+            self._sender.join(flush_timeout)
+            self.client.close(flush_timeout=flush_timeout)
+        self.copier.close()
+
+
+class _Both(gockpt.Copy):
+    """Two copies awaited together (a part's state and its gradients)."""
+
+    def __init__(self, a: gockpt.Copy, b: gockpt.Copy):
+        super().__init__()
+        self.a, self.b = a, b
+
+
+def _result(copier, c):
+    if isinstance(c, _Both):
+        return (copier.result(c.a), copier.result(c.b))
+    return copier.result(c)
+
+
+# ------------------------------------------------------------------------------- restore
+
+@dataclass
+class Restored:
+    source: str
+    iterations_done: int
+    step: int
+    data_position: object
+    rng: dict
+
+
+@torch.no_grad()
+def _load(module, optimizer, scheduler, params: dict, ostate: dict, group: dict, sched_state) -> None:
+    named = reducer_params(module)
+    names = [n for n, _ in named]
+    if sorted(params) != sorted(names):
+        raise ValueError(f"restored parameters differ from the model's: {sorted(set(params) ^ set(names))[:5]}")
+    for n, p in named:
+        src = params[n]
+        if tuple(src.shape) != tuple(p.shape):
+            raise ValueError(f"{n}: restored shape {tuple(src.shape)}, model has {tuple(p.shape)}")
+        p.copy_(src)
+    opt_params = list(optimizer.param_groups[0]["params"])
+    masters = [p for _, p in named] if {id(p) for p in opt_params} == {id(p) for _, p in named} else opt_params
+    for (n, _), mp in zip(named, masters):
+        if mp is not dict(named)[n]:
+            mp.copy_(params[n])
+    index = {id(p): i for i, p in enumerate(opt_params)}
+    state = {index[id(mp)]: dict(ostate[n]) for n, mp in zip(names, masters) if n in ostate}
+    g = dict(group)
+    g["params"] = list(range(len(opt_params)))
+    optimizer.load_state_dict({"state": state, "param_groups": [g]})
+    if scheduler is not None:
+        if sched_state is None:
+            raise ValueError("the restored state has no scheduler state, but a scheduler was given")
+        scheduler.load_state_dict(sched_state)
+
+
+def restore_from_appliance(model, optimizer, *, appliance: tuple[str, int], secret, scheduler=None, data=None,
+                           timeout: float = 60.0, role: str = "trainer") -> Restored:
+    """Pull the appliance's latest consistent state (RESTORE_REQUEST) into model and optimizer,
+    scheduler, RNG and ``data`` (``load_state_dict`` of the data position)."""
+    module = unwrap(model)
+    host, port = appliance
+    with ControlClient(host, port, secret, role, backoff_max=0.5) as cli:
+        if not cli.wait_connected(timeout):
+            raise ConnectionError(f"appliance {host}:{port} not reachable in {timeout:g} s")
+        reply = cli.request(m.make(m.RESTORE_REQUEST, step=None), timeout=timeout)
+    if reply.type != m.RESTORE_STATE:
+        raise ValueError(f"appliance answered {reply.type}, not RESTORE_STATE")
+    meta = reply.body.get("meta") or {}
+    params, ostate, rng = {}, {}, {}
+    for k, v in reply.tensors.items():
+        kind, _, rest = k.partition(":")
+        if kind == "p":
+            params[rest] = v
+        elif kind == "o":
+            n, _, key = rest.rpartition(":")
+            ostate.setdefault(n, {})[key] = v.clone()
+        elif kind == "rng":
+            rng[rest] = v.clone()
+    group = loads(meta["param_group"])
+    if "betas" in group:
+        group["betas"] = tuple(group["betas"])
+    sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
+    _load(module, optimizer, scheduler, params, ostate, group, sched)
+    set_rng_states(rng)
+    dp = meta.get("data_position")
+    if data is not None and dp is not None:
+        data.load_state_dict(dp)
+    return Restored("appliance", int(meta["iterations_done"]), int(meta["step"]), dp, rng)
+
+
+def restore_from_disk(model, optimizer, root, *, scheduler=None, data=None) -> Restored:
+    """Load the latest committed checkpoint under ``root`` (verified) the same way."""
+    from ..updater.restore import load_into
+
+    r = load_into(unwrap(model), optimizer, root, scheduler=scheduler)
+    set_rng_states(r.rng)
+    if data is not None and r.data_position is not None:
+        data.load_state_dict(r.data_position)
+    return Restored(str(r.path), r.iterations_done, r.step, r.data_position, r.rng)
+
+
+# ------------------------------------------------------------------------------- the one call
+
+def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, scheduler=None, scaler=None,
+           data=None, training: TrainingSpec | None = None, ring: RingSpec | None = None, job: str = "job",
+           parts: int = 7, fingerprint_every: int = 10, restore: str | None = None,
+           connect_timeout: float = 0.0, client_options: dict | None = None) -> TrainerLink:
+    """Attach a DDP model and its optimizer to the appliance; see the module docstring.
+
+    ``data``: an object with ``state_dict()``/``load_state_dict()`` for the data position (JSON).
+    ``restore``: None, "appliance" (pull the appliance's state), or a checkpoint root on disk;
+    every rank restores. ``connect_timeout``: seconds to wait for the first connection."""
+    restored = None
+    if restore == "appliance":
+        restored = restore_from_appliance(ddp_model, optimizer, appliance=appliance, secret=secret,
+                                          scheduler=scheduler, data=data)
+    elif restore is not None:
+        restored = restore_from_disk(ddp_model, optimizer, restore, scheduler=scheduler, data=data)
+    link = TrainerLink(ddp_model, optimizer, appliance=appliance, secret=secret, scheduler=scheduler,
+                       scaler=scaler, data=data, training=training, ring=ring, job=job, parts=parts,
+                       fingerprint_every=fingerprint_every, client_options=client_options)
+    if restored is not None:
+        link.iterations_done = restored.iterations_done
+        link.restored = restored
+    if connect_timeout and link.client is not None:
+        link.client.wait_connected(connect_timeout)
+    return link
