@@ -34,7 +34,7 @@ import torch
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.config.jobfile import parse_job
-from mirrorckpt.config.layout import BucketSpec, JobLayout
+from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.parser.gloo_job import GlooJobStream, run_replay
 from mirrorckpt.parser.iteration import ReducedIteration

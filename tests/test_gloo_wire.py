@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 from mirrorckpt.capture.batch import FrameBatch
-from mirrorckpt.config import ddp
 from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec, dtype_size
 from mirrorckpt.parser import gloo, gloo_schedule as gs, tcp
