@@ -106,6 +106,9 @@ class AppliancePlane:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "AppliancePlane":
         self.server.start()
+        # torch imports its compiler stack on the first optimizer built (seconds): do it now, not
+        # in the handler of the first registration.
+        threading.Thread(target=_warm_up, name="optimizer-warm-up", daemon=True).start()
         return self
 
     @property
@@ -423,6 +426,11 @@ class AppliancePlane:
 
 # ------------------------------------------------------------------------ helpers
 
+def _warm_up() -> None:
+    p = torch.zeros(1, requires_grad=True)
+    torch.optim.Adam([p], foreach=False)
+
+
 def _differs(what: str, have: dict, got: dict) -> str:
     keys = sorted(k for k in set(have) | set(got) if have.get(k) != got.get(k))
     return f"{what} does not match the traffic/configured {what} (differs in {', '.join(map(str, keys[:4]))})"
@@ -481,10 +489,16 @@ class MirrorFollower(threading.Thread):
     configuration or the trainer's REGISTER) before it reads, so frames queue up until then."""
 
     def __init__(self, plane: AppliancePlane, streams, ring: RingSpec, with_startup: bool = False,
-                 wait_timeout: float = 120.0):
+                 wait_timeout: float = 120.0, window: int = 2, channels: dict | None = None,
+                 reassembly_window: int | None = None):
         super().__init__(name="mirror-follower", daemon=True)
         self.plane, self.streams, self.ring = plane, streams, ring
         self.with_startup, self.wait_timeout = with_startup, wait_timeout
+        self.channels = channels  # ring connection -> channel; None: inferred from the first sends
+        if reassembly_window is not None:  # PSNs a QP moves past a hole before its message is given up
+            for path in getattr(streams, "paths", []):
+                path.reassembler.window = reassembly_window
+        self.window = window  # collectives past an all-reduce before it is final: small, the stream is live
         self.error: BaseException | None = None
         self.iterations = 0
         self.js = None
@@ -497,8 +511,9 @@ class MirrorFollower(threading.Thread):
             if not self.plane.registered.wait(self.wait_timeout):
                 raise TimeoutError("no layout: nobody registered the job")
             model = JobModel.ddp(self.ring, self.plane.layout, with_startup=self.with_startup)
-            self.js = JobStream(self.streams, model=model, ranks=_ranks(self.ring), channels=None,
-                                nccl_version=self.ring.nccl_version)
+            self.js = JobStream(self.streams, model=model, ranks=_ranks(self.ring), channels=self.channels,
+                                nccl_version=self.ring.nccl_version, window=self.window,
+                                infer_after=1 if self.channels is not None else 20000)
             for _done, its in self.js:
                 for it in its:
                     self.iterations += 1

@@ -59,6 +59,19 @@ def ring_for(world: int, seed: int = 1, protocol: str = "LL", nccl_version: str 
     return ring, topo
 
 
+def channels_for(topo, ring: RingSpec) -> dict:
+    """Ring connection -> channel of the simulated fabric (what the parser would otherwise infer
+    from the first collectives' traffic)."""
+    import ipaddress
+
+    from ..parser.nccl import ConnKey
+
+    def addr(rank):
+        return ipaddress.ip_address(ring.addresses[rank]).packed
+
+    return {ConnKey(addr(p.sender), addr(p.receiver), p.sport): ch for (ch, _pos), p in topo.ring.items()}
+
+
 # ------------------------------------------------------------------------------ frame stream
 
 class FrameStreamSender:
