@@ -550,9 +550,7 @@ def test_icrc_verifies_with_the_parser_and_with_scapy(runs):
 # -- decoder round trip ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_inspect_decodes_every_send_to_its_truth_digest(runs, name):
-    out, truth = runs[name]
+def assert_inspect_matches_truth(out, truth):
     version = truth["wire"]["ring"]["nccl_version"]
     for cap in truth["wire"]["captures"]:
         r = inspect_json(out / cap["file"], version)
@@ -565,6 +563,27 @@ def test_inspect_decodes_every_send_to_its_truth_digest(runs, name):
             assert all(s["complete"] for s in got[conn])
             assert [s["sha256"] for s in got[conn]] == [s["sha256"] for s in ss], conn
             assert [s["size"] for s in got[conn]] == [s["wire_bytes"] for s in ss]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_inspect_decodes_every_send_to_its_truth_digest(runs, name):
+    assert_inspect_matches_truth(*runs[name])
+
+
+LL_AS_LL128_PARSER_BUG = (
+    "parser: nccl.detect tries LL128 before LL, so an LL send of a multiple of 2048 wire bytes whose every 8th "
+    "line has a zero high data word (zero gradient rows, e.g. embedding rows of tokens not in the batch) is "
+    "taken for LL128 with flag (t+1) << 32; replay then hands that step to infer.channel_candidates -> "
+    "RingStateMachine.expected, whose _extend tabulates without bound (MAX_AHEAD_STEPS is checked in place() "
+    "only) until the process is killed")
+
+
+@pytest.mark.xfail(strict=True, reason=LL_AS_LL128_PARSER_BUG)
+def test_inspect_decodes_ll_sends_of_zero_gradient_rows(tmp_path):
+    truth = generate(GenConfig(ranks=2, model="gpt:layers=1,d=32,heads=2,vocab=64,ctx=8", steps=3, seed=0,
+                               bucket_cap_mb=0.01, mirrors="0:egress,1:egress"), tmp_path)
+    assert {s["protocol"] for s in truth["wire"]["sends"]} == {"LL"}
+    assert_inspect_matches_truth(tmp_path, truth)
 
 
 SIMPLE_PARSER_BUG = ("parser: pipeline.JobStream._setup resolves channels only among infer.ring_sends, which keeps "
