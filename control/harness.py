@@ -180,20 +180,14 @@ class FrameStreamServer:
 
     def _read(self, conn: socket.socket) -> None:
         conn.settimeout(0.2)
-        f = conn.makefile("rb")
         while not self._stop.is_set():
-            try:
-                head = f.read(_BATCH.size)
-            except socket.timeout:
-                continue
-            if not head:
+            head = _recv_exact(conn, _BATCH.size, self._stop, allow_eof=True)
+            if head is None:
                 return
-            if len(head) < _BATCH.size:
-                raise ValueError("frame stream cut in a batch header")
             magic, port, _, n, nbytes = _BATCH.unpack(head)
             if magic != _MAGIC or port >= self.nports or n > self.max_frames or nbytes > n * 65536:
                 raise ValueError(f"frame stream: bad batch header (port {port}, {n} frames, {nbytes} bytes)")
-            body = _read_exact(f, n * 12 + nbytes)
+            body = _recv_exact(conn, n * 12 + nbytes, self._stop)
             lens = np.frombuffer(body, ">u4", n).astype(np.int64)
             ts = np.frombuffer(body, ">u8", n, offset=n * 4).astype(np.int64)
             if int(lens.sum()) != nbytes:
@@ -216,17 +210,23 @@ class FrameStreamServer:
         self._end()
 
 
-def _read_exact(f, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
+def _recv_exact(conn: socket.socket, n: int, stop: threading.Event, allow_eof: bool = False):
+    """``n`` bytes from ``conn`` (polling ``stop`` on timeouts); None on a clean EOF before any."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        if stop.is_set():
+            raise ValueError("frame stream stopped")
         try:
-            chunk = f.read(n - len(out))
+            k = conn.recv_into(view[got:])
         except socket.timeout:
             continue
-        if not chunk:
+        if k == 0:
+            if allow_eof and got == 0:
+                return None
             raise ValueError("frame stream cut in a batch")
-        out += chunk
-    return bytes(out)
+        got += k
+    return bytes(buf)
 
 
 # ------------------------------------------------------------------------------ the sink
