@@ -31,7 +31,6 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-
 from common import FLOWCHECK
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser import nccl_versions as nv

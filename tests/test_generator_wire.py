@@ -17,7 +17,6 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from common import FLOWCHECK, PCAPS, REPO
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.config.jobfile import load_job
@@ -384,7 +383,7 @@ def test_cts_fifo_wraps_after_64_posts_up_to_2_18(tmp_path):
 def test_both_is_egress_plus_ingress_and_time_ordered(tmp_path):
     kw = dict(ranks=3, model=MLP, steps=2, seed=3)
     a = generate(GenConfig(mirrors="1:both,0:egress", **kw), tmp_path / "a")
-    b = generate(GenConfig(mirrors="1:egress,1:ingress,0:egress", **kw), tmp_path / "b")
+    generate(GenConfig(mirrors="1:egress,1:ingress,0:egress", **kw), tmp_path / "b")
     both, _ = frames_of(tmp_path / "a" / "rank1_both.pcapng")
     eg, _ = frames_of(tmp_path / "b" / "rank1_egress.pcapng")
     ing, _ = frames_of(tmp_path / "b" / "rank1_ingress.pcapng")
@@ -435,7 +434,6 @@ def test_faults_land_where_truth_says(tmp_path):
     # the clean stream with the recorded faults applied is the faulty stream
     by_id = {(r["qp"], r["psn"], _op(r)): r for r in recs}
     expect = []
-    swap_next = False
     ids = [_identity(f) for f, *_ in clean]
     i = 0
     while i < len(ids):
@@ -679,7 +677,7 @@ UNUSED_CHANNEL_PARSER_BUG = (
 def test_replay_when_the_second_channel_is_never_used(tmp_path):
     truth = generate(GenConfig(ranks=2, channels=2, model="mlp:16,16,4", steps=2, seed=3, mirrors="0:egress,1:egress"),
                      tmp_path)
-    assert {c for l in truth["wire"]["launches"] for c in l["used_channels"]} == {0}
+    assert {c for launch in truth["wire"]["launches"] for c in launch["used_channels"]} == {0}
     caps = [str(tmp_path / c["file"]) for c in truth["wire"]["captures"]]
     bin_ = shutil.which("mirrorckpt", path=str(REPO / ".venv" / "bin")) or shutil.which("mirrorckpt")
     res = subprocess.run([bin_, "replay", "--json", "--config", str(tmp_path / "job.toml"), *caps],

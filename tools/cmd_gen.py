@@ -11,7 +11,6 @@ import json
 import sys
 
 import click
-
 from mirrorckpt.parser import nccl_versions as nv
 
 
@@ -100,8 +99,14 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
         ar_threshold, write_only_train, psn_start, line_rate_gbps, p2p_fill, noise, noise_rate, loss, reorder,
         duplicate, corrupt, truncate, fault_seed, no_send_truth):
     """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
-    from mirrorckpt.config.training import (ClipSpec, LossScaleSpec, LRScheduleSpec, OptimizerSpec, SpecError,
-                                            TrainingSpec)
+    from mirrorckpt.config.training import (
+        ClipSpec,
+        LossScaleSpec,
+        LRScheduleSpec,
+        OptimizerSpec,
+        SpecError,
+        TrainingSpec,
+    )
     from mirrorckpt.tools.generator import noise as noise_mod
     from mirrorckpt.tools.generator.faults import FaultOptions
     from mirrorckpt.tools.generator.gen import GenConfig, generate

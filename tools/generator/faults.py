@@ -17,7 +17,6 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
-
 from mirrorckpt.parser import opcodes
 
 from .frames import FrameSet

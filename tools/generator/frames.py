@@ -14,11 +14,23 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import numpy as np
-
 from mirrorckpt.parser import _fast, opcodes
 from mirrorckpt.parser.headers import (
-    AETH, BTH, DETH, ETH, ETHERTYPE_IPV4, ETHERTYPE_IPV6, ICRC_BYTES, IMMDT, IPPROTO_UDP, IPV4, IPV6, RETH,
-    ROCEV2_PORT, UDP, Header,
+    AETH,
+    BTH,
+    DETH,
+    ETH,
+    ETHERTYPE_IPV4,
+    ETHERTYPE_IPV6,
+    ICRC_BYTES,
+    IMMDT,
+    IPPROTO_UDP,
+    IPV4,
+    IPV6,
+    RETH,
+    ROCEV2_PORT,
+    UDP,
+    Header,
 )
 
 # BTH byte 1: SE(1) M(1) PadCnt(2) TVer(4). ConnectX sets M (MigReq) on RC traffic (real captures).

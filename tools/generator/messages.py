@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
-
 from mirrorckpt.parser import opcodes as oc
 from mirrorckpt.parser.headers import PSN_MODULUS
 

@@ -10,11 +10,9 @@ built in batches (``flush``) and handed to every file that sees them.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.writer import PcapngWriter, PcapWriter
 from mirrorckpt.config.layout import MirrorSpec

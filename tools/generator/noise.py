@@ -20,11 +20,25 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.parser import _fast
 from mirrorckpt.parser.headers import (
-    BTH, DETH, ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6, ICRC_BYTES, IPPROTO_TCP, IPPROTO_UDP, IPV4,
-    IPV6, PTP_PORTS, ROCEV2_PORT, TCP, UDP, Field, Header,
+    BTH,
+    DETH,
+    ETH,
+    ETHERTYPE_ARP,
+    ETHERTYPE_IPV4,
+    ETHERTYPE_IPV6,
+    ICRC_BYTES,
+    IPPROTO_TCP,
+    IPPROTO_UDP,
+    IPV4,
+    IPV6,
+    PTP_PORTS,
+    ROCEV2_PORT,
+    TCP,
+    UDP,
+    Field,
+    Header,
 )
 
 from . import frames

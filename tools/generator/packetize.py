@@ -12,7 +12,6 @@ receive slots continue from one collective to the next.
 from __future__ import annotations
 
 import numpy as np
-
 from mirrorckpt.config.layout import RingSpec
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import ringreduce, schedule

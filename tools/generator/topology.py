@@ -19,7 +19,6 @@ import ipaddress
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.parser import nccl_versions as nv
 
 # OUIs of NVIDIA/Mellanox ConnectX NICs (the real captures show 0c:42:a1 and 08:c0:eb).

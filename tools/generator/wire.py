@@ -25,16 +25,15 @@ been seen, so every mirror stream is in time order batch by batch.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import protocols, schedule
-from mirrorckpt.parser.headers import ETH, ICRC_BYTES, IPV6, PSN_MODULUS, RETH, UDP, BTH, IMMDT
+from mirrorckpt.parser.headers import BTH, ETH, ICRC_BYTES, IMMDT, IPV6, PSN_MODULUS, RETH, UDP
 from mirrorckpt.parser.schedule import RingStep
 
-from .messages import ACK, NORMAL, PLAIN, SPLIT, TRAIN, MessageLog, packet_count, rdma_messages
+from .messages import ACK, NORMAL, PLAIN, SPLIT, TRAIN, packet_count, rdma_messages
 from .topology import P2P_CHUNK_BYTES, QpPair
 
 # AETH credit count encoding (IBTA vol. 1, AETH syndrome: 5-bit credit code -> receive credits).
@@ -169,9 +168,9 @@ class Wire:
             s = self._slots[key] = schedule.recv_slot(t, layer.protocol, layer.kind, self.version)
         return qp.recv_base + s.alloc_offset, s.cts_size, qp.rkeys[layer.protocol]
 
-    def _post_cts(self, w: Work, layer: Layer, ts: int, log: MessageLog | None) -> int:
+    def _post_cts(self, w: Work, layer: Layer, ts: int) -> int:
         """The receiver posts the next receive of ``w``; returns when the sender has ACKed it."""
-        c = w.conn
+        c, log = w.conn, self.sink.log
         k = c.posted - w.first_idx  # 0-based message of the collective this receive is for
         t = w.t0 + w.msgs[k].conn_step
         c.posted += 1
@@ -181,12 +180,12 @@ class Wire:
         c.cts_msn += 1
         qp = c.qp
         ack_ts = ts + self.opts.switch_ns + self.opts.ack_ns
-        if log is not None and self.sink.wants(qp.receiver, qp.sender):
+        if self.sink.wants(qp.receiver, qp.sender):
             entry = self.cts_hdr.pack(addr=va, size=size, rkey=rkey, nreqs=1, tag=qp.sender, idx=c.posted)
             log.add(PLAIN, qp.receiver, qp.sender, qp.sport, qp.send_qpn, psn, ts, length=len(entry),
                     pmtu=self.opts.pmtu, va=qp.fifo_va + int(nv.cts_fifo_offset(c.posted, self.version)),
                     rkey=qp.fifo_rkey, pay_off=log.payload(np.frombuffer(entry, np.uint8)))
-        if log is not None and self.sink.wants(qp.sender, qp.receiver):
+        if self.sink.wants(qp.sender, qp.receiver):
             log.add(ACK, qp.sender, qp.receiver, qp.sport, qp.recv_qpn, psn, ack_ts, syndrome=credit_code(0),
                     msn=c.cts_msn % PSN_MODULUS)
         return ack_ts
@@ -196,7 +195,7 @@ class Wire:
     def run(self, works: list[Work], layer: Layer, source, label: dict, gap_ns: int) -> None:
         """Emit the collective; ``source.begin_slot(g)`` then ``source.payload(w, msg)`` (user bytes,
         uint8) for the messages some mirror captures; ``label`` goes into the send truth."""
-        opts, log = self.opts, self.sink.log
+        opts = self.opts
         works = [w for w in works if w.msgs]
         self.clock += gap_ns
         depth = nv.recv_post_depth(max(1, len({w.channel for w in works})))
@@ -214,7 +213,7 @@ class Wire:
             for _ in range(min(depth, len(w.msgs))):
                 ts = self.clock + per_nic.get(w.receiver, 0)
                 per_nic[w.receiver] = per_nic.get(w.receiver, 0) + opts.pkt_ns() // 4 + 40
-                end = max(end, self._post_cts(w, layer, ts, log))
+                end = max(end, self._post_cts(w, layer, ts))
         slot_start = end + opts.switch_ns + opts.step_ns
         nslots = max(w.delay + len(w.msgs) for w in works) if works else 0
         pkt = opts.pkt_ns()
@@ -225,15 +224,15 @@ class Wire:
             for w in active:
                 by_nic.setdefault(w.sender, []).append(w)
             end = slot_start
-            for sender, ws in by_nic.items():
+            for ws in by_nic.values():
                 for j, w in enumerate(ws):
                     ts0 = slot_start + j * pkt
-                    end = max(end, self._send(w, g - w.delay, layer, source, label, ts0, len(ws) * pkt, depth))
+                    end = max(end, self._send(w, g - w.delay, layer, source, label, ts0, len(ws) * pkt))
             slot_start = end + opts.switch_ns + opts.step_ns
             self.sink.after_slot()
         self.clock = slot_start
 
-    def _send(self, w: Work, k: int, layer: Layer, source, label: dict, ts0: int, dt: int, depth: int) -> int:
+    def _send(self, w: Work, k: int, layer: Layer, source, label: dict, ts0: int, dt: int) -> int:
         """Message ``k`` of ``w``: data WRITE, the receiver's ACK and its next receive post."""
         opts, c, qp, log = self.opts, w.conn, w.conn.qp, self.sink.log
         msg = w.msgs[k]
@@ -272,8 +271,8 @@ class Wire:
             log.add(ACK, qp.receiver, qp.sender, qp.sport, qp.send_qpn, (psn + npk - 1) % PSN_MODULUS, ack_ts,
                     syndrome=credit_code(c.posted - c.received), msn=c.data_msn % PSN_MODULUS)
         end = max(ack_ts, last_ts)
-        if c.posted - w.first_idx < len(w.msgs):  # the proxy keeps `depth` receives ahead
-            end = max(end, self._post_cts(w, layer, arrive + opts.cts_ns, log))
+        if c.posted - w.first_idx < len(w.msgs):  # one in, one more posted: the proxy stays `depth` ahead
+            end = max(end, self._post_cts(w, layer, arrive + opts.cts_ns))
         return end
 
     def _truth(self, w, msg, layer, label, t, seq, flag, form, wire_len, padded, nbytes) -> None:
