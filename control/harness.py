@@ -452,6 +452,9 @@ def main(argv=None) -> None:
 
     dims = tuple(int(x) for x in a.dims.split(","))
     model = build_model(dims, a.seed + a.rank)  # differs per rank: DDP's broadcast makes them agree
+    # One RNG stream on every rank (dropout, noise): the appliance keeps the leader's RNG state,
+    # which is then every rank's.
+    torch.manual_seed(a.seed)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     drop = {tuple(int(v) for v in d.split(":")) for d in a.drop.split(",") if d}
     hs = register(ddp, ("127.0.0.1", a.frames_port) if a.frames_port else None, seed=1, drop=drop)
