@@ -97,19 +97,25 @@ _MASK64 = (1 << 64) - 1
 _CHUNK_WORDS = 1 << 22
 
 
+_WEIGHTS: dict = {}  # device -> 2i+1 for one chunk, made once
+
+
 def torch_fingerprint(t: torch.Tensor) -> int:
     """``updater.fingerprint.fingerprint`` computed with torch ops on the tensor's own device
     (a GPU never copies the tensor to the host): sum((2i+1) * w_i) mod 2**64 over its 32-bit words.
-    int64 products and sums wrap modulo 2**64, which is all the definition needs."""
+    int64 products and sums wrap modulo 2**64, which is all the definition needs; a chunk starting
+    at word ``lo`` adds sum((2j+1) w_j) + 2 lo sum(w_j), so one weight vector serves every chunk."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if b.numel() % 4:
         b = torch.cat([b, torch.zeros(4 - b.numel() % 4, dtype=torch.uint8, device=b.device)])
     words = b.view(torch.int32)
+    weights = _WEIGHTS.get(words.device)
+    if weights is None:
+        weights = _WEIGHTS[words.device] = torch.arange(_CHUNK_WORDS, dtype=torch.int64, device=words.device) * 2 + 1
     total = 0
     for lo in range(0, words.numel(), _CHUNK_WORDS):
         w = words[lo:lo + _CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
-        idx = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=w.device) * 2 + 1
-        total += int((w * idx).sum())
+        total += int((w * weights[:w.numel()]).sum()) + 2 * lo * int(w.sum())
     return total & _MASK64
 
 
