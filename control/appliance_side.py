@@ -297,6 +297,7 @@ class AppliancePlane:
         if step < 1:
             raise Refused("STEP_META step must be >= 1")
         with self.lock:
+            self.poll()
             r = self.replica
             meta = {"rng": rng, "data_position": msg.body.get("data_position")}
             if r is not None and step <= r.iterations_done:

@@ -183,6 +183,7 @@ class CudaCopier:
     def __init__(self, device):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gockpt-fingerprint")
 
     def copy(self, tensors: dict[str, torch.Tensor]) -> Copy:
         ready = torch.cuda.Event()
@@ -200,23 +201,32 @@ class CudaCopier:
         return Copy(tensors=out, event=done)
 
     def run(self, fn) -> Copy:
+        """A state read whose result the host needs (fingerprints: their ``int`` waits for the
+        GPU): queued on the side stream from a worker thread, so the training thread never waits
+        for it unless the step needs the state first (``fence``)."""
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            value = fn()  # torch_fingerprint's reductions are queued on the side stream
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return Copy(tensors=value, event=done)
+
+        def work():
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(ready)
+                return fn()
+        return Copy(future=self._pool.submit(work))
 
     def fence(self, c: Copy) -> None:
-        torch.cuda.current_stream(self.device).wait_event(c.event)
+        if c.future is not None:
+            c.tensors = c.future.result()  # fn has read the state when its values are known
+        else:
+            torch.cuda.current_stream(self.device).wait_event(c.event)
 
     def result(self, c: Copy):
+        if c.future is not None:
+            return c.future.result()
         c.event.synchronize()
         return c.tensors
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         self.stream.synchronize()
 
 
