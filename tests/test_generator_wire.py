@@ -673,7 +673,8 @@ UNUSED_CHANNEL_PARSER_BUG = (
     "run them on channel 0); infer.resolve_channels -> channel_candidates asks exactly that, so replay hangs")
 
 
-@pytest.mark.xfail(strict=True, raises=subprocess.TimeoutExpired, reason=UNUSED_CHANNEL_PARSER_BUG)
+# Only a hang is expected to fail (a fix in progress makes it pass); a wrong result fails the test.
+@pytest.mark.xfail(strict=False, raises=subprocess.TimeoutExpired, reason=UNUSED_CHANNEL_PARSER_BUG)
 def test_replay_when_the_second_channel_is_never_used(tmp_path):
     truth = generate(GenConfig(ranks=2, channels=2, model="mlp:16,16,4", steps=2, seed=3, mirrors="0:egress,1:egress"),
                      tmp_path)
