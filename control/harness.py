@@ -434,6 +434,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dims", default="32,64,16")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--parts", type=int, default=3)
+    ap.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's)")
     ap.add_argument("--fingerprint-every", type=int, default=2)
     ap.add_argument("--drop", default="", help="iteration:bucket,... all-reduces that lose frames")
     ap.add_argument("--restore", default="", help="'appliance' or a checkpoint root")
@@ -455,7 +456,8 @@ def main(argv=None) -> None:
     # One RNG stream on every rank (dropout, noise): the appliance keeps the leader's RNG state,
     # which is then every rank's.
     torch.manual_seed(a.seed)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, **({"bucket_cap_mb": a.bucket_cap_mb} if a.bucket_cap_mb else {}))
     drop = {tuple(int(v) for v in d.split(":")) for d in a.drop.split(",") if d}
     hs = register(ddp, ("127.0.0.1", a.frames_port) if a.frames_port else None, seed=1, drop=drop)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, foreach=False)

@@ -69,13 +69,18 @@ def _assign(tensors, limits, indices=None) -> list[list[int]]:
 
 
 def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_order: list[int]) -> JobLayout:
-    """The buckets DDP (torch 2.x, default options) all-reduces: one bucket in iteration 0, then
-    the rebuild in first-backward ready order with DDP's caps (the reducer's own assignment)."""
+    """The buckets DDP (torch 2.x) all-reduces: one bucket in iteration 0, then the rebuild in
+    first-backward ready order with DDP's caps (the reducer's own assignment function)."""
     import sys
 
+    cfg = getattr(ddp_model, "_bucket_config", None)
+    if getattr(cfg, "has_custom_per_bucket_caps", False) or getattr(ddp_model, "find_unused_parameters", False) \
+            or getattr(ddp_model, "static_graph", False):
+        raise ValueError("DDP with per-bucket caps, find_unused_parameters or static_graph buckets its first "
+                         "iteration differently; the appliance follows DDP's default options only")
     first = list(reversed(_assign(params, [sys.maxsize])))
     cap = int(getattr(ddp_model, "bucket_bytes_cap", 25 << 20))
-    first_cap = dist._DEFAULT_FIRST_BUCKET_BYTES if getattr(ddp_model, "bucket_bytes_cap_default", True) else cap
+    first_cap = int(getattr(cfg, "first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES))
     rebuilt = _assign([params[i] for i in ready_order], [first_cap, cap], ready_order)
     dtype = _DTYPE_NAMES[params[0].dtype]
     return JobLayout(params=[ParamSpec(n, tuple(p.shape), "float32") for n, p in zip(names, params)],

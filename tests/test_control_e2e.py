@@ -77,11 +77,13 @@ def trainer_state(d: dict) -> dict:
 
 
 def test_loss_and_drift_each_trigger_one_fallback_and_mirror_mode_resumes(tmp_path):
+    """Several DDP buckets (small bucket_cap_mb): the registered layout must be DDP's real one."""
     app = Appliance(corrupt_at=14)
     try:
         procs = harness.spawn_ranks(WORLD, tmp_path, SECRET, control_port=app.plane.port,
                                     frames_port=app.frames.port, steps=46,
-                                    extra=["--drop", "3:0,34:0", "--step-delay", "0.2", "--parts", "3"])
+                                    extra=["--drop", "3:1,34:0", "--step-delay", "0.2", "--parts", "3",
+                                           "--dims", "32,64,64,16", "--bucket-cap-mb", "0.01"])
         harness.wait_ranks(procs, tmp_path, timeout=200)
         assert wait_for(lambda: app.plane.replica is not None and app.plane.replica.iterations_done == 46)
     finally:
