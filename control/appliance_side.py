@@ -104,7 +104,7 @@ class AppliancePlane:
         self.server = ControlServer(host, port, secret, handlers, **(server_options or {}))
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "AppliancePlane":
+    def start(self) -> AppliancePlane:
         self.server.start()
         # torch imports its compiler stack on the first optimizer built (seconds): do it now, not
         # in the handler of the first registration.
@@ -304,19 +304,19 @@ class AppliancePlane:
                 if step == r.iterations_done and r.stale is None and not self._waiting:
                     r.rng = {k: v for k, v in rng.items()}  # late metadata of the current step
                     r.data_position = meta["data_position"]
-                return None
+                return
             if len(self._metas) > 4 * self.max_meta_lag + 64:
                 self._metas.pop(min(self._metas))
             self._metas[step] = meta
             self._drain()
-        return None
+        return
 
     def _on_fingerprint(self, msg: m.Message, peer) -> None:
         step, fps = msg.body["step"], msg.body["fingerprints"]
         with self.lock:
             r = self.replica
             if r is None or r.stale is not None or self.fallback is not None:
-                return None
+                return
             if step in self._own_fps:
                 self._compare(r, step, fps, self._own_fps.pop(step))
             elif step == r.iterations_done:
@@ -327,7 +327,7 @@ class AppliancePlane:
                     self._trainer_fps.pop(min(self._trainer_fps))
             else:
                 self.stats.fingerprints_missed += 1
-        return None
+        return
 
     def _on_part(self, msg: m.Message, peer) -> None:
         b = msg.body
@@ -345,7 +345,6 @@ class AppliancePlane:
                 if f.rebuild is None:
                     raise Refused(f"part {b['index']} before part 0")
                 f.rebuild.add_part(b["step"], b["index"], b["parts"], b.get("slices", {}), msg.tensors)
-        return None
 
     def _on_done(self, msg: m.Message, peer) -> None:
         b = msg.body
@@ -372,9 +371,9 @@ class AppliancePlane:
                 f.attempt += 1
                 f.requested = time.monotonic()
                 self._push_request()
-                return None
+                return
             self._install(rep, rb)
-        return None
+        return
 
     def _install(self, rep: Replica, rb: gockpt.Rebuild) -> None:
         self.app.replica = rep

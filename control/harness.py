@@ -35,8 +35,8 @@ from torch import nn
 
 from ..capture.batch import FrameBatch
 from ..config.layout import MirrorSpec, RingSpec
-from ..parser import ringreduce, schedule
 from ..parser import nccl_versions as nv
+from ..parser import ringreduce, schedule
 from ..tools.generator import topology as topo_mod
 from ..tools.generator.faults import FaultInjector, FaultOptions
 from ..tools.generator.mirrors import CaptureSet, MirrorFile
@@ -164,7 +164,7 @@ class FrameStreamServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self._lsock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -219,7 +219,7 @@ def _recv_exact(conn: socket.socket, n: int, stop: threading.Event, allow_eof: b
             raise ValueError("frame stream stopped")
         try:
             k = conn.recv_into(view[got:])
-        except socket.timeout:
+        except TimeoutError:
             continue
         if k == 0:
             if allow_eof and got == 0:
@@ -235,7 +235,7 @@ class _PortWriter:
     """Stands where a capture file writer would: hands batches to the frame stream, dropping
     the frames the loss rule selects."""
 
-    def __init__(self, sink: "StreamSink", port: int):
+    def __init__(self, sink: StreamSink, port: int):
         self.sink, self.port = sink, port
 
     def write_batch(self, b: FrameBatch) -> None:
@@ -253,7 +253,7 @@ class _PortWriter:
 class _StreamPort(MirrorFile):
     """A mirror port whose frames go to the frame stream instead of a file."""
 
-    def __init__(self, sink: "StreamSink", port: int, mirror: MirrorSpec, topo, v6: bool):
+    def __init__(self, sink: StreamSink, port: int, mirror: MirrorSpec, topo, v6: bool):
         self.path = Path(f"mirror{port}")
         self.mirror = mirror
         self.egress = mirror.direction in ("egress", "both")

@@ -268,7 +268,6 @@ class TrainerLink:
             self._request = {"parts": parts, "reason": msg.body["reason"], "at": msg.body["step"]}
         log.info("fallback requested by the appliance (%s) at its step %d, %d parts",
                  msg.body["reason"], msg.body["step"], parts)
-        return None
 
     # ---------------------------------------------------------------- hooks
     def _pre(self, optimizer, args, kwargs) -> None:

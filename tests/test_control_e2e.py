@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.control import auth, harness, wire

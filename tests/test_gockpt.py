@@ -11,8 +11,6 @@ import time
 
 import pytest
 import torch
-from torch import nn
-
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.control import gockpt
@@ -20,6 +18,7 @@ from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.control.harness import Shard, build_model, digest
 from mirrorckpt.control.trainer import attach
 from mirrorckpt.updater.fingerprint import fingerprint, state_sha256
+from torch import nn
 
 SECRET = "gockpt-test-secret-0123456789abcdef"
 DIMS = (16, 48, 40, 8)
