@@ -23,12 +23,14 @@ class JobModel:
     before_iteration_1: list[CollSpec] = field(default_factory=list)
     per_iteration: list[CollSpec] | None = None  # used when there is no layout
     iterations: int | None = None  # how many iterations the sequence holds (None: no end)
+    from_start: bool = True  # the capture begins with the job (False: attached mid-run)
 
     @staticmethod
     def ddp(ring: RingSpec, layout: JobLayout, with_startup: bool = True, iterations: int | None = None):
         """A DDP job: start-up collectives, the rebuild broadcasts, one all-reduce per bucket."""
         return JobModel(ring, layout, ddp.startup(layout) if with_startup else [],
-                        ddp.rebuild(layout) if with_startup else [], iterations=iterations)
+                        ddp.rebuild(layout) if with_startup else [], iterations=iterations,
+                        from_start=with_startup)
 
     @staticmethod
     def allreduces(ring: RingSpec, counts: list[int], dtype: str, iterations: int | None = None):

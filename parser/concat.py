@@ -73,6 +73,11 @@ class Concatenator:
         self.open: dict[int, CollectiveResult] = {}
         self.next_out = 0  # lowest collective not yet handed on
         self.frontier = -1  # highest collective any send was placed in
+        # Per mirror stream, the highest collective it delivered: a collective is final once
+        # every stream still running has moved past it (streams can be skewed in time).
+        self.streams: dict[int, int] = {}
+        self.ended: set[int] = set()
+        self.expected: set[int] = set()  # streams known to exist: silent ones hold collectives back
         self.p2p: list[NcclSend] = []  # candidate extra sends for holes (point-to-point traffic)
 
     def _result(self, i: int) -> CollectiveResult:
@@ -88,6 +93,8 @@ class Concatenator:
         if p.coll < self.next_out:
             return  # already handed on: a late copy can no longer change it
         self.frontier = max(self.frontier, p.coll)
+        k = getattr(p.send, "stream", 0)
+        self.streams[k] = max(self.streams.get(k, -1), p.coll)
         c, st = p.spec, p.step
         if c.kind == ALLREDUCE and st.phase != REDUCED:
             return
@@ -138,17 +145,24 @@ class Concatenator:
             return
         a, n = holes[0]
         es = dtype_size(r.spec.dtype)
-        for s in self.p2p:
+        for i, s in enumerate(self.p2p):
             if len(s.data) == n * es and s.ts_ns >= r.last_ts:
-                self.p2p.remove(s)
+                del self.p2p[i]
                 self._put(r, a, n, s.data, [], f"point-to-point send on {s.connection}")
                 r.filled_by_p2p.append((a, n))
                 return
 
+    def settled(self) -> int:
+        """The collective every running stream has reached (the global one when all ended)."""
+        running = [self.streams.get(k, -1) for k in self.expected | set(self.streams) if k not in self.ended]
+        return min(running) if running else self.frontier
+
     def poll(self, final: bool = False) -> list[CollectiveResult]:
-        """Collectives finished (traffic moved ``window`` past them, or ``final``), in order."""
+        """Collectives finished (every running stream moved ``window`` past them, or ``final``),
+        in order."""
         out = []
-        while final and self.next_out <= self.frontier or self.next_out + self.window <= self.frontier:
+        settled = self.settled()
+        while final and self.next_out <= self.frontier or self.next_out + self.window <= settled:
             r = self.open.pop(self.next_out, None)
             if r is None:
                 r = self._result(self.next_out)

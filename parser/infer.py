@@ -75,7 +75,8 @@ def find_ranks(conns: dict[ConnKey, list[NcclSend]], decoders: list[NcclDecoder]
                                  f"seen from their receivers); give the ring addresses in the configuration")
         # Two ranks, no CTS: rank 0 is the sender of the start-up broadcasts, the one whose
         # connection carries more steps.
-        steps = {a: max((s.flag or 0) for k, v in conns.items() if k.sender == a for s in v) for a in addrs}
+        steps = {a: max(((s.flag or 0) for k, v in conns.items() if k.sender == a for s in v), default=0)
+                 for a in addrs}
         order = sorted(addrs, key=lambda a: -steps[a])
         ranks = {order[0]: 0, order[1]: 1}
         notes.append("no CTS seen: rank 0 taken to be the address that sent the start-up broadcasts")
@@ -379,3 +380,100 @@ def _fits(n, es, ring, keys, seqs, t) -> bool:
             return False
         used.add(ch)
     return True
+
+
+class ChannelResolver:
+    """Maps ring connections to channels as their sends arrive (a connection may first appear
+    long after the start: small collectives run on fewer channels). A new connection's sends are
+    held until they identify its channel: by the plan's message sizes at their steps, and when
+    several channels fit every send so far (symmetric chunks), after ``hold`` sends, by the
+    receive buffer addresses (NCCL allocates a pair's connections in channel order)."""
+
+    def __init__(self, model: JobModel, ranks: dict[bytes, int], mapped: dict[ConnKey, int] | None = None,
+                 hold: int = 64):
+        self.model, self.ranks, self.hold = model, ranks, hold
+        self.sm = RingStateMachine(model, ranks, {})
+        self.mapped: dict[ConnKey, int] = dict(mapped or {})
+        self.held: dict[ConnKey, list[NcclSend]] = {}
+        self.rejected: set[ConnKey] = set()
+        self.base: dict[ConnKey, int] = {}  # receive-buffer base of mapped connections
+        self.notes: list[str] = []
+
+    def is_ring(self, conn: ConnKey) -> bool:
+        a, b = self.ranks.get(conn.sender), self.ranks.get(conn.receiver)
+        if a is None or b is None or conn in self.rejected:
+            return False
+        return any(self.model.ring.next_rank(ch, a) == b for ch in range(self.model.ring.nchannels))
+
+    def offer(self, s: NcclSend) -> list[NcclSend]:
+        """The sends now placeable, in arrival order: ``s`` itself once its connection is mapped."""
+        conn = s.connection
+        if conn in self.mapped:
+            return [s]
+        if s.protocol == "Simple" and self.model.ring.protocol != "Simple" and len(s.data):
+            # Point-to-point traffic between ring ranks: its own connection, never a ring one.
+            self.rejected.add(conn)
+            return self.held.pop(conn, []) + [s]
+        held = self.held.setdefault(conn, [])
+        held.append(s)
+        return self._decide(conn, final=False)
+
+    def flush(self) -> list[NcclSend]:
+        out = []
+        for conn in list(self.held):
+            out += self._decide(conn, final=True)
+        return out
+
+    def _by_order(self, conn: ConnKey, held: list[NcclSend]) -> list[int]:
+        """Channels whose first messages have the sizes of the connection's first sends: for
+        flagless traffic (Simple) seen without its CTS, when the capture starts with the job."""
+        a, b = self.ranks[conn.sender], self.ranks[conn.receiver]
+        out = []
+        for ch in range(self.model.ring.nchannels):
+            if self.model.ring.next_rank(ch, a) != b:
+                continue
+            pos = self.model.ring.ring_index(ch, a)
+            ok = True
+            for m, s in enumerate(held):
+                hit = self.sm.by_message(ch, pos, m)
+                if hit is None or (s.length_known and hit[1].wire_bytes != s.wire_bytes):
+                    ok = False
+                    break
+            if ok:
+                out.append(ch)
+        return out
+
+    def _pair(self, conn: ConnKey) -> list[ConnKey]:
+        return [k for k in list(self.mapped) + list(self.held)
+                if (k.sender, k.receiver) == (conn.sender, conn.receiver)]
+
+    def _decide(self, conn: ConnKey, final: bool) -> list[NcclSend]:
+        held = self.held[conn]
+        stepped = any(s.step is not None and s.length_known for s in held)
+        by_order = not stepped and self.model.from_start and len(held) >= min(self.hold, 8)
+        if not (stepped or by_order or final):
+            return []  # nothing identifying yet (empty steps, or flagless sends still few)
+        taken = {self.mapped[k] for k in self._pair(conn) if k in self.mapped}
+        if stepped:
+            cands = channel_candidates(self.sm, conn, held, self.model.ring, self.ranks)
+        else:
+            cands = self._by_order(conn, held)
+        cands = [c for c in cands if c not in taken]
+        if not cands:
+            self.rejected.add(conn)
+            self.notes.append(f"connection {conn} fits no free channel of the configured ring: not placed")
+            return self.held.pop(conn)  # handed back as traffic outside the ring
+        if len(cands) > 1 and not (final or len(held) >= self.hold):
+            return []
+        ch = cands[0]
+        if len(cands) > 1:
+            pair = sorted(self._pair(conn), key=lambda k: self.base[k] if k in self.base
+                          else _buffer_base(self.held[k], self.model))
+            free = sorted(set(cands) | taken)
+            pos = pair.index(conn)
+            ch = free[pos] if pos < len(free) and free[pos] in cands else cands[0]
+            self.notes.append(f"connection {conn}: channel {ch} taken from its receive buffer address "
+                              f"(channels {cands} fit its sizes)")
+        self.mapped[conn] = ch
+        self.base[conn] = _buffer_base(held, self.model)
+        return self.held.pop(conn)

@@ -57,6 +57,7 @@ class NcclSend:
     cts: Cts | None = None
     ts_ns: int = 0
     length_known: bool = True
+    stream: int = 0  # which mirror stream (capture source) carried it
 
     @property
     def complete(self) -> bool:
@@ -85,7 +86,9 @@ class _Conn:
 class NcclDecoder:
     """Turns RDMA messages (any QP, any order across QPs) into NCCL sends, per connection."""
 
-    def __init__(self, version: str = "2.18", protocol: str | None = None, p2p_protocol: str = "Simple"):
+    def __init__(self, version: str = "2.18", protocol: str | None = None, p2p_protocol: str = "Simple",
+                 stream: int = 0):
+        self.stream = stream
         self.version = nccl_versions.version(version)
         self.cts_header = nccl_versions.cts_header(self.version)
         self.protocol = protocol  # None: decided per send from its content
@@ -223,7 +226,7 @@ class NcclDecoder:
             connection=c.key, qp=msgs[0].qp if msgs else None, protocol=proto, data=user, holes=holes,
             wire_bytes=len(wire), size=size, va=va, form=form, flag=flag,
             seq=cts.idx if cts else None, cts=cts, ts_ns=min(m.ts_ns for m in msgs) if msgs else 0,
-            length_known=length_known,
+            length_known=length_known, stream=self.stream,
         )
 
 
@@ -270,16 +273,19 @@ def _majority_flag(proto: str, wire: np.ndarray, ok: np.ndarray) -> int | None:
 
 
 def detect(wire: np.ndarray, wire_holes) -> str | None:
-    """Protocol from the payload: most LL lines carry two equal non-zero flags, most LL128 lines
-    one non-zero u64 flag in word 15, the same across the message; anything else is Simple."""
-    for proto, unit in ((protocols.LL128, LL128_GROUP_WIRE), (protocols.LL, LL_LINE_BYTES)):
+    """Protocol from the payload. LL: every intact 16-byte line carries two equal flags, the same
+    non-zero value in all lines. LL128: every intact 128-byte line carries the same non-zero u64
+    flag in word 15. LL is tried first: its signature is the stricter one, while an LL message
+    whose data is constant (zero gradients) repeats one u64 at every 128th byte and looks like
+    LL128. Anything else is Simple."""
+    for proto, unit in ((protocols.LL, LL_LINE_BYTES), (protocols.LL128, LL128_GROUP_WIRE)):
         if len(wire) % unit:
             continue
         line = LL_LINE_BYTES if proto == protocols.LL else LL128_LINE_BYTES
         ok = _line_mask(len(wire), line, wire_holes)
         if not ok.any():
             continue
-        flag = _majority_flag(proto, wire, ok)
-        if flag is not None and (_flags(proto, wire)[ok] == flag).mean() > 0.5:
+        flags = _flags(proto, wire)[ok]
+        if flags[0] > 0 and (flags == flags[0]).all():
             return proto
     return protocols.SIMPLE if len(wire) else None

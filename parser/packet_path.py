@@ -10,11 +10,11 @@ from mirrorckpt.parser.reassembly import Reassembler, RdmaMessage
 
 class PacketPath:
     def __init__(self, icrc: bool = True, nccl_version: str = "2.18", protocol: str | None = None,
-                 window: int = 1024):
+                 window: int = 1024, stream: int = 0):
         self.icrc = icrc
         self.counters = roce.Counters()
         self.reassembler = Reassembler(window=window)
-        self.nccl = NcclDecoder(version=nccl_version, protocol=protocol)
+        self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream)
 
     def feed(self, batch: FrameBatch) -> tuple[list[RdmaMessage], list[NcclSend]]:
         pk, c = roce.decode(batch, icrc=self.icrc)

@@ -76,10 +76,14 @@ class Reassembly:
     """``placer`` maps a wire unit to a ``Placement`` (default: the NCCL ring state machine; the
     gloo decoder brings its own), so every transport shares the concatenator and what follows."""
 
-    def __init__(self, model: JobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int],
+    def __init__(self, model: JobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int] | None = None,
                  window: int | None = None, placer=None):
+        from mirrorckpt.parser.infer import ChannelResolver
+
         self.model = model
-        self.sm = placer if placer is not None else RingStateMachine(model, ranks, channels)
+        # Ring connections are mapped to channels as they show up (see ChannelResolver).
+        self.resolver = ChannelResolver(model, ranks, channels) if placer is None else None
+        self.sm = placer if placer is not None else RingStateMachine(model, ranks, self.resolver.mapped)
         self.concat = Concatenator(model, window if window is not None else default_window(model))
         self.iterations = IterationAssembler(model)
         self.startup = Startup()
@@ -88,14 +92,24 @@ class Reassembly:
 
     def add(self, sends: list[NcclSend]) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
         for s in sends:
-            p = self.sm.place(s)
-            if p is not None:
-                self.concat.add(p)
-            elif isinstance(s, NcclSend) and s.connection not in self.sm.channels:
-                self.concat.add_p2p(s)
+            if self.resolver is not None and isinstance(s, NcclSend) and self.resolver.is_ring(s.connection):
+                for r in self.resolver.offer(s):
+                    self._place(r)
+            else:
+                self._place(s)
         return self._route(self.concat.poll())
 
+    def _place(self, s) -> None:
+        p = self.sm.place(s)
+        if p is not None:
+            self.concat.add(p)
+        elif isinstance(s, NcclSend) and s.connection not in self.sm.channels:
+            self.concat.add_p2p(s)
+
     def flush(self) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
+        if self.resolver is not None:
+            for r in self.resolver.flush():
+                self._place(r)
         done, its = self._route(self.concat.poll(final=True))
         return done, its + self.iterations.flush()
 
@@ -133,17 +147,13 @@ class JobStream:
             got = infer.infer(sends, self.streams.decoders, self.dtype, self.nccl_version)
             self.model, self.ranks, self.channels = got.model, got.ranks, got.channels
             self.notes += got.notes
-        elif self.channels is None:
-            conns = infer.ring_sends(sends)
-            conns = {k: v for k, v in conns.items() if k.sender in self.ranks and k.receiver in self.ranks}
-            self.channels = infer.resolve_channels(self.model, self.ranks, conns, self.notes)
-            if self.channels is None:
-                raise infer.InferenceError("the configured ring does not match the traffic: no channel "
-                                           "assignment of the connections agrees with the NCCL schedule")
         self.reassembly = Reassembly(self.model, self.ranks, self.channels, self.window)
+        self.reassembly.concat.expected = set(range(getattr(self.streams, "nstreams", 1)))
 
     def __iter__(self):
         pending: list[NcclSend] = []
+        if self.model is not None:  # configured: connections are mapped as they appear
+            self._setup([])
         for sends in self.streams:
             if self.reassembly is None:
                 pending += sends
@@ -151,6 +161,7 @@ class JobStream:
                     continue
                 self._setup(pending)
                 sends, pending = pending, []
+            self.reassembly.concat.ended = set(getattr(self.streams, "ended", ()))
             yield self.reassembly.add(sends)
         if self.reassembly is None:
             if not pending:
@@ -158,3 +169,4 @@ class JobStream:
             self._setup(pending)
             yield self.reassembly.add(pending)
         yield self.reassembly.flush()
+        self.notes += self.reassembly.resolver.notes if self.reassembly.resolver else []

@@ -49,6 +49,7 @@ class _Track:
     n: list[int] = field(default_factory=list)  # per collective: messages on this connection
     t_end: int = 0  # counter after the last collective tabulated
     m_end: int = 0
+    period_mark: tuple[int, int] = (-1, -1)  # (collectives, t_end) at the last period boundary
 
 
 class RingStateMachine:
@@ -73,10 +74,14 @@ class RingStateMachine:
     def _extend(self, tr: _Track, t: int | None = None, m: int | None = None, coll: int | None = None) -> bool:
         """Tabulates collectives until step ``t``, message ``m`` or collective ``coll`` is
         covered; False when the job's sequence ends first."""
+        if t is not None and t > tr.t_end + MAX_AHEAD_STEPS:
+            return False  # a step no plausible sequence reaches: garbage, not followed
         while (t is not None and tr.t_end <= t) or (m is not None and tr.m_end <= m) or \
                 (coll is not None and len(tr.t0) <= coll):
             c = self.model[len(tr.t0)]
             if c is None:
+                return False
+            if (t is not None or m is not None) and self._idle_period(tr):
                 return False
             plan = self.model.plan(c)
             msgs = plan.messages(tr.pos, tr.channel) if tr.channel in plan.channels else []
@@ -90,6 +95,18 @@ class RingStateMachine:
             tr.n.append(len(msgs))
             tr.m_end += len(msgs)
         return True
+
+    def _idle_period(self, tr: _Track) -> bool:
+        """From iteration 2 on the sequence repeats; a connection that a whole iteration left
+        untouched (a channel small collectives never use) will never reach a later step."""
+        n = len(tr.t0)
+        start = self.model.first_of_iteration(2)
+        period = self.model.first_of_iteration(3) - start
+        if n < start or (n - start) % period:
+            return False
+        idle = tr.period_mark[0] >= 0 and tr.period_mark[1] == tr.m_end
+        tr.period_mark = (n, tr.m_end)
+        return idle
 
     def expected(self, channel: int, pos: int, t: int) -> tuple[int, RingStep] | None:
         """(collective index, message) at absolute connection step ``t``, or None (no message)."""
@@ -155,10 +172,13 @@ class RingStateMachine:
         elif s.seq is not None:
             m = s.seq - 1  # one CTS per message: its index counts the connection's messages
         if t is None and m is None:
-            if last is None:
+            if last is not None:
+                m = last[1] + 1  # the next message; confirmed below by size
+            elif self.model.from_start:
+                m = 0  # a capture that starts with the job: its first message (size-checked)
+            else:
                 self.counts["unplaced_no_step"] += 1
                 return None
-            m = last[1] + 1  # the next message; confirmed below by size (and flag/slot if any)
         if t is not None:
             if last is not None and t > last[0] + MAX_AHEAD_STEPS:
                 self.counts["unplaced_implausible_step"] += 1

@@ -8,9 +8,10 @@ the source whose next frame is oldest, so the concatenator sees the job in (roug
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+import numpy as np
 
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.parser import roce
@@ -29,27 +30,41 @@ class StreamStats:
 class MirrorStreams:
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], icrc: bool = True,
                  nccl_version: str = "2.18", protocol: str | None = None):
-        self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol) for _ in sources]
+        self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k)
+                      for k in range(len(sources))]
+        self.ended: set[int] = set()  # streams with nothing more to come
+        self.nstreams = len(sources)
         self.stats = [StreamStats(name) for name, _ in sources]
         self._iters = [iter(b) for _, b in sources]
 
     def __iter__(self) -> Iterator[list[NcclSend]]:
-        heap = []
+        """Frames of all streams in timestamp order: the stream with the oldest next frame is fed
+        up to the next frame of any other stream (batches are cut there, not copied)."""
+        heads: dict[int, FrameBatch] = {}
         for k, it in enumerate(self._iters):
             b = self._next(k, it)
             if b is not None:
-                heapq.heappush(heap, (int(b.ts_ns[0]) if len(b) else 0, k, b))
-        while heap:
-            _, k, b = heapq.heappop(heap)
+                heads[k] = b
+        while heads:
+            k = min(heads, key=lambda j: (int(heads[j].ts_ns[0]) if len(heads[j]) else -1, j))
+            b = heads.pop(k)
+            others = [int(h.ts_ns[0]) for h in heads.values() if len(h)]
+            cut = len(b)
+            if others and len(b):
+                # frames up to (and including) the other streams' next timestamp go now
+                cut = max(1, int(np.searchsorted(b.ts_ns, min(others), side="right")))
+            part, rest = (b, None) if cut >= len(b) else _split(b, cut)
             st = self.stats[k]
-            st.frames += len(b)
-            st.bytes += b.nbytes
-            _, sends = self.paths[k].feed(b)
+            st.frames += len(part)
+            st.bytes += part.nbytes
+            _, sends = self.paths[k].feed(part)
             if sends:
                 yield sends
-            nb = self._next(k, self._iters[k])
+            nb = rest if rest is not None else self._next(k, self._iters[k])
             if nb is not None:
-                heapq.heappush(heap, (int(nb.ts_ns[0]) if len(nb) else 0, k, nb))
+                heads[k] = nb
+            else:
+                self.ended.add(k)
         for p in self.paths:
             _, sends = p.flush()
             if sends:
@@ -74,3 +89,11 @@ class MirrorStreams:
     @property
     def decoders(self):
         return [p.nccl for p in self.paths]
+
+
+def _split(b: FrameBatch, cut: int) -> tuple[FrameBatch, FrameBatch]:
+    """The first ``cut`` frames and the rest, sharing the batch's buffer."""
+    def part(sl):
+        return FrameBatch(b.data, b.offset[sl], b.caplen[sl], b.wirelen[sl], b.ts_ns[sl], b.iface[sl],
+                          b.source, b.first_index + (sl.start or 0), b.linktypes)
+    return part(slice(0, cut)), part(slice(cut, None))

@@ -77,8 +77,8 @@ class Appliance:
             s.no_initial_state = True
             s.iterations_skipped += 1
             return
-        if self.replica.stale is not None and it.complete:
-            s.iterations_skipped += 1
+        if self.replica.stale is not None:  # waiting for a resync: told once, at the first
+            s.iterations_skipped += it.complete
             return
         try:
             self.replica.apply(it)

@@ -69,6 +69,8 @@ def serve(config_path, pace, log_level):
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     code = daemon.run()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # already stopping: teardown must not be cut short
+        signal.signal(sig, signal.SIG_IGN)
     if control is not None:
         control.close()
     sys.exit(code)

@@ -6,7 +6,7 @@ set -e
 need=""
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
 for p in tshark tcpdump iproute2 ethtool dpdk libdpdk-dev librte-net-pcap23 librte-net-af-packet23 \
-         librte-net-null23 librte-mempool-ring23 zlib1g-dev; do
+         librte-net-null23 librte-mempool-ring23 zlib1g-dev gcc pkg-config; do
     have "$p" || need="$need $p"
 done
 [ -z "$need" ] && exit 0

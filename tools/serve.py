@@ -57,7 +57,7 @@ class WorkerSpec:
     port: int
     source: str
     batch_frames: int = 65536
-    local_batches: int = 8  # batches held between capture and decode before dropping
+    local_bytes: int = 256 << 20  # captured bytes held between capture and decode before dropping
     icrc: bool = True
     nccl_version: str = "2.18"
     pace: str | float | None = None  # file replay: None (as fast as possible), "recorded", Gbit/s
@@ -70,9 +70,11 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
     from mirrorckpt.parser.packet_path import PacketPath
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
-    local: queue.Queue = queue.Queue(maxsize=spec.local_batches)
+    local: queue.Queue = queue.Queue()
+    held = {"bytes": 0}  # bytes waiting in `local`; the capture edge drops beyond spec.local_bytes
+    lock = threading.Lock()
     counters = {"frames": 0, "bytes": 0, "dropped_capture": 0, "dropped_kernel": 0, "icrc": 0}
-    pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version)
+    pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port)
     damage = None
 
     def decode():
@@ -80,6 +82,8 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
             b = local.get()
             if b is None:
                 break
+            with lock:
+                held["bytes"] -= b.nbytes
             _, sends = pp.feed(b)
             counters["icrc"] = pp.counters.icrc_failed
             if sends:
@@ -92,15 +96,20 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
     t.start()
     last = time.monotonic()
     try:
-        src = open_source(spec.source, batch_frames=spec.batch_frames) if spec.source.startswith(
-            ("afpacket:", "dpdk:")) else open_source(spec.source)
+        # AF_PACKET hands over whole ring blocks; files and DPDK take a frame count per batch
+        opts = {} if spec.source.startswith("afpacket:") else {"batch_frames": spec.batch_frames}
+        src = open_source(spec.source, **opts)
         it = paced(src, spec.pace) if spec.pace is not None else src
         for batch in it:
             counters["frames"] += len(batch)
             counters["bytes"] += batch.nbytes
-            try:
-                local.put_nowait(batch.copy())  # the source may reuse its buffer once we move on
-            except queue.Full:
+            with lock:
+                room = held["bytes"] == 0 or held["bytes"] + batch.nbytes <= spec.local_bytes
+                if room:
+                    held["bytes"] += batch.nbytes
+            if room:
+                local.put(batch.copy())  # the source may reuse its buffer once we move on
+            else:
                 counters["dropped_capture"] += len(batch)
             kstats = getattr(src, "kernel_drops", None)
             if kstats is not None:
@@ -126,24 +135,44 @@ class QueueStreams:
     """Sends from the capture workers, as the parser's stream interface (what MirrorStreams is
     for files in one process)."""
 
-    def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event):
+    def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0):
         self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
-        self.ended: dict[int, str | None] = {}
+        self.nstreams = nports
+        self.finished: dict[int, str | None] = {}  # port -> damage (None: clean end)
+        self.last_seen: dict[int, float] = {}
+        self.stall_seconds = stall_seconds
+        self.stalled: set[int] = set()
         self.counters: dict[int, dict] = {}
         self.decoders: list = []  # CTS tags live in the workers; serve takes ranks from the config
 
+    @property
+    def ended(self) -> set[int]:
+        """Ports that finished, or went silent for ``stall_seconds`` while another one delivered:
+        collectives are not held back for them (their late data can only make things complete)."""
+        now = time.monotonic()
+        newest = max(self.last_seen.values(), default=now)
+        for k in range(self.nports):
+            if k not in self.finished and k not in self.stalled and \
+                    newest - self.last_seen.get(k, self.started) > self.stall_seconds:
+                self.stalled.add(k)
+                log.warning("mirror port silent: collectives no longer wait for it", extra={"port": k})
+        return set(self.finished) | self.stalled
+
     def __iter__(self):
-        while len(self.ended) < self.nports:
+        self.started = time.monotonic()
+        while len(self.finished) < self.nports:
             try:
                 kind, port, payload = self.q.get(timeout=0.2)
             except queue.Empty:
                 continue
             if kind == "sends":
+                self.last_seen[port] = time.monotonic()
+                self.stalled.discard(port)
                 yield payload
             elif kind == "stats":
                 self._stats(port, payload)
             elif kind == "end":
-                self.ended[port] = payload
+                self.finished[port] = payload
                 if payload:
                     log.error("capture source failed", extra={"port": port, "error": payload})
 
@@ -180,7 +209,7 @@ class Daemon:
         cap = self.job.capture
         for i, m in enumerate(self.job.mirrors):
             spec = WorkerSpec(port=i, source=m.source, batch_frames=cap.get("batch_frames", 65536),
-                              local_batches=cap.get("queue_batches", 8), nccl_version=self.job.ring.nccl_version,
+                              local_bytes=cap.get("queue_bytes", 256 << 20), nccl_version=self.job.ring.nccl_version,
                               pace=self.pace)
             p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture),
                                  name=f"mirrorckpt-capture-{i}", daemon=True)
