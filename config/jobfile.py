@@ -104,7 +104,7 @@ SCHEMA = {
                 "fingerprint_every": (_int(1), False)},
     "metrics": {"listen": (_str(), False)},
     "capture": {"backend": (_str(("file", "afpacket", "dpdk")), False), "batch_frames": (_int(1), False),
-                "queue_batches": (_int(1), False), "window": (_int(1), False)},
+                "queue_bytes": (_int(1), False), "window": (_int(1), False)},
 }
 TOP = {"ring": _table, "job": _table, "training": _table, "persist": _table, "mirror": list, "control": _table,
        "metrics": _table, "capture": _table}
