@@ -62,15 +62,26 @@ def serve(config_path, pace, log_level):
         log.info("metrics endpoint up", extra={"listen": f"{host}:{port}"})
     control = None
     if job.control.get("listen"):
-        from mirrorckpt.control.appliance_side import ControlPlane
+        from mirrorckpt.control.appliance_side import AppliancePlane
 
-        control = ControlPlane.from_config(job)
+        c = job.control
+        host, _, port = c["listen"].rpartition(":")
+        try:
+            secret = Path(c["secret_file"]).read_bytes().strip() if c.get("secret_file") else None
+        except OSError as e:
+            click.echo(f"error: [control] secret_file: {e.strerror}: {c['secret_file']}", err=True)
+            sys.exit(2)
+        if not secret:
+            click.echo(f"error: {Path(config_path).name}: [control] needs secret_file (a shared secret, "
+                       "at least 16 bytes)", err=True)
+            sys.exit(2)
+        control = AppliancePlane(secret, host=host or "127.0.0.1", port=int(port), training=training,
+                                 layout=job.layout, ring=job.ring, persist=persist,
+                                 parts=c.get("fallback_parts", 7), fingerprint_every=c.get("fingerprint_every", 10))
     daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control)
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     code = daemon.run()
     for sig in (signal.SIGTERM, signal.SIGINT):  # already stopping: teardown must not be cut short
         signal.signal(sig, signal.SIG_IGN)
-    if control is not None:
-        control.close()
     sys.exit(code)

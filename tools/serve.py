@@ -195,7 +195,7 @@ class Daemon:
         self.job, self.training, self.persist, self.metrics = job, training, persist, metrics
         self.pace = pace
         self.updater_delay = updater_delay  # tests: a deliberately slow updater
-        self.control = control  # ControlPlane-like object: on_stale(exc), attach(appliance)
+        self.control = control  # control.appliance_side.AppliancePlane: fallbacks, drift checks, restore
         self.ctx = mp.get_context("spawn")
         self.sends_q = self.ctx.Queue(maxsize=sends_queue)
         self.iters_q: queue.Queue = queue.Queue(maxsize=iteration_queue)
@@ -254,7 +254,12 @@ class Daemon:
                 break
             if self.updater_delay:
                 time.sleep(self.updater_delay)
-            self.appliance.apply(it)
+            if self.control is not None:
+                self.control.feed(it)  # stale -> fallback request; resync replays buffered ones
+                m.fallbacks.inc(self.control.stats.fallbacks_requested - self._fallbacks_seen)
+                self._fallbacks_seen = self.control.stats.fallbacks_requested
+            else:
+                self.appliance.apply(it)
             r = self.appliance.replica
             if r is not None:
                 m.replica_step.set(r.step)
@@ -278,7 +283,13 @@ class Daemon:
     def run(self) -> int:
         from mirrorckpt.tools.appliance import Appliance
 
-        self.appliance = Appliance(self.job.layout, self.training, self.persist, on_stale=self._on_stale)
+        self._fallbacks_seen = 0
+        if self.control is not None:
+            self.control.start()
+            self.appliance = self.control.app  # the plane owns the appliance: resyncs replace its replica
+            log.info("control plane listening", extra={"port": self.control.port})
+        else:
+            self.appliance = Appliance(self.job.layout, self.training, self.persist, on_stale=self._on_stale)
         if self.appliance.persister is not None:
             p = self.appliance.persister
             user = p.on_commit
@@ -288,8 +299,6 @@ class Daemon:
                 self._on_commit(path)
 
             p.on_commit = committed
-        if self.control is not None:
-            self.control.attach(self.appliance)
         self.start_workers()
         parser = threading.Thread(target=self._parser, name="parser", daemon=True)
         updater = threading.Thread(target=self._updater, name="updater", daemon=True)
@@ -299,6 +308,8 @@ class Daemon:
         updater.join()
         for w in self.workers:
             w.join(timeout=10)
+        if self.control is not None:
+            self.control.server.stop()
         summary = self.appliance.close()
         log.info("appliance stopped", extra=summary.to_dict())
         return 1 if self.error is not None else 0
