@@ -107,7 +107,9 @@ def ring_order(conns, ranks: dict[bytes, int]) -> list[int]:
 
 def channel_candidates(sm: RingStateMachine, conn: ConnKey, sends: list[NcclSend], ring: RingSpec,
                        ranks: dict[bytes, int]) -> list[int]:
-    """Channels whose plan agrees with every flagged send of the connection (steps and sizes)."""
+    """Channels whose plan agrees with every identified send of the connection: an LL/LL128 flag
+    gives the connection step, a CTS index the message number (Simple advances the step counter
+    by two per message, so the two differ)."""
     a, b = ranks[conn.sender], ranks[conn.receiver]
     out = []
     for ch in range(ring.nchannels):
@@ -116,10 +118,17 @@ def channel_candidates(sm: RingStateMachine, conn: ConnKey, sends: list[NcclSend
         pos = ring.ring_index(ch, a)
         ok = True
         for s in sends:
-            if s.step is None or not s.length_known:
+            if not s.length_known:
                 continue
-            hit = sm.expected(ch, pos, s.step)
-            if hit is None or hit[1].wire_bytes != s.wire_bytes:
+            if s.flag is not None:
+                hit = sm.expected(ch, pos, s.flag - 1)
+                size = hit[1].wire_bytes if hit is not None else None
+            elif s.seq is not None:
+                hit = sm.by_message(ch, pos, s.seq - 1)
+                size = hit[1].wire_bytes if hit is not None else None
+            else:
+                continue
+            if size != s.wire_bytes:
                 ok = False
                 break
         if ok:
