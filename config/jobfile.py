@@ -219,7 +219,9 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
     for sec in ("persist", "control", "metrics", "capture"):
         if sec in raw:
             setattr(cfg, sec, _check(f"{name}: [{sec}]", sec, raw[sec]))
-    cfg.training = raw.get("training", {})
+    cfg.training = dict(raw.get("training", {}))
+    if cfg.training and "grad_dtype" not in cfg.training:
+        cfg.training["grad_dtype"] = cfg.grad_dtype  # one dtype for the wire and the replica
     return cfg
 
 

@@ -80,3 +80,13 @@ def test_serve_refuses_a_missing_interface(tmp_path):
     res = CliRunner().invoke(main, ["serve", "--config", str(p)])
     assert res.exit_code == 2
     assert "interface 'mck_no_such_if0' does not exist" in res.stderr
+
+
+def test_documented_example_loads():
+    from pathlib import Path
+
+    from mirrorckpt.config.training import TrainingSpec
+
+    job = load_job(Path(__file__).resolve().parents[1] / "config" / "example.toml")
+    assert job.ring.nranks == 3 and len(job.mirrors) == 2 and job.control["fallback_parts"] == 7
+    assert TrainingSpec.from_dict(job.training).grad_dtype == job.grad_dtype
