@@ -568,30 +568,20 @@ def test_inspect_decodes_every_send_to_its_truth_digest(runs, name):
     assert_inspect_matches_truth(*runs[name])
 
 
-LL_AS_LL128_PARSER_BUG = (
-    "parser: nccl.detect tries LL128 before LL, so an LL send of a multiple of 2048 wire bytes whose every 8th "
-    "line has a zero high data word (zero gradient rows, e.g. embedding rows of tokens not in the batch) is "
-    "taken for LL128 with flag (t+1) << 32; replay then hands that step to infer.channel_candidates -> "
-    "RingStateMachine.expected, whose _extend tabulates without bound (MAX_AHEAD_STEPS is checked in place() "
-    "only) until the process is killed")
-
-
-@pytest.mark.xfail(strict=True, reason=LL_AS_LL128_PARSER_BUG)
-def test_inspect_decodes_ll_sends_of_zero_gradient_rows(tmp_path):
+def test_ll_sends_of_zero_gradient_rows_are_not_taken_for_ll128(tmp_path):
+    """Token-embedding rows of tokens not in the batch have zero gradients: in some LL sends every 8th line's
+    high data word is 0, so LL128's flag word reads (t+1) << 32 on every line. (The parser took them for
+    LL128 until it tried LL first.)"""
     truth = generate(GenConfig(ranks=2, model="gpt:layers=1,d=32,heads=2,vocab=64,ctx=8", steps=3, seed=0,
                                bucket_cap_mb=0.01, mirrors="0:egress,1:egress"), tmp_path)
     assert {s["protocol"] for s in truth["wire"]["sends"]} == {"LL"}
     assert_inspect_matches_truth(tmp_path, truth)
+    r = replay_json(tmp_path, truth)
+    assert [a["sha256"] for a in r["allreduces"]] == [c["sha256"] for c in truth["collectives"]
+                                                      if c["kind"] == "all_reduce"]
 
 
-SIMPLE_PARSER_BUG = ("parser: pipeline.JobStream._setup resolves channels only among infer.ring_sends, which keeps "
-                     "connections with LL/LL128 sends, so a Simple ring places nothing ('not_ring'); and "
-                     "infer.channel_candidates checks NcclSend.step = CTS idx - 1, a message number, against "
-                     "connection steps (Simple advances 2 per message)")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=SIMPLE_PARSER_BUG))
-                                  if n == "simple_r4" else n for n in VARIANTS])
+@pytest.mark.parametrize("name", list(VARIANTS))
 def test_replay_with_job_toml_is_bit_exact(runs, name):
     out, truth = runs[name]
     job = load_job(out / "job.toml")
@@ -629,8 +619,7 @@ def test_gen_cli_writes_captures_truth_and_job(tmp_path):
 BUNDLED = ["demo", "ll_r2_noise_faults", "simple_r3_both", "ll128_bf16_v229", "split_v212_ipv4_wrap"]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=SIMPLE_PARSER_BUG))
-                                  if n == "simple_r3_both" else n for n in BUNDLED])
+@pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_sets_replay_to_their_truth(name):
     out = PCAPS / name
     truth = json.loads((out / "truth.json").read_text())
@@ -667,15 +656,9 @@ def test_the_readme_command_replays_the_demo(tmp_path, monkeypatch):
     assert len(r["iterations"]) == len(truth["iterations"]) == 10 and all(it["complete"] for it in r["iterations"])
 
 
-UNUSED_CHANNEL_PARSER_BUG = (
-    "parser: statemachine.RingStateMachine._extend walks the job model without end when asked for a step on a "
-    "channel no collective uses (a 2-channel communicator whose collectives are all small enough for NCCL to "
-    "run them on channel 0); infer.resolve_channels -> channel_candidates asks exactly that, so replay hangs")
-
-
-# Only a hang is expected to fail (a fix in progress makes it pass); a wrong result fails the test.
-@pytest.mark.xfail(strict=False, raises=subprocess.TimeoutExpired, reason=UNUSED_CHANNEL_PARSER_BUG)
 def test_replay_when_the_second_channel_is_never_used(tmp_path):
+    """A 2-channel communicator whose collectives are all small enough for NCCL to run on channel 0 (the
+    parser's state machine used to look for channel 1's steps without end: a hang, hence the timeout)."""
     truth = generate(GenConfig(ranks=2, channels=2, model="mlp:16,16,4", steps=2, seed=3, mirrors="0:egress,1:egress"),
                      tmp_path)
     assert {c for launch in truth["wire"]["launches"] for c in launch["used_channels"]} == {0}
