@@ -113,7 +113,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     from mirrorckpt.config.jobfile import ConfigError, load_job
     from mirrorckpt.config.training import SpecError
 
-    demo = not captures
+    demo = not captures and not config_path
     if demo:
         if not (DEMO / "job.toml").is_file():
             click.echo(f"error: the bundled demo capture is missing ({DEMO}); regenerate it with `make pcaps`", err=True)
@@ -128,8 +128,8 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
         nccl_version = job.ring.nccl_version
-        if demo:
-            captures = tuple(m.source for m in job.mirrors)
+        if not captures:  # the job file lists its capture files as mirror sources
+            captures = tuple(m.source for m in job.mirrors if not m.source.startswith(("afpacket:", "dpdk:")))
     keep_replica = checkpoint_dir is not None or (job is not None and bool(job.persist))
     try:
         persist = persist_spec(job, checkpoint_dir) if keep_replica else None
