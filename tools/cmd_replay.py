@@ -130,6 +130,10 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         nccl_version = job.ring.nccl_version
         if not captures:  # the job file lists its capture files as mirror sources
             captures = tuple(m.source for m in job.mirrors if not m.source.startswith(("afpacket:", "dpdk:")))
+    if not captures:
+        click.echo("error: no capture to replay: give CAPTURE files, or a --config whose [[mirror]] sources "
+                   "are capture files", err=True)
+        sys.exit(2)
     keep_replica = checkpoint_dir is not None or (job is not None and bool(job.persist))
     try:
         persist = persist_spec(job, checkpoint_dir) if keep_replica else None
