@@ -41,6 +41,18 @@ class CollSpec:
     protocol: str | None = None  # None: the ring's protocol
 
 
+def reducer_params(model) -> list:
+    """DDP's parameter list: named_modules order, each module's own parameters that require grad,
+    shared ones once; with the names named_parameters() gives them. [(name, parameter)]"""
+    out, seen = [], set()
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if p.requires_grad and p not in seen:
+                seen.add(p)
+                out.append((f"{mname}.{pname}" if mname else pname, p))
+    return out
+
+
 def size_groups(nbytes: list[int], limit: int) -> list[list[int]]:
     """c10d's compute_bucket_assignment_by_size for one dtype and one limit: tensors join the
     open group in order, and a group closes once its size reaches the limit."""

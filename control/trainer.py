@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..config.ddp import reducer_params
 from ..config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec
 from ..config.training import LRScheduleSpec, OptimizerSpec, TrainingSpec
 from ..updater.dcp_keys import dumps, loads
@@ -50,17 +51,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-def reducer_params(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """DDP's parameter order (named_modules, own parameters, requiring grad, deduplicated)."""
-    out, seen = [], set()
-    for mname, sub in module.named_modules():
-        for pname, p in sub.named_parameters(recurse=False):
-            if p.requires_grad and p not in seen:
-                seen.add(p)
-                out.append((f"{mname}.{pname}" if mname else pname, p))
-    return out
 
 
 def _assign(tensors, limits, indices=None) -> list[list[int]]:

@@ -122,7 +122,11 @@ class Concatenator:
         old = r.data[start * es:(start + n) * es].reshape(n, es)
         seen = r.covered[start:start + n] & ok
         if seen.any():
-            differ = seen & (old != new).any(axis=1)
+            if es in (1, 2, 4, 8):  # compare whole elements, not bytes
+                w = np.dtype(f"u{es}")
+                differ = seen & (np.ascontiguousarray(old).view(w)[:, 0] != np.ascontiguousarray(new).view(w)[:, 0])
+            else:
+                differ = seen & (old != new).any(axis=1)
             if differ.any():
                 r.conflict[start:start + n] |= differ
                 for a, ln in ranges(differ):

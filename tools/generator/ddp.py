@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mirrorckpt.config.ddp import reducer_params
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 
 MIB = 1024 * 1024
@@ -77,18 +78,6 @@ def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
         return int(DEFAULT_BUCKET_CAP_MB * MIB), FIRST_BUCKET_BYTES
     cap = int(bucket_cap_mb * MIB)
     return cap, cap
-
-
-def reducer_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """DDP's parameter list (named_modules order, own parameters, requiring grad, deduplicated)
-    with the names named_parameters() gives them."""
-    out, seen = [], set()
-    for mname, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            if p.requires_grad and p not in seen:
-                seen.add(p)
-                out.append((f"{mname}.{pname}" if mname else pname, p))
-    return out
 
 
 def assign_buckets(tensors: Sequence[torch.Tensor], limits: Sequence[int],
