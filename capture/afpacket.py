@@ -303,6 +303,11 @@ class AfPacketRing:
             self._stats.kernel_freezes += freezes
         return RingStats(**asdict(self._stats))
 
+    @property
+    def kernel_drops(self) -> int:
+        """Frames the kernel dropped so far because no block was free (what `serve` reports)."""
+        return self.stats().kernel_drops
+
     def close(self) -> None:
         """Stops capturing. The ring is unmapped once no batch views it any more."""
         if self._closed:

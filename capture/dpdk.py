@@ -386,6 +386,12 @@ class DpdkPort:
                         buf, abi.value(f"eth_stats.{k}")).value)
         return asdict(self._stats)
 
+    @property
+    def kernel_drops(self) -> int:
+        """Frames the device dropped so far for lack of RX descriptors (`imissed`; what `serve`
+        reports). net_af_packet's ring overflow is not counted there (see the module notes)."""
+        return self.stats()["imissed"]
+
     def pool_free(self) -> int:
         """Mbufs available in the pool (all of them once no batch is held)."""
         return int(self.fn.rte_mempool_avail_count(self._pool)) if self._pool else 0

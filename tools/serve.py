@@ -9,8 +9,11 @@
 Every queue is bounded. When a stage falls behind, its input queue fills, the stage before it
 blocks, and in the end the capture thread finds its queue full and drops the batch, counting its
 frames: the affected iterations come out incomplete (and ask for a fallback), never corrupt.
-SIGTERM/SIGINT: capture stops, queued data is drained, the last complete iteration is applied
-and committed, and the daemon exits 0.
+When the wire goes quiet (no send from any port for `QueueStreams.idle_seconds`), collectives
+that are already complete are handed on at once instead of waiting for traffic to move the
+concatenator's window past them: at the end of a job (or a pause) the replica catches up with
+the wire. SIGTERM/SIGINT: capture stops, queued data is drained, the last complete iteration is
+applied and committed, and the daemon exits 0.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ def setup_logging(level=logging.INFO) -> None:
 
 
 # -- capture worker (one process per mirror port) ---------------------------------------------
+
+
+# Frames per DPDK batch at most: half of DpdkPort's default pool (8191 mbufs); the driver and
+# the per-lcore cache hold the rest.
+DPDK_MAX_BATCH = 4096
 
 
 @dataclass
@@ -97,7 +105,10 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
     last = time.monotonic()
     try:
         # AF_PACKET hands over whole ring blocks; files and DPDK take a frame count per batch
+        # (DPDK's at most DPDK_MAX_BATCH: a batch must fit in the port's mbuf pool)
         opts = {} if spec.source.startswith("afpacket:") else {"batch_frames": spec.batch_frames}
+        if spec.source.startswith("dpdk:"):
+            opts["batch_frames"] = min(spec.batch_frames, DPDK_MAX_BATCH)
         src = open_source(spec.source, **opts)
         it = paced(src, spec.pace) if spec.pace is not None else src
         for batch in it:
@@ -121,6 +132,8 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
                 break
     except CaptureError as e:
         damage = str(e)
+    except Exception as e:  # noqa: BLE001  (any other failure must not look like a clean end of the source)
+        damage = f"{type(e).__name__}: {e}"
     finally:
         local.put(None)
         t.join()
@@ -135,12 +148,17 @@ class QueueStreams:
     """Sends from the capture workers, as the parser's stream interface (what MirrorStreams is
     for files in one process)."""
 
-    def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0):
+    def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0,
+                 idle_seconds: float = 2.0):
         self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
         self.nstreams = nports
         self.finished: dict[int, str | None] = {}  # port -> damage (None: clean end)
         self.last_seen: dict[int, float] = {}
         self.stall_seconds = stall_seconds
+        # Called (in the consumer's thread, between two yields) once no port delivered a send
+        # for `idle_seconds` after some did: the wire went quiet (end of the job, a pause).
+        self.idle_seconds = idle_seconds
+        self.on_idle = None
         self.stalled: set[int] = set()
         self.counters: dict[int, dict] = {}
         self.decoders: list = []  # CTS tags live in the workers; serve takes ranks from the config
@@ -160,13 +178,18 @@ class QueueStreams:
 
     def __iter__(self):
         self.started = time.monotonic()
+        unsettled = None  # time of the newest send since the wire last went quiet
         while len(self.finished) < self.nports:
+            if unsettled is not None and time.monotonic() - unsettled >= self.idle_seconds:
+                unsettled = None
+                if self.on_idle is not None:
+                    self.on_idle()
             try:
                 kind, port, payload = self.q.get(timeout=0.2)
             except queue.Empty:
                 continue
             if kind == "sends":
-                self.last_seen[port] = time.monotonic()
+                self.last_seen[port] = unsettled = time.monotonic()
                 self.stalled.discard(port)
                 yield payload
             elif kind == "stats":
@@ -185,6 +208,22 @@ class QueueStreams:
         m.dropped.labels(lp, "kernel").inc(max(0, c["dropped_kernel"] - old.get("dropped_kernel", 0)))
         m.icrc.labels(lp).inc(max(0, c["icrc"] - old.get("icrc", 0)))
         self.counters[port] = c
+
+
+def settle(reassembly) -> list:
+    """Iterations finished by handing on, in order, the collectives that are already complete
+    though the traffic has not moved the concatenator's window past them (called when the wire
+    went quiet). The first collective still incomplete and all after it stay open: late data
+    can still complete them. (Concatenator internals: parser.pipeline has no public hook yet.)"""
+    c = reassembly.concat
+    done = []
+    while c.next_out <= c.frontier:
+        r = c.open.get(c.next_out)
+        if r is None or not r.complete:
+            break
+        done.append(c.open.pop(c.next_out))
+        c.next_out += 1
+    return reassembly._route(done)[1] if done else []
 
 
 class Daemon:
@@ -230,20 +269,25 @@ class Daemon:
         js = JobStream(streams, model=self.job.model(), ranks=self.job.ranks(), channels=None,
                        nccl_version=self.job.ring.nccl_version, infer_after=2000)
         self.jobstream = js
+        # The wire went quiet: what is complete goes on now, not when traffic resumes or at stop.
+        streams.on_idle = lambda: self._hand_on(js, settle(js.reassembly) if js.reassembly else [])
         try:
             for done, its in js:
-                if self.appliance.replica is None and js.reassembly is not None:
-                    self.appliance.start_from_wire(js.reassembly.startup, js.model.layout)
-                for it in its:
-                    self.metrics.iterations.labels("complete" if it.complete else "incomplete").inc()
-                    self.metrics.wire_iteration.set(it.index)
-                    self.iters_q.put(it)  # blocks when the updater is behind: back-pressure
-                    self.metrics.queue_depth.labels("iterations").set(self.iters_q.qsize())
+                self._hand_on(js, its)
         except BaseException as e:  # a parser failure stops the daemon with the reason logged
             self.error = e
             log.exception("parser stopped")
         finally:
             self.iters_q.put(None)
+
+    def _hand_on(self, js, its) -> None:
+        if self.appliance.replica is None and js.reassembly is not None:
+            self.appliance.start_from_wire(js.reassembly.startup, js.model.layout)
+        for it in its:
+            self.metrics.iterations.labels("complete" if it.complete else "incomplete").inc()
+            self.metrics.wire_iteration.set(it.index)
+            self.iters_q.put(it)  # blocks when the updater is behind: back-pressure
+            self.metrics.queue_depth.labels("iterations").set(self.iters_q.qsize())
 
     def _updater(self) -> None:
         m = self.metrics
