@@ -161,6 +161,19 @@ class Concatenator:
         running = [self.streams.get(k, -1) for k in self.expected | set(self.streams) if k not in self.ended]
         return min(running) if running else self.frontier
 
+    def settle(self) -> list[CollectiveResult]:
+        """Collectives already complete that the traffic has not yet moved the window past, handed
+        on in order (the wire went quiet). The first incomplete one and all after it stay open:
+        late data can still complete them, so this never makes a collective incomplete."""
+        out = []
+        while self.next_out <= self.frontier:
+            r = self.open.get(self.next_out)
+            if r is None or not r.complete:
+                break
+            out.append(self.open.pop(self.next_out))
+            self.next_out += 1
+        return out
+
     def poll(self, final: bool = False) -> list[CollectiveResult]:
         """Collectives finished (every running stream moved ``window`` past them, or ``final``),
         in order."""

@@ -106,6 +106,10 @@ class Reassembly:
         elif isinstance(s, NcclSend) and s.connection not in self.sm.channels:
             self.concat.add_p2p(s)
 
+    def settle(self) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
+        """Hands on what is already complete when the wire goes quiet (see Concatenator.settle)."""
+        return self._route(self.concat.settle())
+
     def flush(self) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
         if self.resolver is not None:
             for r in self.resolver.flush():
@@ -131,12 +135,14 @@ class JobStream:
 
     def __init__(self, streams, model: JobModel | None = None, ranks: dict[bytes, int] | None = None,
                  channels: dict[ConnKey, int] | None = None, dtype: str | None = None,
-                 nccl_version: str = "2.18", infer_after: int = 20000, window: int | None = None):
+                 nccl_version: str = "2.18", infer_after: int = 20000, window: int | None = None,
+                 keep_results: bool = True):
         self.streams = streams
         self.model, self.ranks, self.channels = model, ranks, channels
         self.dtype, self.nccl_version = dtype, nccl_version
         self.infer_after = infer_after
         self.window = window
+        self.keep_results = keep_results  # False for a daemon: finished collectives are not kept
         self.notes: list[str] = []
         self.reassembly: Reassembly | None = None
 
@@ -148,6 +154,7 @@ class JobStream:
             self.model, self.ranks, self.channels = got.model, got.ranks, got.channels
             self.notes += got.notes
         self.reassembly = Reassembly(self.model, self.ranks, self.channels, self.window)
+        self.reassembly.keep_results = self.keep_results
         self.reassembly.concat.expected = set(range(getattr(self.streams, "nstreams", 1)))
 
     def __iter__(self):

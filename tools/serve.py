@@ -210,22 +210,6 @@ class QueueStreams:
         self.counters[port] = c
 
 
-def settle(reassembly) -> list:
-    """Iterations finished by handing on, in order, the collectives that are already complete
-    though the traffic has not moved the concatenator's window past them (called when the wire
-    went quiet). The first collective still incomplete and all after it stay open: late data
-    can still complete them. (Concatenator internals: parser.pipeline has no public hook yet.)"""
-    c = reassembly.concat
-    done = []
-    while c.next_out <= c.frontier:
-        r = c.open.get(c.next_out)
-        if r is None or not r.complete:
-            break
-        done.append(c.open.pop(c.next_out))
-        c.next_out += 1
-    return reassembly._route(done)[1] if done else []
-
-
 class Daemon:
     """`mirrorckpt serve`: owns the workers, the parser and updater threads and the endpoints."""
 
@@ -267,10 +251,10 @@ class Daemon:
 
         streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping)
         js = JobStream(streams, model=self.job.model(), ranks=self.job.ranks(), channels=None,
-                       nccl_version=self.job.ring.nccl_version, infer_after=2000)
-        self.jobstream = js
+                       nccl_version=self.job.ring.nccl_version, infer_after=2000, keep_results=False)
+        self.jobstream, self.streams = js, streams
         # The wire went quiet: what is complete goes on now, not when traffic resumes or at stop.
-        streams.on_idle = lambda: self._hand_on(js, settle(js.reassembly) if js.reassembly else [])
+        streams.on_idle = lambda: self._hand_on(js, js.reassembly.settle()[1] if js.reassembly else [])
         try:
             for done, its in js:
                 self._hand_on(js, its)
@@ -356,4 +340,8 @@ class Daemon:
             self.control.server.stop()
         summary = self.appliance.close()
         log.info("appliance stopped", extra=summary.to_dict())
-        return 1 if self.error is not None else 0
+        failed = getattr(self, "streams", None) is not None and self.streams.finished and all(
+            d is not None for d in self.streams.finished.values())
+        if failed:
+            log.error("every capture source failed", extra={"sources": self.streams.finished})
+        return 1 if self.error is not None or failed else 0
