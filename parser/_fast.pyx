@@ -76,34 +76,6 @@ def icrc_check(const uint8_t[::1] data, const int64_t[::1] ip_off, const int64_t
             ok[k] = got == want
 
 
-cdef extern from "emmintrin.h" nogil:
-    ctypedef struct __m128i:
-        pass
-    __m128i _mm_loadu_si128(const __m128i *p)
-    void _mm_stream_si128(__m128i *p, __m128i a)
-    void _mm_sfence()
-
-
-cdef inline void _stream_copy(uint8_t *dst, const uint8_t *src, int64_t n) noexcept nogil:
-    """memcpy with non-temporal 16-byte stores: a scatter of payloads into fresh message buffers
-    is bound by read-for-ownership of the destination, which streaming stores skip."""
-    cdef int64_t head = (16 - (<size_t>dst & 15)) & 15
-    if head > n:
-        head = n
-    if head:
-        memcpy(dst, src, head)
-    dst += head
-    src += head
-    n -= head
-    while n >= 16:
-        _mm_stream_si128(<__m128i *>dst, _mm_loadu_si128(<const __m128i *>src))
-        dst += 16
-        src += 16
-        n -= 16
-    if n:
-        memcpy(dst, src, n)
-
-
 def copy_ranges(const uint8_t[::1] src, const int64_t[::1] src_off, uint8_t[::1] dst,
                 const int64_t[::1] dst_off, const int64_t[::1] length):
     """dst[dst_off[k] : +length[k]] = src[src_off[k] : +length[k]] for every k (bounds checked)."""
@@ -115,11 +87,8 @@ def copy_ranges(const uint8_t[::1] src, const int64_t[::1] src_off, uint8_t[::1]
             raise IndexError(f"range {k}: src {src_off[k]}+{length[k]} of {ns}, dst {dst_off[k]} of {nd}")
     with nogil:
         for k in range(n):
-            if length[k] >= 256:
-                _stream_copy(&dst[dst_off[k]], &src[src_off[k]], length[k])
-            elif length[k] > 0:
+            if length[k] > 0:
                 memcpy(&dst[dst_off[k]], &src[src_off[k]], length[k])
-        _mm_sfence()
 
 
 # --- Frame decode ---------------------------------------------------------------------------
@@ -215,12 +184,30 @@ def configure(offsets, has_reth, has_imm, has_aeth, has_deth):
         HAS_DETH[i] = has_deth[i]
 
 
+cdef extern from * nogil:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    /* Big-endian fields by one unaligned load and a byte swap (x86 and any GCC/Clang target). */
+    static inline uint64_t mck_be(const uint8_t *p, int n) {
+        uint64_t v;
+        uint32_t w;
+        uint16_t h;
+        switch (n) {
+        case 1: return p[0];
+        case 2: memcpy(&h, p, 2); return __builtin_bswap16(h);
+        case 3: return ((uint64_t)p[0] << 16) | ((uint64_t)p[1] << 8) | p[2];
+        case 4: memcpy(&w, p, 4); return __builtin_bswap32(w);
+        case 8: memcpy(&v, p, 8); return __builtin_bswap64(v);
+        default: v = 0; for (int i = 0; i < n; i++) v = (v << 8) | p[i]; return v;
+        }
+    }
+    """
+    uint64_t mck_be(const uint8_t *p, int n)
+
+
 cdef inline uint64_t be(const uint8_t *p, int n) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int i
-    for i in range(n):
-        v = (v << 8) | p[i]
-    return v
+    return mck_be(p, n)
 
 
 def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int64_t[::1] caplen,

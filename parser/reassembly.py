@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mirrorckpt.parser import _fast, opcodes
+from mirrorckpt.parser import _fast, memory, opcodes
 from mirrorckpt.parser.headers import PSN_MODULUS
 from mirrorckpt.parser.roce import RocePackets
 
 _HALF = PSN_MODULUS // 2
+RUN_BYTES = 32 << 20  # below memory.keep_freed_memory's mmap threshold: buffers are reused
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def _addr(a: bytes) -> str:
     return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
 
 
-@dataclass
+@dataclass(slots=True)
 class RdmaMessage:
     qp: QpKey
     sport: int
@@ -115,6 +116,7 @@ class _Intact:
     good: np.ndarray  # complete and self-consistent
     run_end: np.ndarray  # one past the last message of the run of intact, chained messages from here
     head_at: np.ndarray  # row -> head index, -1 elsewhere
+    cum_dlen: np.ndarray  # bytes of the messages before each head (for bounded runs)
 
 
 # Columns of a QP's pending-packet table (packets received, not yet placed).
@@ -136,6 +138,7 @@ class Reassembler:
     """Streaming per-QP PSN reassembly; feed decoded packets batch by batch, then flush."""
 
     def __init__(self, window: int = 1024, max_message: int = 64 << 20):
+        memory.keep_freed_memory()  # message buffers come and go at line rate
         self.window = window
         self.max_message = max_message  # bigger RETH lengths are corruption, never allocated
         self.qps: dict[QpKey, _Qp] = {}
@@ -271,6 +274,8 @@ class Reassembler:
             k0 = int(g.head_at[i])
             if k0 >= 0 and psn[i] == qp.cursor and g.good[k0]:
                 k1 = int(g.run_end[k0])
+                # Runs of at most RUN_BYTES: one buffer each, reused from the heap (parser.memory).
+                k1 = min(k1, k0 + max(1, int(np.searchsorted(g.cum_dlen[k0 + 1:], g.cum_dlen[k0] + RUN_BYTES)) + 1))
                 out += self._bulk(qp, tab, src_is_new, data, g, k0, k1)
                 i = int(g.end_row[k1 - 1])
                 continue
@@ -323,7 +328,8 @@ class Reassembler:
             run_end = np.where(nxt < len(breaks), breaks[np.minimum(nxt, len(breaks) - 1)], len(heads))
         head_at = np.full(n + 1, -1, np.int64)
         head_at[heads] = np.arange(len(heads))
-        return _Intact(heads, npk, pm, hd, end_row, good, run_end, head_at)
+        cum = np.concatenate([[0], np.cumsum(np.where(good, hd, 0))])
+        return _Intact(heads, npk, pm, hd, end_row, good, run_end, head_at, cum)
 
     def _bulk(self, qp, tab, src_is_new, data, g: "_Intact", k0: int, k1: int) -> list[RdmaMessage]:
         """Places intact messages k0..k1-1 (consecutive rows) with one copy for all of them."""
@@ -355,9 +361,8 @@ class Reassembler:
         cols = zip(ps, g.npk[k0:k1].tolist(), base[:-1].tolist(), base[1:].tolist(), tab["va"][heads].tolist(),
                    tab["rkey"][heads].tolist(), sizes.tolist(), tab["imm"][last].tolist(), with_imm.tolist(),
                    ts.tolist())
-        for p0, npk, a, b, va, rkey, size, imm, w, t in cols:
-            out.append(RdmaMessage(qp=key, sport=sport, psn=p0, npkts=npk, data=buf[a:b], holes=[], va=va,
-                                   rkey=rkey, dlen=size, imm_raw=imm if w else None, with_imm=w, ts_ns=t))
+        for p0, npk, a, b, va, rkey, size, imm, w, t in cols:  # positional: the hot loop of the stage
+            out.append(RdmaMessage(key, sport, p0, npk, buf[a:b], [], va, rkey, size, imm if w else None, w, t))
         st.messages += int(k1 - k0)
         qp.cursor = int(ps[-1] + g.npk[k1 - 1])
         return out

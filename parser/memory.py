@@ -1,0 +1,33 @@
+"""Keep freed memory in the process instead of handing it back to the kernel.
+
+Message buffers are allocated and freed at line rate. With glibc's defaults, large buffers are
+fresh mmaps and a freed heap top above 2x the mmap threshold is trimmed, so every batch's
+buffers are page-faulted (and zeroed by the kernel) again: measured here, that drops placement
+from about 8 GB/s to 2 GB/s. Raising both thresholds once per process lets freed buffers be
+reused; the cost is that the resident size does not shrink after a peak (an appliance runs with
+a fixed memory budget anyway).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+_done = False
+
+
+def keep_freed_memory(mmap_threshold: int = 64 << 20, trim_threshold: int = 1 << 30) -> bool:
+    """Applies the glibc thresholds once; False where there is no glibc mallopt."""
+    global _done
+    if _done:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and \
+            libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
+    except (OSError, AttributeError):
+        return False
+    _done = ok
+    return ok
