@@ -128,7 +128,8 @@ DUP_LINK = (
     "and both copies are lost (holes, or one hole filled by concat._fill_from_p2p from a same-size rejected "
     "ring send). Smallest: LL, R=3, 1 channel, linear:8, 2 steps, 0:egress,1:egress,1:ingress")
 KNOWN: dict[tuple[str, str, str], str] = {
-    **{("data", "Simple-R2-ch4-fp32", m): CHANNEL_SWAP for m in ("egress", "ingress", "three")},
+    **{("data", "Simple-R2-ch4-fp32", m): CHANNEL_SWAP for m in ("egress", "ingress")},
+    ("data", "Simple-R2-ch4-fp32", "three"): CHANNEL_SWAP + "; and " + DUP_LINK,
     **{("placement", c, "three"): DUP_LINK for c in (
         "LL-R3-ch2-bf16", "LL-R4-ch4-fp32", "LL-R8-ch1-bf16", "LL-R16-ch2-fp32", "LL128-*", "Simple-*")},
     **{("data", c, "three"): DUP_LINK for c in ("LL-R3-ch2-bf16", "LL-R4-ch4-fp32", "LL128-*", "Simple-*")},
