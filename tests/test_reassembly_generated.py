@@ -29,8 +29,9 @@ job is replayed with every mirror configuration (every protocol x mirror, R x mi
 The model is ``mlp:IN,64,8`` with a small DDP bucket cap: iteration 0 all-reduces one bucket of
 every parameter; the rebuilt layout (iterations 1, 2) has a small bucket (520 elements: at R=16 most
 of its ring chunks are empty) and a large one, sized so NCCL runs it on every channel of the
-communicator (schedule.select_launch; checked against the generator's launch records). NCCL 2.18,
-PMTU 1024, no noise, no faults.
+communicator with data on each (checked against the generator's launch records), and with every
+ring chunk of every channel non-empty where that takes at most 320 KB (all but LL128 R=16). NCCL
+2.18, PMTU 1024, no noise, no faults.
 
 Per job and mirror configuration: no placement mismatch and no unplaced ring send, no conflict,
 every all-reduce complete with the truth sha256, every iteration complete with every bucket's
@@ -53,6 +54,7 @@ from mirrorckpt.config.jobfile import load_job
 from mirrorckpt.config.layout import dtype_size
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.parser import schedule
 from mirrorckpt.parser.concat import Concatenator
 from mirrorckpt.parser.schedule import REDUCED
 from mirrorckpt.tools import cmd_replay
@@ -74,6 +76,7 @@ STREAMS = {  # mirror configuration -> (capture files, ranks whose egress traffi
     "three": (["rank0_egress.pcapng", "rank1_egress.pcapng", "rank1_ingress.pcapng"], [0, 1, 0]),
 }
 HIDDEN, OUT = 64, 8
+SPREAD_CAP = 320 << 10
 VERSION = "2.18"
 
 
@@ -82,12 +85,31 @@ def config_id(cfg) -> str:
     return f"{proto}-R{R}-ch{nch}-{'bf16' if dt == 'bfloat16' else 'fp32'}"
 
 
+def spread(proto: str, R: int, nch: int, dtype: str, count: int) -> tuple[int, int, int]:
+    """(channels NCCL launches, channels that carry data, non-empty ring chunks) of an all-reduce."""
+    plan = schedule.allreduce_plan(count, dtype_size(dtype), R, nch, proto, VERSION)
+    chunks = [ch for ch in plan.channels for _, _, n in plan.chunk_ranges(ch) if n]
+    return plan.nchannels, len(set(chunks)), len(chunks)
+
+
 def model_for(proto: str, R: int, nch: int, dtype: str) -> tuple[str, float]:
-    """``mlp:IN,64,8`` whose big weight (IN x 64) is 1.3x the smallest all-reduce NCCL runs on all
-    ``nch`` channels, and a bucket cap of 500 elements (the small bucket: w2 and b2)."""
+    """``mlp:IN,64,8`` whose big bucket (IN x 64 weight and 64 bias) NCCL runs on all ``nch`` channels
+    with data on every one of them, and with every ring chunk of every channel non-empty unless that
+    needs more than SPREAD_CAP bytes; DDP bucket cap 500 elements (the small bucket: w2 and b2)."""
     es = dtype_size(dtype)
     need = nch * nv.max_threads(proto) * nv.thread_threshold(proto, R)  # select_launch's bound
     n_in = max(16, math.ceil(1.3 * need / es / HIDDEN))
+
+    def big(n):
+        return spread(proto, R, nch, dtype, n * HIDDEN + HIDDEN)
+
+    while big(n_in)[:2] != (nch, nch):
+        n_in = int(n_in * 1.1) + 8
+    n = n_in
+    while big(n)[2] < R * nch and (n * HIDDEN + HIDDEN) * es <= SPREAD_CAP:
+        n = int(n * 1.1) + 8
+    if big(n)[2] == R * nch:
+        n_in = n
     return f"mlp:{n_in},{HIDDEN},{OUT}", 500 * es / (1 << 20)
 
 
@@ -128,11 +150,12 @@ DUP_LINK = (
     "and both copies are lost (holes, or one hole filled by concat._fill_from_p2p from a same-size rejected "
     "ring send). Smallest: LL, R=3, 1 channel, linear:8, 2 steps, 0:egress,1:egress,1:ingress")
 KNOWN: dict[tuple[str, str, str], str] = {
-    **{("data", "Simple-R2-ch4-fp32", m): CHANNEL_SWAP for m in ("egress", "ingress")},
-    ("data", "Simple-R2-ch4-fp32", "three"): CHANNEL_SWAP + "; and " + DUP_LINK,
+    **{("data", c, m): CHANNEL_SWAP for c in ("Simple-R2-ch4-fp32", "Simple-R8-ch4-fp32")
+       for m in ("egress", "ingress")},
+    **{("data", c, "three"): CHANNEL_SWAP + "; and " + DUP_LINK for c in ("Simple-R2-ch4-fp32", "Simple-R8-ch4-fp32")},
+    **{("data", c, "three"): DUP_LINK for c in ("LL128-R16-ch4-bf16", "Simple-*")},
     **{("placement", c, "three"): DUP_LINK for c in (
         "LL-R3-ch2-bf16", "LL-R4-ch4-fp32", "LL-R8-ch1-bf16", "LL-R16-ch2-fp32", "LL128-*", "Simple-*")},
-    **{("data", c, "three"): DUP_LINK for c in ("LL-R3-ch2-bf16", "LL-R4-ch4-fp32", "LL128-*", "Simple-*")},
 }
 
 
@@ -181,9 +204,11 @@ def test_the_job_uses_what_the_design_says(job):
     assert (ring["protocol"], ring["nranks"], ring["nchannels"]) == (proto, R, nch)
     ars = [la for la in truth["wire"]["launches"] if la["kind"] == "allreduce"]
     assert {la["dtype"] for la in ars} == {dtype}
-    # the large bucket runs on every channel of the communicator, the small one on fewer (nch > 1)
+    # the large bucket runs on every channel of the communicator, with data on every channel
     assert max(la["channels"] for la in ars) == nch
     assert max(len(la["used_channels"]) for la in ars) == nch
+    biggest = max(la["count"] for la in ars)
+    assert spread(proto, R, nch, dtype, biggest)[:2] == (nch, nch)
     assert len(truth["layout"]["buckets"]) == 2 and len(truth["iterations"]) == 3
     assert [c["file"] for c in truth["wire"]["captures"]] == [f"rank{m.replace(':', '_')}.pcapng"
                                                               for m in MIRRORS.split(",")]
