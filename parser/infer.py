@@ -394,16 +394,19 @@ def _fits(n, es, ring, keys, seqs, t) -> bool:
 class ChannelResolver:
     """Maps ring connections to channels as their sends arrive (a connection may first appear
     long after the start: small collectives run on fewer channels). A new connection's sends are
-    held until they identify its channel: by the plan's message sizes at their steps, and when
-    several channels fit every send so far (symmetric chunks), after ``hold`` sends, by the
-    receive buffer addresses (NCCL allocates a pair's connections in channel order)."""
+    held, per mirror stream (two streams may carry the same link), until they identify its
+    channel: by the plan's message sizes at their steps (or, for flagless traffic seen without its
+    CTS in a capture that starts with the job, in their order). When several channels fit every
+    send (symmetric chunks), the receive-buffer addresses decide: NCCL allocates a pair's
+    connections in channel order. When those are unknown too, nothing is guessed: the connection
+    is not placed, and its collectives come out incomplete rather than wrong."""
 
     def __init__(self, model: JobModel, ranks: dict[bytes, int], mapped: dict[ConnKey, int] | None = None,
                  hold: int = 64):
         self.model, self.ranks, self.hold = model, ranks, hold
         self.sm = RingStateMachine(model, ranks, {})
         self.mapped: dict[ConnKey, int] = dict(mapped or {})
-        self.held: dict[ConnKey, list[NcclSend]] = {}
+        self.held: dict[tuple[int, ConnKey], list[NcclSend]] = {}  # (stream, conn) -> sends in order
         self.rejected: set[ConnKey] = set()
         self.base: dict[ConnKey, int] = {}  # receive-buffer base of mapped connections
         self.notes: list[str] = []
@@ -422,20 +425,25 @@ class ChannelResolver:
         if s.protocol == "Simple" and self.model.ring.protocol != "Simple" and len(s.data):
             # Point-to-point traffic between ring ranks: its own connection, never a ring one.
             self.rejected.add(conn)
-            return self.held.pop(conn, []) + [s]
-        held = self.held.setdefault(conn, [])
-        held.append(s)
-        return self._decide(conn, final=False)
+            return self._release(conn) + [s]
+        self.held.setdefault((s.stream, conn), []).append(s)
+        return self._decide((s.stream, conn), final=False)
 
     def flush(self) -> list[NcclSend]:
         out = []
-        for conn in list(self.held):
-            out += self._decide(conn, final=True)
+        for key in list(self.held):
+            if key in self.held:
+                out += self._decide(key, final=True)
+        return out
+
+    def _release(self, conn: ConnKey) -> list[NcclSend]:
+        out = []
+        for key in [k for k in self.held if k[1] == conn]:
+            out += self.held.pop(key)
         return out
 
     def _by_order(self, conn: ConnKey, held: list[NcclSend]) -> list[int]:
-        """Channels whose first messages have the sizes of the connection's first sends: for
-        flagless traffic (Simple) seen without its CTS, when the capture starts with the job."""
+        """Channels whose first messages have the sizes of the connection's first sends."""
         a, b = self.ranks[conn.sender], self.ranks[conn.receiver]
         out = []
         for ch in range(self.model.ring.nchannels):
@@ -453,11 +461,34 @@ class ChannelResolver:
         return out
 
     def _pair(self, conn: ConnKey) -> list[ConnKey]:
-        return [k for k in list(self.mapped) + list(self.held)
-                if (k.sender, k.receiver) == (conn.sender, conn.receiver)]
+        keys = list(self.mapped) + [k[1] for k in self.held]
+        return list(dict.fromkeys(k for k in keys if (k.sender, k.receiver) == (conn.sender, conn.receiver)))
 
-    def _decide(self, conn: ConnKey, final: bool) -> list[NcclSend]:
-        held = self.held[conn]
+    def _base(self, conn: ConnKey, cands: list[int]) -> int | None:
+        """Receive-buffer base of a connection from any stream's held sends, or None."""
+        if conn in self.base:
+            return self.base[conn]
+        a = self.ranks[conn.sender]
+        for (_, k), sends in self.held.items():
+            if k != conn:
+                continue
+            for i, s in enumerate(sends):
+                if s.va is None or s.protocol is None:
+                    continue
+                t = s.step if s.flag is not None else None
+                if t is None and self.model.from_start and cands:
+                    # Flagless: the message number is its place in this stream's order; the
+                    # candidate channels have the same plan here, so any gives the step.
+                    ch = cands[0]
+                    hit = self.sm.by_message(ch, self.model.ring.ring_index(ch, a), i)
+                    t = hit[2] if hit is not None else None
+                if t is not None:
+                    return s.va - schedule.recv_slot(t, s.protocol, "allreduce", self.model.ring.nccl_version).alloc_offset
+        return None
+
+    def _decide(self, key: tuple[int, ConnKey], final: bool) -> list[NcclSend]:
+        conn = key[1]
+        held = self.held[key]
         stepped = any(s.step is not None and s.length_known for s in held)
         by_order = not stepped and self.model.from_start and len(held) >= min(self.hold, 8)
         if not (stepped or by_order or final):
@@ -471,18 +502,26 @@ class ChannelResolver:
         if not cands:
             self.rejected.add(conn)
             self.notes.append(f"connection {conn} fits no free channel of the configured ring: not placed")
-            return self.held.pop(conn)  # handed back as traffic outside the ring
+            return self._release(conn)  # handed back as traffic outside the ring
         if len(cands) > 1 and not (final or len(held) >= self.hold):
             return []
         ch = cands[0]
         if len(cands) > 1:
-            pair = sorted(self._pair(conn), key=lambda k: self.base[k] if k in self.base
-                          else _buffer_base(self.held[k], self.model))
+            pair = self._pair(conn)
+            bases = {k: self._base(k, cands) for k in pair}
+            if any(v is None for v in bases.values()):
+                self.rejected.add(conn)
+                self.notes.append(f"connection {conn}: channels {cands} fit its sizes and its receive buffer "
+                                  "address is unknown: not placed (its collectives stay incomplete)")
+                return self._release(conn)
+            order = sorted(pair, key=lambda k: bases[k])
             free = sorted(set(cands) | taken)
-            pos = pair.index(conn)
+            pos = order.index(conn)
             ch = free[pos] if pos < len(free) and free[pos] in cands else cands[0]
             self.notes.append(f"connection {conn}: channel {ch} taken from its receive buffer address "
                               f"(channels {cands} fit its sizes)")
         self.mapped[conn] = ch
-        self.base[conn] = _buffer_base(held, self.model)
-        return self.held.pop(conn)
+        b = self._base(conn, [ch])
+        if b is not None:
+            self.base[conn] = b
+        return self._release(conn)

@@ -81,6 +81,7 @@ class _Conn:
     by_addr: dict[int, list[int]] = field(default_factory=dict)  # addr -> unmatched idx, in order
     bulk: list[RdmaMessage] = field(default_factory=list)  # split-form pieces awaiting their close
     protocol: str | None = None
+    split_seen: bool = False  # the connection has used the split (adaptive-routing) form
 
 
 class NcclDecoder:
@@ -157,14 +158,19 @@ class NcclDecoder:
     def _data(self, m: RdmaMessage) -> list[NcclSend]:
         c = self._conn(ConnKey(m.qp.src, m.qp.dst, m.sport))
         out = []
-        if m.with_imm is False or (m.with_imm is None and m.va != 0):
-            # Bulk piece of the split form (or a piece whose closing packet was lost).
+        # A bulk piece of the split form: closed without immediate, or (its closing packet lost)
+        # on a connection that uses the split form, with a known VA. A message that lost its
+        # closing packet anywhere else is a send of its own: joining it to its neighbour could
+        # run two sends together.
+        piece = m.with_imm is False or (m.with_imm is None and m.va is not None and c.split_seen)
+        if piece:
             if c.bulk and not self._continues(c.bulk, m):
                 out.append(self._join(c, None))
             c.bulk.append(m)
             return out
         size = self._imm(m)
         if m.va == 0 and m.dlen == 0 and m.rkey == 0 and size:
+            c.split_seen = True
             out.append(self._join(c, m))  # the 0-byte closing WRITE of the split form
             return out
         if c.bulk:
@@ -184,9 +190,9 @@ class NcclDecoder:
         last = bulk[-1]
         if m.psn != last.psn + last.npkts:
             return False
-        if m.va is not None and bulk[0].va is not None:
-            return m.va == bulk[0].va + sum(len(p.data) for p in bulk)
-        return True
+        if m.va is None or bulk[0].va is None:
+            return False  # no proof that it continues: keep the sends apart
+        return m.va == bulk[0].va + sum(len(p.data) for p in bulk)
 
     def _join(self, c: _Conn, close: RdmaMessage | None) -> NcclSend:
         pieces, c.bulk = c.bulk, []

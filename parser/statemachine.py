@@ -59,7 +59,7 @@ class RingStateMachine:
         self.ranks = ranks
         self.channels = channels
         self.tracks: dict[tuple[int, int], _Track] = {}
-        self.last: dict[ConnKey, tuple[int, int]] = {}  # conn -> (t, message number) last placed
+        self.last: dict[tuple[int, ConnKey], tuple[int, int]] = {}  # (stream, conn) -> (t, message) last placed
         self.counts = Counter()  # placed, mismatch, unplaced reasons
         self.mismatches: list[str] = []
 
@@ -165,13 +165,21 @@ class RingStateMachine:
             self.counts["not_ring"] += 1
             return None
         ch, pos = loc
-        last = self.last.get(s.connection)
+        # Per stream: the same link seen by two mirror streams (one rank's egress is the next one's
+        # ingress) delivers each send twice, and "the message after the last one" is per copy.
+        key = (s.stream, s.connection)
+        last = self.last.get(key)
         t = m = None
         if s.flag is not None:
             t = self._unwrap_flag(s.flag - 1, last[0] if last else 0)
         elif s.seq is not None:
             m = s.seq - 1  # one CTS per message: its index counts the connection's messages
         if t is None and m is None:
+            if not s.length_known:
+                # Neither flag, CTS nor size to confirm it: maybe several messages run together
+                # after a loss. Its bytes are lost, never placed by guess.
+                self.counts["unplaced_unconfirmed"] += 1
+                return None
             if last is not None:
                 m = last[1] + 1  # the next message; confirmed below by size
             elif self.model.from_start:
@@ -195,6 +203,11 @@ class RingStateMachine:
                 self.counts["unplaced_past_end"] += 1
                 return None
             coll, st, t = hit
+        proto = self.model.protocol(self.model[coll])
+        if s.protocol is not None and len(s.data) and s.protocol != proto:
+            # e.g. an LL message whose lines were read as raw bytes: never data of this collective
+            self.counts["protocol_mismatch"] += 1
+            return None
         if s.length_known and s.wire_bytes != st.wire_bytes:
             self.counts["mismatch"] += 1
             if len(self.mismatches) < 20:
@@ -202,7 +215,7 @@ class RingStateMachine:
                     f"{s.connection} step {t}: {s.wire_bytes} wire bytes, but the configuration expects "
                     f"{st.wire_bytes} ({self.model[coll].label} #{coll}, {st.phase} chunk {st.chunk})")
             return None
-        self.last[s.connection] = (t, m) if last is None or t >= last[0] else last
+        self.last[key] = (t, m) if last is None or t >= last[0] else last
         self.counts["placed"] += 1
         return Placement(coll, self.model[coll], st, ch, pos, s, t)
 

@@ -64,11 +64,12 @@ class MirrorStreams:
             if nb is not None:
                 heads[k] = nb
             else:
+                # Everything this stream still holds (messages waiting behind a hole) goes out
+                # before the stream counts as ended: only then may others finalize without it.
+                _, sends = self.paths[k].flush()
+                if sends:
+                    yield sends
                 self.ended.add(k)
-        for p in self.paths:
-            _, sends = p.flush()
-            if sends:
-                yield sends
 
     def _next(self, k: int, it) -> FrameBatch | None:
         try:
