@@ -39,8 +39,6 @@ sha256 equal to truth.json, and every fully reduced message placed exactly once 
 R >= 3 the two streams carry common chunks (a reduced chunk forwarded along the ring), so the
 concatenator must have compared overlapping copies: more pieces than distinct reduced messages
 and elements covered twice. A corrupted overlapping copy must then surface as a conflict.
-
-Known parser failures are strict xfails (``KNOWN``), so they flip when fixed.
 """
 
 from __future__ import annotations
@@ -131,42 +129,6 @@ def replay(out, files):
     return js, [r for r in results if r.spec.kind == "allreduce"], iterations
 
 
-# Known parser failures: (test kind, job id or "*", mirror configuration) -> reason. Kept as strict
-# xfails so they flip when the parser is fixed.
-CHANNEL_SWAP = (
-    "parser: infer.ChannelResolver._decide picks among channels whose message sizes are identical by ordering a "
-    "pair's connections by receive-buffer base, but infer._buffer_base needs NcclSend.step, which a Simple send "
-    "only has from its CTS, and the receiver's CTS is never on the sender's stream in these mirror pairs: every "
-    "base is 1<<64, the order falls back to dict order (connections mapped earlier first), and the connections "
-    "of channels 1 and 2 are swapped. Their chunks are written at each other's offsets: complete, no conflict, "
-    "wrong bytes (silent corruption). Smallest: Simple, R=2, 4 channels, linear:43208, 1 step, 0:egress,1:egress")
-DUP_LINK = (
-    "parser: per-connection state is shared by the mirror streams that carry the same link (rank 1's ingress "
-    "repeats rank 0's egress): statemachine.RingStateMachine.place puts a send with neither flag nor CTS at "
-    "'the message after the last one placed' on its ConnKey (self.last), so the second stream's copy of an empty "
-    "(0-byte) step lands on the next message (false size mismatches) or past the job's last collective "
-    "(phantom all-reduces and a phantom incomplete iteration); with Simple, infer.ChannelResolver.held mixes "
-    "both streams' copies into one sequence, _by_order fits no channel, the connection is rejected as not ring "
-    "and both copies are lost (holes, or one hole filled by concat._fill_from_p2p from a same-size rejected "
-    "ring send). Smallest: LL, R=3, 1 channel, linear:8, 2 steps, 0:egress,1:egress,1:ingress")
-KNOWN: dict[tuple[str, str, str], str] = {
-    **{("data", c, m): CHANNEL_SWAP for c in ("Simple-R2-ch4-fp32", "Simple-R8-ch4-fp32")
-       for m in ("egress", "ingress")},
-    **{("data", c, "three"): CHANNEL_SWAP + "; and " + DUP_LINK for c in ("Simple-R2-ch4-fp32", "Simple-R8-ch4-fp32")},
-    **{("data", c, "three"): DUP_LINK for c in ("LL128-R16-ch4-bf16", "Simple-*")},
-    **{("placement", c, "three"): DUP_LINK for c in (
-        "LL-R3-ch2-bf16", "LL-R4-ch4-fp32", "LL-R8-ch1-bf16", "LL-R16-ch2-fp32", "LL128-*", "Simple-*")},
-}
-
-
-def known(request, kind: str, cfg, mirror: str) -> None:
-    cid = config_id(cfg)
-    for key in ((kind, cid, mirror), (kind, f"{cfg[0]}-*", mirror), (kind, "*", mirror)):
-        if key in KNOWN:
-            request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN[key]))
-            return
-
-
 def sha(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
@@ -215,9 +177,8 @@ def test_the_job_uses_what_the_design_says(job):
 
 
 @pytest.mark.parametrize("mirror", list(STREAMS))
-def test_every_send_placed_without_mismatch(job, mirror, request):
+def test_every_send_placed_without_mismatch(job, mirror):
     cfg, out, _ = job
-    known(request, "placement", cfg, mirror)
     js, _, _ = replay(out, STREAMS[mirror][0])
     sm = js.reassembly.sm
     assert sm.counts.get("mismatch", 0) == 0, sm.mismatches
@@ -225,9 +186,8 @@ def test_every_send_placed_without_mismatch(job, mirror, request):
 
 
 @pytest.mark.parametrize("mirror", list(STREAMS))
-def test_every_iteration_bit_exact(job, mirror, request):
+def test_every_iteration_bit_exact(job, mirror):
     cfg, out, truth = job
-    known(request, "data", cfg, mirror)
     R = cfg[1]
     files, senders = STREAMS[mirror]
     js, ars, iterations = replay(out, files)
@@ -266,11 +226,10 @@ def test_every_iteration_bit_exact(job, mirror, request):
 
 def test_a_disagreeing_overlapping_copy_is_a_conflict(job, monkeypatch):
     """The comparison of overlapping copies is real: one flipped byte in the second copy of an
-    element makes that element conflicting and its all-reduce and iteration incomplete."""
+    element makes that element conflicting and its all-reduce and iteration incomplete. With two
+    ranks no chunk is on both egress streams, so the three-stream mirror (rank 0's egress twice) is used."""
     cfg, out, _ = job
-    if cfg[1] < 3:
-        pytest.skip("two ranks: no chunk is carried by both streams")
-    files, _ = STREAMS["egress"]
+    files, _ = STREAMS["egress" if cfg[1] >= 3 else "three"]
     hit = {}
     orig = Concatenator._put
 
