@@ -118,15 +118,17 @@ def run_replay(protocol: str, target_bytes: int) -> dict:
     return res
 
 
-def run(target_bytes: int = 256 << 20, packet_path_bytes: int = 1 << 30, quick: bool = False) -> dict:
-    """Replay of both workloads, then bench_packet_path.run in the same process; each replay figure
-    also as a fraction of the packet path's (ICRC checked) on the same protocol."""
+def run(target_bytes: int = 256 << 20, packet_path_bytes: int = 1 << 30, quick: bool = False,
+        packet_path: dict | None = None) -> dict:
+    """Replay of both workloads, then bench_packet_path.run in the same process (or ``packet_path``,
+    its result from earlier in the same run); each replay figure also as a fraction of the packet
+    path's (ICRC checked) on the same protocol."""
     from mirrorckpt.benchmarks import bench_packet_path
 
     if quick:
         target_bytes, packet_path_bytes = min(target_bytes, 48 << 20), min(packet_path_bytes, 1 << 28)
     out = {"replay": {p: run_replay(p, target_bytes) for p in ("LL", "Simple")}}
-    out["packet_path"] = pp = bench_packet_path.run(packet_path_bytes)
+    out["packet_path"] = pp = packet_path or bench_packet_path.run(packet_path_bytes)
     for proto, r in out["replay"].items():
         ref = pp.get(proto.lower(), {})
         for k in ("one_stream", "two_streams_1ms_clock", "two_streams"):
