@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from mirrorckpt.capture.bench import build_bench_capture
 from mirrorckpt.capture.pcapfile import open_capture, read_all
 

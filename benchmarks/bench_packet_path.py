@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.parser import _fast, roce

@@ -17,7 +17,6 @@ import time
 
 import numpy as np
 import torch
-
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, PersistSpec, TrainingSpec
 from mirrorckpt.parser.iteration import ReducedIteration

@@ -38,7 +38,6 @@ import weakref
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
 from mirrorckpt.capture import _ring
 from mirrorckpt.capture.batch import LINKTYPE_ETHERNET, CaptureError, FrameBatch
 

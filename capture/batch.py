@@ -44,7 +44,7 @@ class FrameBatch:
         """Captured bytes in this batch."""
         return int(self.caplen.sum())
 
-    def copy(self) -> "FrameBatch":
+    def copy(self) -> FrameBatch:
         """A compact copy owning its bytes (for a batch that outlives its source's buffer)."""
         from mirrorckpt.parser import _fast
 
@@ -72,7 +72,7 @@ class FrameBatch:
 
     @staticmethod
     def from_frames(frames: list[bytes], source: str = "", ts_ns: list[int] | None = None,
-                    wirelen: list[int] | None = None) -> "FrameBatch":
+                    wirelen: list[int] | None = None) -> FrameBatch:
         """Builds a batch from a list of frames (generator, tests)."""
         lens = np.fromiter((len(f) for f in frames), dtype=np.int64, count=len(frames))
         offset = np.zeros(len(frames), dtype=np.int64)

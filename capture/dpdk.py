@@ -47,7 +47,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
 from mirrorckpt.capture import _dpdk_abi as abi
 from mirrorckpt.capture import _dpdk_eal as eal
 from mirrorckpt.capture._dpdk_eal import DEFAULT_EAL_ARGS, eal_init

@@ -13,13 +13,11 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-
 from mirrorckpt.capture import _walk
-from mirrorckpt.capture._walk import Status
 from mirrorckpt.capture import formats as fmt
+from mirrorckpt.capture._walk import Status
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.capture.pcapng import PcapngBlocks
 
@@ -129,7 +127,7 @@ class CaptureReader:
         self._pending: CaptureError | None = None
         self._done = False
 
-    def __enter__(self) -> "CaptureReader":
+    def __enter__(self) -> CaptureReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -151,7 +149,7 @@ class CaptureReader:
     def linktypes(self) -> dict[int, int]:
         return self._walk.linktypes if self._walk is not None else {}
 
-    def __iter__(self) -> "CaptureReader":
+    def __iter__(self) -> CaptureReader:
         return self
 
     def __next__(self) -> FrameBatch:

@@ -12,10 +12,9 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-
 from mirrorckpt.capture import _walk
-from mirrorckpt.capture._walk import Status
 from mirrorckpt.capture import formats as fmt
+from mirrorckpt.capture._walk import Status
 from mirrorckpt.capture.batch import CaptureError
 
 # if_tsoffset is in seconds; beyond this the offset in ns no longer fits an int64.

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
 
 BACKENDS: dict[str, str] = {

@@ -11,7 +11,6 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-
 from mirrorckpt.capture import _pack
 from mirrorckpt.capture import formats as fmt
 from mirrorckpt.capture.batch import LINKTYPE_ETHERNET, FrameBatch

@@ -95,7 +95,7 @@ class JobLayout:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "JobLayout":
+    def from_dict(d: dict) -> JobLayout:
         params = [ParamSpec(p["name"], tuple(int(s) for s in p["shape"]), p.get("dtype", "float32"))
                   for p in d["params"]]
         fb = d.get("first_buckets")
@@ -155,7 +155,7 @@ class RingSpec:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "RingSpec":
+    def from_dict(d: dict) -> RingSpec:
         d = dict(d)
         d["addresses"] = {int(k): v for k, v in (d.get("addresses") or {}).items()}
         return RingSpec(**d)

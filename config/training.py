@@ -96,7 +96,7 @@ class OptimizerSpec:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> "OptimizerSpec":
+    def from_dict(d: dict) -> OptimizerSpec:
         return _from_dict(OptimizerSpec, d, "optimizer")
 
 
@@ -132,7 +132,7 @@ class LRScheduleSpec:
         return {"name": self.name, "kwargs": dict(self.kwargs)}
 
     @staticmethod
-    def from_dict(d: dict) -> "LRScheduleSpec":
+    def from_dict(d: dict) -> LRScheduleSpec:
         return _from_dict(LRScheduleSpec, d, "lr_schedule")
 
 
@@ -150,7 +150,7 @@ class ClipSpec:
         return asdict(self)
 
     @staticmethod
-    def from_dict(d: dict) -> "ClipSpec":
+    def from_dict(d: dict) -> ClipSpec:
         return _from_dict(ClipSpec, d, "clip")
 
 
@@ -179,7 +179,7 @@ class LossScaleSpec:
         return asdict(self)
 
     @staticmethod
-    def from_dict(d: dict) -> "LossScaleSpec":
+    def from_dict(d: dict) -> LossScaleSpec:
         return _from_dict(LossScaleSpec, d, "loss_scale")
 
 
@@ -209,7 +209,7 @@ class PersistSpec:
         return asdict(self)
 
     @staticmethod
-    def from_dict(d: dict) -> "PersistSpec":
+    def from_dict(d: dict) -> PersistSpec:
         return _from_dict(PersistSpec, d, "persist")
 
 
@@ -250,7 +250,7 @@ class TrainingSpec:
         }
 
     @staticmethod
-    def from_dict(d: dict) -> "TrainingSpec":
+    def from_dict(d: dict) -> TrainingSpec:
         if not isinstance(d, dict):
             raise SpecError(f"training: expected a table/dict, got {type(d).__name__}")
         known = {"optimizer", "lr_schedule", "clip", "loss_scale", "persist", "grad_dtype"}

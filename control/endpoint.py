@@ -17,11 +17,10 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from . import auth
+from . import auth, wire
 from . import messages as m
-from . import wire
 from .channel import POLL, Channel, RemoteError, Replies, RequestTimeout, peer_name  # noqa: F401 - re-exported
 from .outbox import Outbox, OutboxClosed, QueueFull  # noqa: F401 - re-exported
 from .wire import ConnectionClosed, ProtocolError
@@ -120,7 +119,7 @@ class ControlServer:
         self._acceptor: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "ControlServer":
+    def start(self) -> ControlServer:
         if self._listener is not None:
             return self
         s = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -147,7 +146,7 @@ class ControlServer:
             if t is not None and t is not threading.current_thread():
                 t.join(timeout)
 
-    def __enter__(self) -> "ControlServer":
+    def __enter__(self) -> ControlServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -190,7 +189,7 @@ class ControlServer:
         while not self._stop.is_set():
             try:
                 sock, addr = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 if not self._stop.is_set():
@@ -290,7 +289,7 @@ class ControlClient:
                  backoff_max: float = 5.0, max_queue: int = 256, block_timeout: float = 30.0,
                  max_frame: int = wire.MAX_FRAME, ssl_context: ssl.SSLContext | None = None,
                  server_hostname: str | None = None,
-                 on_connect: Callable[["ControlClient"], list] | None = None):
+                 on_connect: Callable[[ControlClient], list] | None = None):
         if role == auth.APPLIANCE_ROLE or not m.ROLE.fullmatch(role):
             raise ValueError(f"invalid trainer role {role!r}")
         self.host, self.port = host, port
@@ -322,7 +321,7 @@ class ControlClient:
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def start(self) -> "ControlClient":
+    def start(self) -> ControlClient:
         if self._threads:
             return self
         for target, name in ((self._run, "control-client"), (self._write, "control-writer")):
@@ -372,7 +371,7 @@ class ControlClient:
         for t in self._threads:
             t.join(5.0)
 
-    def __enter__(self) -> "ControlClient":
+    def __enter__(self) -> ControlClient:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -187,7 +187,7 @@ class SocketSource:
         if not self.sock.pending():
             ready, _, _ = select.select([self.sock], [], [], self.sock.gettimeout())
             if not ready:
-                raise socket.timeout("no data")
+                raise TimeoutError("no data")
         with self.io_lock:
             return self.sock.recv_into(view)
 
@@ -199,7 +199,7 @@ class SocketSource:
                 raise ConnectionClosed("endpoint stopping")
             try:
                 k = self._recv_into(view[got:])
-            except (socket.timeout, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 now = time.monotonic()
                 if self.deadline is not None and now > self.deadline:
                     raise PeerTimeout("handshake not completed in time") from None
@@ -481,7 +481,7 @@ def send_buffers(sock: socket.socket, buffers: list, stall_timeout: float, stop=
                 else:
                     with io_lock:
                         k = sock.send(view[sent:sent + (1 << 20)])
-            except (socket.timeout, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 if time.monotonic() - last > stall_timeout:
                     raise PeerTimeout(f"peer did not read for {stall_timeout:g} s") from None
                 continue

@@ -15,7 +15,6 @@ import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, CollSpec
 from mirrorckpt.config.layout import dtype_size, numpy_dtype
 from mirrorckpt.parser.collectives import JobModel

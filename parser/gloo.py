@@ -20,10 +20,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-
+from mirrorckpt.parser import tcp
 from mirrorckpt.parser.gloo_schedule import slot_parts
 from mirrorckpt.parser.headers import GLOO_OP
-from mirrorckpt.parser import tcp
 from mirrorckpt.parser.tcp import StreamKey, TcpStream
 
 SEND_BUFFER, SEND_UNBOUND_BUFFER, NOTIFY_SEND_READY, NOTIFY_RECV_READY = 0, 1, 2, 3

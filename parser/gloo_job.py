@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.config import ddp
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec, dtype_size
@@ -54,7 +53,7 @@ class GlooStreams:
 
     def __iter__(self):
         heap = []
-        for k, it in enumerate(self._iters):
+        for k in range(len(self._iters)):
             self._push(heap, k)
         while heap:
             _, k, b = heapq.heappop(heap)
@@ -141,7 +140,7 @@ class RankFinder:
                 out[stream.src] = possible.pop()
         return out
 
-    def ranks(self, streams: "GlooStreams", notes: list[str], final: bool = False,
+    def ranks(self, streams: GlooStreams, notes: list[str], final: bool = False,
               model: JobModel | None = None) -> dict[bytes, int] | None:
         """Address -> rank when the evidence fixes it: all ``n`` ranks, or (once two all-reduces
         were seen, or at the end) every host that carried data."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import numpy as np
-
 from mirrorckpt.config.ddp import ALLGATHER, CollSpec
 from mirrorckpt.config.layout import dtype_size
 from mirrorckpt.parser import gloo_schedule as gs
@@ -123,7 +122,7 @@ class GlooPlacer:
             sk = (op.source, op.stream)
             ep = (op.generation, op.epoch)
             if self.epoch.get(sk, ep) != ep:  # framing broke: what this stream held is final
-                out += self._release(lambda k: k[:2] == sk)
+                out += self._release(lambda k, sk=sk: k[:2] == sk)
             self.epoch[sk] = ep
             if not op.is_data:
                 self.counts["notifications"] += 1

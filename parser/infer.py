@@ -18,7 +18,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
-
 from mirrorckpt.config import ddp
 from mirrorckpt.config.layout import JobLayout, RingSpec, dtype_size
 from mirrorckpt.parser import nccl_versions as nv
@@ -352,7 +351,7 @@ def _solve_counts(conns, ranks, ring, dt, es, limit: int = 64) -> list[int]:
             break
         counts.append(found)
         plan = schedule.allreduce_plan(found, es, R, ring.nchannels, ring.protocol, ring.nccl_version)
-        for i, k in enumerate(keys):
+        for k in keys:
             ch = _channel_for(plan, seqs[k], t[k])
             t[k] += plan.conn_steps(ch, 0) if ch is not None else 0
     return counts

@@ -15,7 +15,6 @@ import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.parser import nccl_versions, protocols
 from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
 from mirrorckpt.parser.reassembly import QpKey, RdmaMessage, _addr

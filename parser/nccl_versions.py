@@ -32,7 +32,7 @@ class NcclVersion:
     patch: int = 0
 
     @classmethod
-    def parse(cls, text: "str | NcclVersion") -> "NcclVersion":
+    def parse(cls, text: str | NcclVersion) -> NcclVersion:
         """``"2.18"``, ``"2.18.6"``, ``"2.18.6-1"`` or ``"v2.18.6-1"`` (a git tag)."""
         if isinstance(text, NcclVersion):
             return text
@@ -69,7 +69,7 @@ OLDEST = NcclVersion(2, 12)
 NEWEST = NcclVersion(2, 30)
 
 
-def version(v: "str | NcclVersion") -> NcclVersion:
+def version(v: str | NcclVersion) -> NcclVersion:
     """Parse ``v`` and refuse releases whose wire behaviour is not described here."""
     v = NcclVersion.parse(v)
     if not (OLDEST <= v <= NEWEST):
@@ -113,7 +113,7 @@ _BUFFER_BYTES = {LL: 8 * 512 * NCCL_STEPS * 16, LL128: 120 * 640 * 8 * NCCL_STEP
 _SIMPLE_BUFFER_ARM_OLD = 1 << 20  # 2.12-2.18 on ARM
 
 
-def buffer_bytes(proto: str, v: "str | NcclVersion", arm: bool = False) -> int:
+def buffer_bytes(proto: str, v: str | NcclVersion, arm: bool = False) -> int:
     """``comm->buffSizes[p]``: 524288 (LL), 4915200 (LL128), 4194304 (Simple)."""
     proto, v = protocol(proto), version(v)
     if proto == SIMPLE and arm and v <= "2.18":
@@ -121,7 +121,7 @@ def buffer_bytes(proto: str, v: "str | NcclVersion", arm: bool = False) -> int:
     return _BUFFER_BYTES[proto]
 
 
-def step_bytes(proto: str, v: "str | NcclVersion", arm: bool = False) -> int:
+def step_bytes(proto: str, v: str | NcclVersion, arm: bool = False) -> int:
     """Wire bytes of one slot: ``buffSizes[p] / NCCL_STEPS`` (65536, 614400, 524288)."""
     return buffer_bytes(proto, v, arm) // NCCL_STEPS
 
@@ -134,7 +134,7 @@ LL128_LINE_ELEMS, LL128_DATA_ELEMS, LL128_SHMEM_ELEMS_PER_THREAD = 16, 15, 8
 LL128_GROUP_WIRE, LL128_GROUP_DATA = 2048, 1920
 
 
-def step_data_bytes(proto: str, v: "str | NcclVersion", arm: bool = False) -> int:
+def step_data_bytes(proto: str, v: str | NcclVersion, arm: bool = False) -> int:
     """User bytes of one step (device ``calcBytePerStep``): 32768, 576000, 524288.
 
     v2.18.6-1:src/collectives/device/primitives.h:34-66."""
@@ -177,7 +177,7 @@ def slice_steps(proto: str, kind: str) -> int:
     return _SLICE_STEPS[collective(kind)] if protocol(proto) == SIMPLE else 1
 
 
-def chunk_bytes(proto: str, kind: str, v: "str | NcclVersion", arm: bool = False) -> int:
+def chunk_bytes(proto: str, kind: str, v: str | NcclVersion, arm: bool = False) -> int:
     """Full chunk of one ring step of one channel (doc 1.2): LL 32768, LL128 576000,
     Simple 2 MiB (all-reduce, all-gather) or 512 KiB (broadcast)."""
     return step_data_bytes(proto, v, arm) * chunk_steps(proto, kind)
@@ -210,7 +210,7 @@ def thread_threshold(proto: str, nranks: int) -> int:
     return _THREAD_THRESHOLD[proto] * (nranks if proto == LL else 1)
 
 
-def min_threads(v: "str | NcclVersion") -> int:
+def min_threads(v: str | NcclVersion) -> int:
     """Floor of the per-collective thread count: 3 warps from 2.13; 2.12 has none (0).
 
     Read from the source, not in the doc: v2.12.12-1:src/enqueue.cc:477-484 (no floor),
@@ -223,7 +223,7 @@ def min_threads(v: "str | NcclVersion") -> int:
 LOOP, CBD, CELLS = "loop", "cbd", "cells"
 
 
-def chunk_family(v: "str | NcclVersion") -> str:
+def chunk_family(v: str | NcclVersion) -> str:
     """How a collective is cut over channels and chunks.
 
     loop 2.12-2.19 (v2.18.6-1:src/collectives/device/all_reduce.h:20-93),
@@ -277,7 +277,7 @@ class CellsRules:
     ll_traffic_factor: int  # 2.26+: LL traffic counted 4x
 
 
-def cells_rules(v: "str | NcclVersion") -> CellsRules:
+def cells_rules(v: str | NcclVersion) -> CellsRules:
     """v2.22.3-1:src/enqueue.cc:604,614,657,668; v2.23.4-1:src/enqueue.cc:721-735,756,789-835;
     v2.26.2-1:src/enqueue.cc:388,568; v2.29.2-1:src/enqueue.cc:576,609; v2.30.7-1:src/enqueue.cc:583-760."""
     v = version(v)
@@ -306,7 +306,7 @@ def traffic_per_byte(kind: str, nranks: int) -> int:
 # --- 4.3 receive buffers ----------------------------------------------------------------------
 
 
-def recv_buffer_offset(proto: str, v: "str | NcclVersion" = NEWEST, arm: bool = False) -> int:
+def recv_buffer_offset(proto: str, v: str | NcclVersion = NEWEST, arm: bool = False) -> int:
     """Offset of protocol p's buffer in the connection's one allocation: LL 0, LL128 524288,
     Simple 5439488 (buffers back to back in protocol order).
 
@@ -321,7 +321,7 @@ def recv_buffer_offset(proto: str, v: "str | NcclVersion" = NEWEST, arm: bool = 
     raise AssertionError("unreachable")
 
 
-def cts_size(proto: str, kind: str, v: "str | NcclVersion", arm: bool = False) -> int:
+def cts_size(proto: str, kind: str, v: str | NcclVersion, arm: bool = False) -> int:
     """CTS ``size`` = stepBytes * sliceSteps: 65536 (LL), 614400 (LL128), 1048576 (Simple
     all-reduce/all-gather), 524288 (Simple broadcast). v2.18.6-1:src/transport/net.cc:1083-1116."""
     return step_bytes(proto, v, arm) * slice_steps(proto, kind)
@@ -340,7 +340,7 @@ def recv_post_depth(nsubs: int) -> int:
 NET_IB_MAX_RECVS = 8  # entries per FIFO slot. v2.18.6-1:src/transport/net_ib.cc:318,340
 
 
-def cts_header(v: "str | NcclVersion") -> Header:
+def cts_header(v: str | NcclVersion) -> Header:
     """CTS entry layout: 32 B (2.12-2.19), 64 B with rkeys[2] (2.20-2.23), u64 size + rkeys[4]
     (2.24-2.29), rkeys[8] (2.30).
 
@@ -356,18 +356,18 @@ def cts_header(v: "str | NcclVersion") -> Header:
     return CTS64_V230
 
 
-def cts_fifo_slots(v: "str | NcclVersion") -> int:
+def cts_fifo_slots(v: str | NcclVersion) -> int:
     """``MAX_REQUESTS``: 64 up to 2.18, 256 from 2.19 (v2.18.6-1:src/include/nccl_net.h:20,
     v2.19.4-1:src/include/nccl_net.h:22)."""
     return 64 if version(v) <= "2.18" else 256
 
 
-def cts_fifo_stride(v: "str | NcclVersion") -> int:
+def cts_fifo_stride(v: str | NcclVersion) -> int:
     """Bytes between FIFO slots = 8 entries x entry size: 256 (<= 2.19), 512 (2.20+)."""
     return NET_IB_MAX_RECVS * cts_header(v).size
 
 
-def cts_fifo_offset(idx, v: "str | NcclVersion"):
+def cts_fifo_offset(idx, v: str | NcclVersion):
     """Offset from the sender FIFO base of CTS number ``idx`` (1-based; scalar or array)."""
     return ((np.asarray(idx, dtype=np.int64) - 1) % cts_fifo_slots(v)) * cts_fifo_stride(v)
 
@@ -378,7 +378,7 @@ def cts_fifo_offset(idx, v: "str | NcclVersion"):
 AR_THRESHOLD_DEFAULT = 8192
 
 
-def uses_split_write(v: "str | NcclVersion", size: int, link_layer: str = "RoCE",
+def uses_split_write(v: str | NcclVersion, size: int, link_layer: str = "RoCE",
                      adaptive_routing: bool | None = None, ooo_rq: bool = False, nreqs: int = 1,
                      ar_threshold: int = AR_THRESHOLD_DEFAULT) -> bool:
     """Whether a send goes as bulk WRITE + 0-byte WRITE_WITH_IMM (doc 6.3).
@@ -406,21 +406,21 @@ def uses_split_write(v: "str | NcclVersion", size: int, link_layer: str = "RoCE"
 # --- 6.4 the immediate ------------------------------------------------------------------------
 
 
-def imm_byte_order(v: "str | NcclVersion") -> str:
+def imm_byte_order(v: str | NcclVersion) -> str:
     """Byte order of the size in ImmDt: host order (little on x86) up to 2.28, big from 2.29.
 
     v2.28.9-1:src/transport/net_ib.cc:2115 vs v2.29.2-1:src/transport/net_ib/p2p.cc:93."""
     return "little" if version(v) <= "2.28" else "big"
 
 
-def decode_imm(raw_be_u32, v: "str | NcclVersion"):
+def decode_imm(raw_be_u32, v: str | NcclVersion):
     """Message size from ImmDt read big-endian (``RocePackets.imm_raw``); scalar or array."""
     raw = np.asarray(raw_be_u32, dtype=np.uint32)
     out = raw.byteswap() if imm_byte_order(v) == "little" else raw
     return int(out) if out.ndim == 0 else out
 
 
-def imm_is_request_id(v: "str | NcclVersion", receiver_side_matching: bool = False) -> bool:
+def imm_is_request_id(v: str | NcclVersion, receiver_side_matching: bool = False) -> bool:
     """2.29.7+: with NCCL_IB_RECEIVER_SIDE_MATCHING_SCHEME=1 (forced by NCCL_IB_OOO_RQ=1 or
     NCCL_IB_RESILIENCY_PORT_FAILOVER=1) the immediate is the 0-based send count, not the size
     (v2.30.7-1:src/transport/net_ib/p2p.cc:120-128, common.cc:66-75). Needs the patch level:
@@ -429,7 +429,7 @@ def imm_is_request_id(v: "str | NcclVersion", receiver_side_matching: bool = Fal
     return receiver_side_matching and (v.major, v.minor, v.patch) >= (2, 29, 7)
 
 
-def encode_imm(size: int, v: "str | NcclVersion") -> int:
+def encode_imm(size: int, v: str | NcclVersion) -> int:
     """ImmDt as a big-endian-read u32 for a message of ``size`` bytes (generator side)."""
     return decode_imm(size & 0xFFFFFFFF, v)  # the swap is its own inverse
 
@@ -441,7 +441,7 @@ def encode_imm(size: int, v: "str | NcclVersion") -> int:
 QPS_PER_CONNECTION_DEFAULT = 1
 
 
-def split_data_on_qps_default(v: "str | NcclVersion") -> bool:
+def split_data_on_qps_default(v: str | NcclVersion) -> bool:
     """With several QPs, cut each message over all of them (<= 2.19) or send whole messages
     round-robin (2.20+, NCCL_IB_SPLIT_DATA_ON_QPS=0). v2.18.6-1:src/transport/net_ib.cc:1021-1048,
     v2.21.5-1:1570-1614."""

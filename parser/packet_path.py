@@ -5,7 +5,7 @@ from __future__ import annotations
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.parser import roce
 from mirrorckpt.parser.nccl import NcclDecoder, NcclSend
-from mirrorckpt.parser.reassembly import Reassembler, RdmaMessage
+from mirrorckpt.parser.reassembly import RdmaMessage, Reassembler
 
 
 class PacketPath:

@@ -12,8 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .headers import LL128_FLAG_OFFSET, LL128_GROUP_DATA, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE, \
-    LL_DATA_PER_LINE, LL_LINE_BYTES
+from .headers import (
+    LL128_FLAG_OFFSET,
+    LL128_GROUP_DATA,
+    LL128_GROUP_WIRE,
+    LL128_LINE_BYTES,
+    LL_DATA_PER_LINE,
+    LL_LINE,
+    LL_LINE_BYTES,
+)
 from .nccl_versions import LL, LL128, SIMPLE, protocol
 
 _U32 = np.dtype("<u4")

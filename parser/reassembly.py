@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.parser import _fast, memory, opcodes
 from mirrorckpt.parser.headers import PSN_MODULUS
 from mirrorckpt.parser.roce import RocePackets
@@ -192,7 +191,7 @@ class Reassembler:
         d = (psn - (qp.ref % PSN_MODULUS) + _HALF) % PSN_MODULUS - _HALF
         return qp.ref + d
 
-    def _feed_qp(self, qp: _Qp, pk: "_Rows | None", data, final: bool) -> list[RdmaMessage]:
+    def _feed_qp(self, qp: _Qp, pk: _Rows | None, data, final: bool) -> list[RdmaMessage]:
         st = qp.stats
         if pk is not None and len(pk):
             psn = self._unwrap(qp, pk.psn)
@@ -286,7 +285,7 @@ class Reassembler:
             out.append(msg)
         return out, i
 
-    def _intact(self, qp: _Qp, tab: dict, is_first, is_last) -> "_Intact":
+    def _intact(self, qp: _Qp, tab: dict, is_first, is_last) -> _Intact:
         """Per FIRST/ONLY row: is its message complete and self-consistent in this table?"""
         psn, plen, dlen = tab["psn"], tab["plen"], tab["dlen"]
         n = len(psn)
@@ -331,7 +330,7 @@ class Reassembler:
         cum = np.concatenate([[0], np.cumsum(np.where(good, hd, 0))])
         return _Intact(heads, npk, pm, hd, end_row, good, run_end, head_at, cum)
 
-    def _bulk(self, qp, tab, src_is_new, data, g: "_Intact", k0: int, k1: int) -> list[RdmaMessage]:
+    def _bulk(self, qp, tab, src_is_new, data, g: _Intact, k0: int, k1: int) -> list[RdmaMessage]:
         """Places intact messages k0..k1-1 (consecutive rows) with one copy for all of them."""
         st = qp.stats
         heads = g.heads[k0:k1]

@@ -11,12 +11,22 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.parser import _fast, opcodes
 from mirrorckpt.parser.headers import (
-    AETH, BTH, DETH, ETH, ICRC_BYTES, IMMDT, IPV4, IPV6, PTP_PORTS, RETH,
-    ROCEV2_PORT, UDP, VLAN,
+    AETH,
+    BTH,
+    DETH,
+    ETH,
+    ICRC_BYTES,
+    IMMDT,
+    IPV4,
+    IPV6,
+    PTP_PORTS,
+    RETH,
+    ROCEV2_PORT,
+    UDP,
+    VLAN,
 )
 
 
@@ -31,7 +41,7 @@ class Counters:
     icrc: Counter = field(default_factory=Counter)  # "RC_RDMA_WRITE_FIRST:ok", "0xaa:BAD"
     malformed: Counter = field(default_factory=Counter)  # reason -> frames
 
-    def add(self, other: "Counters") -> None:
+    def add(self, other: Counters) -> None:
         self.frames += other.frames
         self.truncated_frames += other.truncated_frames
         self.bytes += other.bytes
@@ -76,11 +86,11 @@ class RocePackets:
     def __len__(self) -> int:
         return int(self.frame.shape[0])
 
-    def take(self, idx: np.ndarray) -> "RocePackets":
+    def take(self, idx: np.ndarray) -> RocePackets:
         return RocePackets(**{k: v[idx] for k, v in self.__dict__.items()})
 
     @staticmethod
-    def concat(parts: list["RocePackets"]) -> "RocePackets":
+    def concat(parts: list[RocePackets]) -> RocePackets:
         keys = RocePackets.__dataclass_fields__
         return RocePackets(**{k: np.concatenate([getattr(p, k) for p in parts]) for k in keys})
 

@@ -16,7 +16,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.config.ddp import CollSpec
 from mirrorckpt.parser import schedule
 from mirrorckpt.parser.collectives import JobModel

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.parser import roce
 from mirrorckpt.parser.nccl import NcclSend

@@ -20,11 +20,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.parser import _fast
 from mirrorckpt.parser.headers import (
-    ETH, ETHERTYPE_IPV4, ETHERTYPE_IPV6, ETHERTYPE_VLAN, IPPROTO_TCP, IPV4, IPV6, TCP, VLAN,
+    ETH,
+    ETHERTYPE_IPV4,
+    ETHERTYPE_IPV6,
+    ETHERTYPE_VLAN,
+    IPPROTO_TCP,
+    IPV4,
+    IPV6,
+    TCP,
+    VLAN,
 )
 
 SEQ_MOD = 1 << 32
@@ -43,7 +50,7 @@ class TcpCounters:
     classes: Counter = field(default_factory=Counter)  # tcp, udp/other, non_ip, ipv4_fragment...
     malformed: Counter = field(default_factory=Counter)
 
-    def add(self, o: "TcpCounters") -> None:
+    def add(self, o: TcpCounters) -> None:
         self.frames += o.frames
         self.truncated_frames += o.truncated_frames
         self.bytes += o.bytes
@@ -70,7 +77,7 @@ class TcpSegments:
     def __len__(self) -> int:
         return int(self.frame.shape[0])
 
-    def take(self, idx) -> "TcpSegments":
+    def take(self, idx) -> TcpSegments:
         return TcpSegments(**{k: v[idx] for k, v in self.__dict__.items()})
 
 
@@ -178,7 +185,7 @@ class StreamKey:
     sport: int
     dport: int
 
-    def reverse(self) -> "StreamKey":
+    def reverse(self) -> StreamKey:
         return StreamKey(self.dst, self.src, self.dport, self.sport)
 
     def __str__(self) -> str:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.capture.pcapfile import open_capture, read_all
 from mirrorckpt.capture.source import open_source, paced

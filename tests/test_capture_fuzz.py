@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from mirrorckpt.capture import _walk
 from mirrorckpt.capture import formats as fmt
 from mirrorckpt.capture.batch import CaptureError

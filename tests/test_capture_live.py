@@ -14,7 +14,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from common import FLOWCHECK
 from mirrorckpt.capture import _dpdk_abi, _dpdk_lib
 from mirrorckpt.capture.afpacket import AfPacketRing

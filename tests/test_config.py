@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-
 from mirrorckpt.config.jobfile import ConfigError, dump_job, load_job, parse_job
 from mirrorckpt.tools.cli import main
 

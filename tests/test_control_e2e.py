@@ -231,7 +231,7 @@ def test_hostile_frames_leave_the_appliance_unchanged(plane, caplog, attack, wor
         elif attack == "oversized":
             c.send_raw(struct.pack(">I", 0xFFFFFFF0) + bytes(16))
         elif attack == "unknown_type":
-            h = ('{"v":1,"type":"FORMAT_DISKS","seq":%d,"body":{},"tensors":[]}' % c.send_seq).encode()
+            h = ('{"v":1,"type":"FORMAT_DISKS","seq":' + str(c.send_seq) + ',"body":{},"tensors":[]}').encode()
             c.send_raw(wire.frame_bytes(h, b"", c.session.sign(h, [b""], 0)))
         elif attack == "replayed":
             data = c.seal_bytes(m.make(m.STEP_META, step=1, lr=0.1, loss_scale=None))

@@ -13,15 +13,14 @@ import logging
 import shutil
 import socket
 import ssl
-import subprocess
 import struct
+import subprocess
 import threading
 import time
 import tracemalloc
 
 import pytest
 import torch
-
 from mirrorckpt.control import auth, wire
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.channel import Channel, RemoteError, RequestTimeout

@@ -12,7 +12,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec
 from mirrorckpt.control import auth, wire
 from mirrorckpt.control import messages as m

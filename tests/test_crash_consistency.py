@@ -157,7 +157,7 @@ def test_sigkill_during_persisting_never_leaves_latest_torn(tmp_path):
             pointed = ckptdir.read_pointer(root)
             if pointed is not None:  # the pointer names a committed checkpoint, always
                 assert quick_check(pointed) is None, f"{where}: latest -> {pointed.name}: {quick_check(pointed)}"
-            for step, d in ckptdir.step_dirs(root):  # a final name is only ever given to a complete checkpoint
+            for _, d in ckptdir.step_dirs(root):  # a final name is only ever given to a complete checkpoint
                 assert quick_check(d) is None, f"{where}: {d.name}: {quick_check(d)}"
             assert len(ckptdir.step_dirs(root)) <= KEEP + 1
             found = latest(root)

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from mirrorckpt.config import ddp
 
 

@@ -22,12 +22,17 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from mirrorckpt.config.layout import numpy_dtype
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.tools.generator import ddp as gddp
 from mirrorckpt.tools.generator import models, truth
-from mirrorckpt.tools.generator.train import LocalComm, build_optimizer, build_scheduler, run_training, sum_in_rank_order
+from mirrorckpt.tools.generator.train import (
+    LocalComm,
+    build_optimizer,
+    build_scheduler,
+    run_training,
+    sum_in_rank_order,
+)
 from mirrorckpt.updater.fingerprint import state_sha256
 
 HERE = Path(__file__).resolve()

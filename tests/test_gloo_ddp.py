@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.config.jobfile import parse_job
@@ -337,7 +336,6 @@ def test_loss_and_late_attach_never_yield_a_wrong_iteration(run: Run):
 
 def test_mirrorckpt_replay_cli_takes_gloo_captures(run: Run):
     from click.testing import CliRunner
-
     from mirrorckpt.tools.cmd_replay import replay
 
     res = CliRunner().invoke(replay, ["--transport", "gloo", "--json", str(run.pcap("egress01.pcap"))])

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
-
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec, dtype_size
-from mirrorckpt.parser import gloo, gloo_schedule as gs, tcp
+from mirrorckpt.parser import gloo, tcp
+from mirrorckpt.parser import gloo_schedule as gs
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.gloo_job import GlooJobStream
 from mirrorckpt.parser.headers import ETH, GLOO_OP, IPV4, IPV6, TCP, VLAN
@@ -553,7 +553,7 @@ def test_broadcast_tree_and_allgather_pieces():
         for r in range(P):
             for s in gs.allgather_sends(10, P, r):
                 pieces.setdefault(s.origin, []).append((s.offset, s.length))
-        for o, ps in pieces.items():
+        for ps in pieces.values():
             assert sorted(set(ps)) == [(0, 5), (5, 5)] and len(ps) == 2 * (P - 1)
 
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from click.testing import CliRunner
-
 from common import FLOWCHECK, flowcheck_captures
 from mirrorckpt.capture.writer import PcapWriter
 from mirrorckpt.tools.cli import main

@@ -8,12 +8,11 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from torch import nn
-
 from common import FLOWCHECK
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.tools.cmd_replay import run
 from mirrorckpt.updater.fingerprint import state_sha256
+from torch import nn
 
 CAPTURE = FLOWCHECK / "iter_40000_p2p_iter10.pcapng"
 

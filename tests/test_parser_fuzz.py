@@ -4,11 +4,9 @@ so that mutated packets reach the deeper layers instead of being dropped at the 
 
 from __future__ import annotations
 
-import numpy as np
+from common import FLOWCHECK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from common import FLOWCHECK
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.parser.infer import InferenceError

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -16,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
-
-from mirrorckpt.config.training import LRScheduleSpec, OptimizerSpec, PersistSpec, TrainingSpec
+from mirrorckpt.config.training import PersistSpec
 from mirrorckpt.updater import ckptdir, persist
 from mirrorckpt.updater.fingerprint import state_sha256
 from mirrorckpt.updater.persist import CheckpointExists, Persister, prune, recover, write_checkpoint
 from mirrorckpt.updater.replica import Replica
 from mirrorckpt.updater.restore import latest, verify
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 
 def _load_sibling(name):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from mirrorckpt.parser import protocols
 from mirrorckpt.parser.nccl import decode, detect
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from mirrorckpt.parser import protocols as P
 from mirrorckpt.parser.headers import LL_LINE
 

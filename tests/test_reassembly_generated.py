@@ -152,7 +152,10 @@ def test_the_design_covers_every_pair():
         {c[3] for c in DESIGN}
     assert (protos, Rs, chans, dts) == ({"LL", "LL128", "Simple"}, {2, 3, 4, 8, 16}, {1, 2, 4},
                                         {"float32", "bfloat16"})
-    pairs = lambda i, j: {(c[i], c[j]) for c in DESIGN}
+
+    def pairs(i, j):
+        return {(c[i], c[j]) for c in DESIGN}
+
     assert pairs(0, 1) == {(p, r) for p in protos for r in Rs}
     assert pairs(0, 2) == {(p, c) for p in protos for c in chans}
     assert pairs(0, 3) == {(p, d) for p in protos for d in dts}

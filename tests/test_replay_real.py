@@ -7,7 +7,6 @@ import json
 
 import pytest
 from click.testing import CliRunner
-
 from common import FLOWCHECK, flowcheck_captures
 from mirrorckpt.tools.cli import main
 

@@ -9,15 +9,21 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
-from mirrorckpt.config.training import (ClipSpec, LossScaleSpec, LRScheduleSpec, OptimizerSpec, PersistSpec,
-                                        SpecError, TrainingSpec)
+from mirrorckpt.config.training import (
+    ClipSpec,
+    LossScaleSpec,
+    LRScheduleSpec,
+    OptimizerSpec,
+    PersistSpec,
+    SpecError,
+    TrainingSpec,
+)
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.updater.dcp_keys import ReplicaState
 from mirrorckpt.updater.fingerprint import state_sha256
 from mirrorckpt.updater.replica import LayoutMismatch, Replica, ReplicaStale
+from torch import nn
 
 PARAMS = [("embed.weight", (8, 4)), ("layers.0.fc.weight", (6, 8)), ("layers.0.fc.bias", (6,)),
           ("layers.1.fc.weight", (3, 6)), ("layers.1.fc.bias", (3,)), ("head.scale", (1,))]

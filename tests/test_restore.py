@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-
 from mirrorckpt.tools.cmd_restore import restore as restore_cmd
 from mirrorckpt.updater.manifest import read_manifest, write_manifest
 from mirrorckpt.updater.persist import write_checkpoint

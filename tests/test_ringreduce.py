@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-
 from mirrorckpt.parser import ringreduce as RR
 from mirrorckpt.parser import schedule as S
 
@@ -51,7 +50,7 @@ def test_ring_order_fp32_against_scalar_reference(R):
     rng = np.random.default_rng(R)
     count = 1000
     plan = S.allreduce_plan(count, 4, R, 1, "LL", "2.23")  # cells, one loop: chunk = alignUp(divUp(n,R), 4)
-    chunk = -(-(-(-count // R)) // 4) * 4
+    chunk = (-(-count // R) + 3) // 4 * 4  # alignUp(divUp(count, R), 4)
     assert [(o, n) for _, o, n in plan.chunk_ranges(0)][:2] == [(0, chunk), (chunk, chunk)]
     xs = [spread_fp32(rng, count) for _ in range(R)]
     got = RR.allreduce_result(xs, plan, "float32")

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from mirrorckpt.parser import headers
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import schedule as S
@@ -260,7 +259,7 @@ def check_allreduce_plan(case):
                 ops.setdefault((m.loop, m.chunk), {}).setdefault(m.step, (r, []))[1].append((m.offset, m.nelem))
             reduced.setdefault(r, []).extend((m.offset, m.nelem) for m in msgs if m.phase == "reduced")
         per_channel.add(len(p.messages(0, ch)))
-        for (loop, c), steps in ops.items():  # every piece of a chunk lines up along the ring
+        for (_loop, c), steps in ops.items():  # every piece of a chunk lines up along the ring
             assert sorted(steps) == list(range(2 * R - 2))
             assert all(rank == (c + s + 1) % R for s, (rank, _) in steps.items())
             assert len({tuple(sl) for _, sl in steps.values()}) == 1

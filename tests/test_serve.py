@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from mirrorckpt.config.jobfile import load_job
 from mirrorckpt.config.training import OptimizerSpec, PersistSpec, TrainingSpec
 from mirrorckpt.tools.generator.gen import GenConfig, generate

@@ -38,7 +38,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from mirrorckpt.capture.afpacket import in_netns
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all

@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import PersistSpec, TrainingSpec
 from mirrorckpt.parser.iteration import ReducedIteration

@@ -11,7 +11,6 @@ import sys
 from collections import defaultdict
 
 import click
-
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser.packet_path import PacketPath

@@ -42,7 +42,6 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
-
 from mirrorckpt.capture.afpacket import in_netns  # re-exported: enter a namespace (thread)
 from mirrorckpt.capture.batch import FrameBatch
 

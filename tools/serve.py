@@ -256,7 +256,7 @@ class Daemon:
         # The wire went quiet: what is complete goes on now, not when traffic resumes or at stop.
         streams.on_idle = lambda: self._hand_on(js, js.reassembly.settle()[1] if js.reassembly else [])
         try:
-            for done, its in js:
+            for _done, its in js:
                 self._hand_on(js, its)
         except BaseException as e:  # a parser failure stops the daemon with the reason logged
             self.error = e

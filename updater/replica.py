@@ -102,7 +102,7 @@ class Replica:
             self._set_params(initial_params)
 
     @classmethod
-    def from_initial_weights(cls, layout: JobLayout, training: TrainingSpec, flat_or_dict) -> "Replica":
+    def from_initial_weights(cls, layout: JobLayout, training: TrainingSpec, flat_or_dict) -> Replica:
         """Weights seen on the wire (e.g. DDP's start-up broadcast), fresh optimizer at step 0.
         A flat buffer holds the parameters concatenated in layout order (bf16 as uint16 bits)."""
         if isinstance(flat_or_dict, dict):

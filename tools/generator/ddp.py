@@ -30,10 +30,9 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from mirrorckpt.config.ddp import reducer_params
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
+from torch import nn
 
 MIB = 1024 * 1024
 BROADCAST_BUCKET_BYTES = 250 * MIB  # DistributedDataParallel.broadcast_bucket_size

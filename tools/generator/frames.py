@@ -102,11 +102,11 @@ class Packets:
     def __len__(self) -> int:
         return int(self.src.shape[0])
 
-    def take(self, idx) -> "Packets":
+    def take(self, idx) -> Packets:
         return Packets(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
 
     @staticmethod
-    def concat(parts: list["Packets"]) -> "Packets":
+    def concat(parts: list[Packets]) -> Packets:
         return Packets(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Packets)})
 
 
@@ -223,17 +223,17 @@ class FrameSet:
     def __len__(self) -> int:
         return int(self.offset.shape[0])
 
-    def take(self, idx) -> "FrameSet":
+    def take(self, idx) -> FrameSet:
         out = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name != "data"}
         return FrameSet(data=self.data, **out)
 
     @staticmethod
-    def empty() -> "FrameSet":
+    def empty() -> FrameSet:
         z = np.zeros(0, np.int64)
         return FrameSet(np.zeros(0, np.uint8), z, z, z, z, np.zeros(0, bool), z, z, z, z, z)
 
     @staticmethod
-    def merge(parts: list["FrameSet"]) -> "FrameSet":
+    def merge(parts: list[FrameSet]) -> FrameSet:
         """One set of ``parts``' frames in time order (stable: ties keep the parts' order)."""
         parts = [p for p in parts if len(p)]
         if not parts:

@@ -13,11 +13,10 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from torch import nn
-
 from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import LossScaleSpec, LRScheduleSpec, OptimizerSpec, TrainingSpec
 from mirrorckpt.updater.fingerprint import state_sha256
+from torch import nn
 
 from . import models
 from .ddp import DDP

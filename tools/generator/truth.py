@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from mirrorckpt.config.layout import JobLayout, numpy_dtype
 from mirrorckpt.updater.fingerprint import tensor_bytes
 
