@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test system-deps pcaps bench clean
+.PHONY: demo test lint system-deps pcaps bench clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard */*.pyx)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ system-deps:
 
 test: system-deps $(STAMP)
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[lint]'
+	$(BIN)/ruff check .
 
 # Regenerate tests/pcaps from the generator (deterministic).
 pcaps: $(STAMP)

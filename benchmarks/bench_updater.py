@@ -102,7 +102,8 @@ def _replica_update(nparams, ntensors, nbuckets, optimizer, impl, grad_dtype, st
     t = statistics.median(times[1:])
     n = layout.total_numel
     return {"nparams": n, "ntensors": ntensors, "optimizer": optimizer, "impl": impl, "grad_dtype": grad_dtype,
-            "pipelined": pipelined, "threads": torch.get_num_threads(), "step_s_median": t, "step_s_best": min(times[1:]),
+            "pipelined": pipelined, "threads": torch.get_num_threads(), "step_s_median": t,
+            "step_s_best": min(times[1:]),
             "Mparams_per_s": n / t / 1e6, "GBps_at_28B": n * ADAM_BYTES_PER_PARAM / t / 1e9}
 
 

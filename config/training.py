@@ -119,7 +119,8 @@ class LRScheduleSpec:
         sig = inspect.signature(getattr(lrs, self.name).__init__)
         accepted = [p for p in sig.parameters if p not in ("self", "optimizer") and p not in _SCHEDULER_ARGS_REFUSED]
         unknown = sorted(set(self.kwargs) - set(accepted))
-        _need(not unknown, w, f"{self.name} got unknown argument(s) {', '.join(unknown)} (accepts: {', '.join(accepted)})")
+        _need(not unknown, w,
+              f"{self.name} got unknown argument(s) {', '.join(unknown)} (accepts: {', '.join(accepted)})")
         missing = [p for p in accepted if sig.parameters[p].default is inspect.Parameter.empty
                    and sig.parameters[p].kind is not inspect.Parameter.VAR_KEYWORD and p not in self.kwargs]
         _need(not missing, w, f"{self.name} needs argument(s) {', '.join(missing)}")
@@ -172,7 +173,8 @@ class LossScaleSpec:
         _number(w, "growth_factor", self.growth_factor, lo=1, lo_open=True)
         _number(w, "backoff_factor", self.backoff_factor, lo=0, lo_open=True, hi=1, hi_open=True)
         _need(isinstance(self.growth_interval, int) and not isinstance(self.growth_interval, bool)
-              and self.growth_interval >= 1, w, f"growth_interval must be an integer >= 1, got {self.growth_interval!r}")
+              and self.growth_interval >= 1, w,
+              f"growth_interval must be an integer >= 1, got {self.growth_interval!r}")
         _need(isinstance(self.scheduler_step_on_skip, bool), w, "scheduler_step_on_skip must be true or false")
 
     def to_dict(self) -> dict:
@@ -198,10 +200,12 @@ class PersistSpec:
         _need(isinstance(self.directory, str) and self.directory != "", w, "directory must be a non-empty path")
         if self.every_iterations is not None:
             _need(isinstance(self.every_iterations, int) and not isinstance(self.every_iterations, bool)
-                  and self.every_iterations >= 1, w, f"every_iterations must be an integer >= 1, got {self.every_iterations!r}")
+                  and self.every_iterations >= 1, w,
+                  f"every_iterations must be an integer >= 1, got {self.every_iterations!r}")
         if self.every_seconds is not None:
             _number(w, "every_seconds", self.every_seconds, lo=0, lo_open=True)
-        _need(isinstance(self.keep_last, int) and self.keep_last >= 1, w, f"keep_last must be an integer >= 1, got {self.keep_last!r}")
+        _need(isinstance(self.keep_last, int) and self.keep_last >= 1, w,
+              f"keep_last must be an integer >= 1, got {self.keep_last!r}")
         _need(isinstance(self.memory_budget_bytes, int) and self.memory_budget_bytes > 0, w,
               f"memory_budget_bytes must be a positive integer, got {self.memory_budget_bytes!r}")
 
@@ -224,7 +228,8 @@ class TrainingSpec:
 
     def __post_init__(self):
         w = "training"
-        _need(self.grad_dtype in GRAD_DTYPES, w, f"grad_dtype must be one of {', '.join(GRAD_DTYPES)}, got {self.grad_dtype!r}")
+        _need(self.grad_dtype in GRAD_DTYPES, w,
+              f"grad_dtype must be one of {', '.join(GRAD_DTYPES)}, got {self.grad_dtype!r}")
         if self.grad_dtype == "float16":
             if self.loss_scale is None:
                 self.loss_scale = LossScaleSpec()

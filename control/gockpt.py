@@ -119,7 +119,8 @@ def torch_fingerprint(t: torch.Tensor) -> int:
     return total & _MASK64
 
 
-def state_fingerprints(names: list[str], params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def state_fingerprints(names: list[str], params: list[torch.Tensor],
+                       optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Fingerprints keyed as ``Replica.fingerprints(optimizer=True)`` keys them."""
     out = {}
     for n, p in zip(names, params):
@@ -329,7 +330,8 @@ class Rebuild:
         self._expect(isinstance(tail, dict), "tail must be an object")
         start = self.start if self.start is not None else step - (self.parts - 1)
         want = start + self.parts
-        self._expect(tail.get("iterations_done") == want, f"tail is at iteration {tail.get('iterations_done')}, expected {want}")
+        self._expect(tail.get("iterations_done") == want,
+                     f"tail is at iteration {tail.get('iterations_done')}, expected {want}")
         st = tail.get("step")
         self._expect(isinstance(st, int) and not isinstance(st, bool) and 0 <= st <= want,
                      "tail step must be an integer <= iterations_done")

@@ -393,7 +393,8 @@ class TrainerLink:
         g = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
         body = {"iterations_done": self.iterations_done, "step": self.iterations_done,
                 "param_group": dumps(g, "param_group"),
-                "lr_scheduler": dumps(self.scheduler.state_dict(), "lr_scheduler") if self.scheduler is not None else None,
+                "lr_scheduler": (dumps(self.scheduler.state_dict(), "lr_scheduler")
+                                 if self.scheduler is not None else None),
                 "loss_scale": ({"scale": float(self.scaler.get_scale()),
                                 "growth_tracker": int(self.scaler._get_growth_tracker())}
                                if self.scaler is not None else None),

@@ -482,7 +482,8 @@ class ChannelResolver:
                     hit = self.sm.by_message(ch, self.model.ring.ring_index(ch, a), i)
                     t = hit[2] if hit is not None else None
                 if t is not None:
-                    return s.va - schedule.recv_slot(t, s.protocol, "allreduce", self.model.ring.nccl_version).alloc_offset
+                    slot = schedule.recv_slot(t, s.protocol, "allreduce", self.model.ring.nccl_version)
+                    return s.va - slot.alloc_offset
         return None
 
     def _decide(self, key: tuple[int, ConnKey], final: bool) -> list[NcclSend]:

@@ -329,7 +329,8 @@ def cts_size(proto: str, kind: str, v: str | NcclVersion, arm: bool = False) -> 
 
 def recv_post_depth(nsubs: int) -> int:
     """Receives (CTS) the proxy posts ahead of the data: ``min(NCCL_STEPS, 16 / nsubs)``, never past
-    the collective's last step; changes CTS/data interleaving only (v2.18.6-1:src/transport/net.cc:418,924,1074,1085)."""
+    the collective's last step; changes CTS/data interleaving only
+    (v2.18.6-1:src/transport/net.cc:418,924,1074,1085)."""
     if nsubs < 1:
         raise ValueError(f"proxy sub-operation count {nsubs} is below 1")
     return min(NCCL_STEPS, 16 // nsubs)

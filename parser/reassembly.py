@@ -205,7 +205,8 @@ class Reassembler:
             if int(psn[top]) >= prev:
                 st.psn_last = int(pk.psn[top])
             qp.ref = max(prev, int(psn[top]))
-            full = opcodes.IS_FIRST[pk.opcode] & ~opcodes.IS_LAST[pk.opcode] | (pk.opcode == opcodes.RC_RDMA_WRITE_MIDDLE)
+            full = (opcodes.IS_FIRST[pk.opcode] & ~opcodes.IS_LAST[pk.opcode]
+                    | (pk.opcode == opcodes.RC_RDMA_WRITE_MIDDLE))
             if full.any():
                 qp.pmtu = max(qp.pmtu, int(pk.pay_len[full].max()))
                 st.pmtu = qp.pmtu

@@ -30,8 +30,8 @@ from mirrorckpt.parser.iteration import ReducedIteration
 
 # about 82 k parameters: ~1 MB of Adam state
 BUCKETS = [BucketSpec((2, 1)), BucketSpec((0,))]
-LAYOUT = JobLayout([ParamSpec("enc.weight", (256, 256)), ParamSpec("enc.bias", (256,)), ParamSpec("dec.weight", (64, 256))],
-                   BUCKETS, first_buckets=BUCKETS)
+LAYOUT = JobLayout([ParamSpec("enc.weight", (256, 256)), ParamSpec("enc.bias", (256,)),
+                    ParamSpec("dec.weight", (64, 256))], BUCKETS, first_buckets=BUCKETS)
 TRAINING = TrainingSpec(optimizer=OptimizerSpec("adamw", lr=1e-3, weight_decay=0.01))
 
 def initial():
@@ -40,7 +40,8 @@ def initial():
 
 def iteration(i):
     rng = np.random.default_rng(1000 + i)
-    return ReducedIteration(i, [rng.standard_normal(LAYOUT.bucket_count(b)).astype(np.float32) for b in LAYOUT.bucket_list(i)])
+    return ReducedIteration(i, [rng.standard_normal(LAYOUT.bucket_count(b)).astype(np.float32)
+                                for b in LAYOUT.bucket_list(i)])
 '''
 
 DRIVER = SETUP + r'''
@@ -105,8 +106,9 @@ for line in sys.stdin:
             break
         said += b
     os.close(r)
-    print(json.dumps({"killed": os.WIFSIGNALED(status), "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-                      "said": said.decode(errors="replace")}), flush=True)
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    print(json.dumps({"killed": os.WIFSIGNALED(status), "exit": code, "said": said.decode(errors="replace")}),
+          flush=True)
 '''
 
 

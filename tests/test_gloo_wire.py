@@ -411,7 +411,8 @@ def test_attach_mid_run_with_the_configured_layout():
 # -- loss never makes a wrong iteration -------------------------------------------------------
 
 
-@settings(max_examples=int(__import__("os").environ.get("MCK8_EXAMPLES", "25")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(__import__("os").environ.get("MCK8_EXAMPLES", "25")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(seed=hst.integers(0, 10_000), drop=hst.floats(0.0, 0.05), attach=hst.floats(0, 0.5),
        corrupt=hst.integers(0, 3))
 def test_damage_never_yields_a_wrong_iteration(seed, drop, attach, corrupt):
@@ -559,7 +560,8 @@ def test_broadcast_tree_and_allgather_pieces():
 
 def test_a_quiet_stream_gives_up_its_hole_on_capture_time():
     r = tcp.TcpReassembler(hole_ns=1_000_000)
-    a = [tcp_frame("10.0.0.1", "10.0.0.2", 1, 2, 100, b"x" * 10), tcp_frame("10.0.0.1", "10.0.0.2", 1, 2, 120, b"y" * 10)]
+    a = [tcp_frame("10.0.0.1", "10.0.0.2", 1, 2, 100, b"x" * 10),
+         tcp_frame("10.0.0.1", "10.0.0.2", 1, 2, 120, b"y" * 10)]
     b = lambda seq: tcp_frame("10.0.0.3", "10.0.0.4", 3, 4, seq, b"z" * 10)  # noqa: E731
     feed = lambda fr, t: r.feed(*_segs(FrameBatch.from_frames(fr, ts_ns=[t] * len(fr))), now=t)  # noqa: E731
     feed(a, 0)

@@ -326,8 +326,9 @@ def test_fingerprints_change_with_every_step():
 
 
 def test_training_spec_round_trip_and_errors():
-    t = TrainingSpec(optimizer=OptimizerSpec("sgd", momentum=0.9), lr_schedule=LRScheduleSpec("StepLR", {"step_size": 3}),
-                     clip=ClipSpec(1.0, math.inf), persist=PersistSpec("/tmp/x", every_seconds=5.0), grad_dtype="float16")
+    t = TrainingSpec(optimizer=OptimizerSpec("sgd", momentum=0.9),
+                     lr_schedule=LRScheduleSpec("StepLR", {"step_size": 3}), clip=ClipSpec(1.0, math.inf),
+                     persist=PersistSpec("/tmp/x", every_seconds=5.0), grad_dtype="float16")
     assert t.loss_scale == LossScaleSpec()
     assert TrainingSpec.from_dict(t.to_dict()) == t
     cases = [
@@ -339,11 +340,13 @@ def test_training_spec_round_trip_and_errors():
         (lambda: OptimizerSpec("adam", foreach=True, fused=True), "mutually exclusive"),
         (lambda: LRScheduleSpec("LambdaLR", {}), "lr_schedule: name must be 'none' or one of"),
         (lambda: LRScheduleSpec("StepLR", {}), "StepLR needs argument.* step_size"),
-        (lambda: LRScheduleSpec("StepLR", {"step_size": 1, "gama": 0.1}), "unknown argument.* gama .*accepts: step_size, gamma"),
+        (lambda: LRScheduleSpec("StepLR", {"step_size": 1, "gama": 0.1}),
+         "unknown argument.* gama .*accepts: step_size, gamma"),
         (lambda: ClipSpec(max_norm=0), "clip: max_norm must be > 0"),
         (lambda: LossScaleSpec(backoff_factor=1.5), "backoff_factor must be < 1"),
         (lambda: PersistSpec(keep_last=0), "keep_last must be an integer >= 1"),
-        (lambda: TrainingSpec(grad_dtype="int8"), "training: grad_dtype must be one of float32, bfloat16, float16, got 'int8'"),
+        (lambda: TrainingSpec(grad_dtype="int8"),
+         "training: grad_dtype must be one of float32, bfloat16, float16, got 'int8'"),
         (lambda: TrainingSpec(loss_scale=LossScaleSpec()), "loss_scale applies to float16 gradients only"),
         (lambda: TrainingSpec.from_dict({"optimizer": {"name": "adam", "lrr": 1}}), r"optimizer: unknown key\(s\) lrr"),
     ]

@@ -73,7 +73,8 @@ def test_verify_catches_missing_manifest_truncation_and_strays(tmp_path):
     size = data.stat().st_size
     data.write_bytes(data.read_bytes()[: size - 100])
     r = verify(path)
-    assert not r.ok and r.first_problem.startswith(f"{data}: {size - 100} bytes, manifest says {size}; first damaged value: ")
+    assert not r.ok
+    assert r.first_problem.startswith(f"{data}: {size - 100} bytes, manifest says {size}; first damaged value: ")
 
     path2, _, _ = make_checkpoint(tmp_path / "b")
     (path2 / "notes.txt").write_text("x")
@@ -100,7 +101,8 @@ def test_verify_reads_tensors_back_and_checks_required_keys(tmp_path):
     m = read_manifest(path)
     m["tensors"]["model.head.scale"]["sha256"] = "0" * 64  # files intact, recorded value differs
     write_manifest(path, m)
-    assert verify(path).problems == [f"{path}: tensor model.head.scale: values read back do not match the manifest sha256"]
+    assert verify(path).problems == [
+        f"{path}: tensor model.head.scale: values read back do not match the manifest sha256"]
     assert verify(path, tensors=False).ok
 
     m = read_manifest(path)

@@ -175,7 +175,8 @@ def test_version_facts():
     assert nv.cts_fifo_offset(65, "2.18") == 0 and nv.cts_fifo_offset(65, "2.19") == 64 * 256
     assert [nv.recv_buffer_offset(p) for p in nv.PROTOCOLS] == [0, 524288, 5439488]
     assert [nv.step_bytes(p, "2.18") for p in nv.PROTOCOLS] == [65536, 614400, 524288]
-    assert nv.buffer_bytes("Simple", "2.18", arm=True) == 1 << 20 and nv.buffer_bytes("Simple", "2.19", arm=True) == 4 << 20
+    assert nv.buffer_bytes("Simple", "2.18", arm=True) == 1 << 20
+    assert nv.buffer_bytes("Simple", "2.19", arm=True) == 4 << 20
     assert [nv.cells_rules(v).min_traffic for v in ("2.22", "2.23", "2.28", "2.29")] == [512, 16384, 16384, 32768]
     assert nv.cells_rules("2.25").ll_traffic_factor == 1 and nv.cells_rules("2.26").ll_traffic_factor == 4
     assert [nv.max_threads(p) for p in nv.PROTOCOLS] == [512, 640, 512]
@@ -185,7 +186,8 @@ def test_split_write_and_immediate():
     assert nv.uses_split_write("2.15", 8193) and not nv.uses_split_write("2.15", 8192)
     assert not nv.uses_split_write("2.16", 10**6, "RoCE") and nv.uses_split_write("2.16", 10**6, "IB")
     assert nv.uses_split_write("2.18", 10**6, "RoCE", adaptive_routing=True)
-    assert not nv.uses_split_write("2.30", 10**6, "IB", ooo_rq=True) and nv.uses_split_write("2.29", 10**6, "IB", ooo_rq=True)
+    assert not nv.uses_split_write("2.30", 10**6, "IB", ooo_rq=True)
+    assert nv.uses_split_write("2.29", 10**6, "IB", ooo_rq=True)
     assert nv.uses_split_write("2.20", 16, nreqs=2)
     assert nv.imm_byte_order("2.28") == "little" and nv.imm_byte_order("2.29") == "big"
     raw_le = int.from_bytes((24576).to_bytes(4, "little"), "big")  # ImmDt read big-endian

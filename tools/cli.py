@@ -9,7 +9,8 @@ import click
 
 # name -> (module, attribute, one-line help)
 COMMANDS = {
-    "inspect": ("mirrorckpt.tools.cmd_inspect", "inspect", "Decode a capture: RoCE packets, RDMA messages, NCCL sends."),
+    "inspect": ("mirrorckpt.tools.cmd_inspect", "inspect",
+                "Decode a capture: RoCE packets, RDMA messages, NCCL sends."),
     "replay": ("mirrorckpt.tools.cmd_replay", "replay", "Replay mirror captures through the whole pipeline."),
     "gen": ("mirrorckpt.tools.cmd_gen", "gen", "Generate NCCL ring all-reduce RoCEv2 traffic of a real training job."),
     "restore": ("mirrorckpt.tools.cmd_restore", "restore", "Verify or load a committed checkpoint."),

@@ -133,7 +133,8 @@ def _render_updater(name, r) -> list[str]:
               f"{p['write_checkpoint_GBps']:.2f} | {p['ratio_to_plain']:.2f}x |",
               f"| snapshot for the background writer (what the replica waits for) | {p['submit_warm_s']:.3f} | "
               f"{p['submit_warm_GBps']:.1f} | – |",
-              f"| verify (hash every file, read back every tensor) | {p['verify_s']:.2f} | {p['verify_GBps']:.2f} | – |"]
+              f"| verify (hash every file, read back every tensor) | {p['verify_s']:.2f} | "
+              f"{p['verify_GBps']:.2f} | – |"]
     return lines
 
 

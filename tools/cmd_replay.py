@@ -115,7 +115,8 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     demo = not captures and not config_path
     if demo:
         if not (DEMO / "job.toml").is_file():
-            click.echo(f"error: the bundled demo capture is missing ({DEMO}); regenerate it with `make pcaps`", err=True)
+            click.echo(f"error: the bundled demo capture is missing ({DEMO}); regenerate it with `make pcaps`",
+                       err=True)
             sys.exit(2)
         config_path = str(DEMO / "job.toml")
         checkpoint_dir = checkpoint_dir or "mirrorckpt-demo"
@@ -211,4 +212,5 @@ def _print(report, ars, iterations, summary, secs, nbytes):
                    + (", no initial state on the wire" if summary["no_initial_state"] else ""))
         last = summary["checkpoints"][-1] if summary["checkpoints"] else None
         click.echo(f"checkpoints: {len(summary['checkpoints'])} committed, latest {last}")
-    click.echo(f"throughput: {nbytes / 1e6:.1f} MB of capture in {secs:.2f} s ({nbytes / max(secs, 1e-9) / 1e6:.1f} MB/s)")
+    click.echo(f"throughput: {nbytes / 1e6:.1f} MB of capture in {secs:.2f} s "
+               f"({nbytes / max(secs, 1e-9) / 1e6:.1f} MB/s)")

@@ -33,7 +33,8 @@ def restore(checkpoint_dir: str, do_verify: bool, as_json: bool) -> None:
         d = resolve(checkpoint_dir)
         report = verify(d) if do_verify else summarize(d)
     except Exception as e:  # the command reports, it does not crash
-        _fail(f"{type(e).__name__}: {e}" if not isinstance(e, (OSError, ValueError)) else str(e), as_json, checkpoint_dir)
+        msg = str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
+        _fail(msg, as_json, checkpoint_dir)
         return
     if as_json:
         click.echo(json.dumps(dict(report.to_dict(), verified=do_verify), indent=1))

@@ -106,7 +106,8 @@ def read_manifest(directory) -> dict:
     except ValueError as e:
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ManifestError(f"{path}: format is {m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT!r}")
+        got = m.get("format") if isinstance(m, dict) else None
+        raise ManifestError(f"{path}: format is {got!r}, expected {FORMAT!r}")
     body = {k: v for k, v in m.items() if k != "manifest_sha256"}
     if hashlib.sha256(_canonical(body)).hexdigest() != m.get("manifest_sha256"):
         raise ManifestError(f"{path}: manifest_sha256 does not match its contents")

@@ -285,7 +285,8 @@ class Replica:
                                      f"{self.layout.grad_dtype} ({want_dtype})")
         t = wire_tensor(flat, self.layout.grad_dtype)
         if t.dtype != _TORCH_DTYPES[self.layout.grad_dtype]:
-            raise LayoutMismatch(f"iteration {iteration} bucket {b}: dtype {t.dtype}, layout says {self.layout.grad_dtype}")
+            raise LayoutMismatch(f"iteration {iteration} bucket {b}: dtype {t.dtype}, "
+                                 f"layout says {self.layout.grad_dtype}")
         if t.dim() != 1 or t.numel() != n:
             raise LayoutMismatch(f"iteration {iteration} bucket {b}: {t.numel()} elements "
                                  f"(shape {tuple(t.shape)}), layout says {n}")
@@ -377,7 +378,8 @@ class Replica:
             self._check_next(iteration)
             p = _Pending(iteration, self.layout.bucket_list(iteration))
         if not 0 <= bucket_index < len(p.buckets):
-            raise LayoutMismatch(f"iteration {iteration}: bucket {bucket_index} out of range (layout has {len(p.buckets)})")
+            raise LayoutMismatch(f"iteration {iteration}: bucket {bucket_index} out of range "
+                                 f"(layout has {len(p.buckets)})")
         if bucket_index in p.done:
             raise ValueError(f"iteration {iteration} bucket {bucket_index} was already applied")
         t = self._check_bucket(iteration, bucket_index, p.buckets[bucket_index], flat)

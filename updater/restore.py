@@ -71,10 +71,14 @@ def _check_files(d: Path, m: dict, r: Report) -> None:
         r.bytes += size
         if size == info["size"] and sha == info["sha256"]:
             continue
-        what = f"{size} bytes, manifest says {info['size']}" if size != info["size"] else "sha256 does not match the manifest"
+        what = (f"{size} bytes, manifest says {info['size']}" if size != info["size"]
+                else "sha256 does not match the manifest")
         bad = [k for k, it in items if it["offset"] + it["length"] > size or parts.get(k) != it["sha256"]]
-        r.fail(f"{p}: {what}" + (f"; first damaged value: {bad[0]}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else "")
-                                 if bad else "; damage outside the stored values"))
+        if bad:
+            where = f"; first damaged value: {bad[0]}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else "")
+        else:
+            where = "; damage outside the stored values"
+        r.fail(f"{p}: {what}{where}")
 
 
 def verify(checkpoint_dir, tensors: bool = True) -> Report:
@@ -106,7 +110,8 @@ def verify(checkpoint_dir, tensors: bool = True) -> Report:
         if s is None or not hasattr(s, "chunks"):
             r.fail(f"{d}: tensor {k} is in the manifest but not stored as a tensor")
         elif list(s.size) != t["shape"] or str(s.properties.dtype).removeprefix("torch.") != t["dtype"]:
-            r.fail(f"{d}: tensor {k}: stored {list(s.size)} {s.properties.dtype}, manifest says {t['shape']} {t['dtype']}")
+            r.fail(f"{d}: tensor {k}: stored {list(s.size)} {s.properties.dtype}, "
+                   f"manifest says {t['shape']} {t['dtype']}")
     for k in sorted(k for k, s in stored.items() if hasattr(s, "chunks") and k not in m["tensors"]):
         r.fail(f"{d}: tensor {k} is stored but not in the manifest")
     missing = [k for k in required_keys(m.get("layout") or {}, m.get("training") or {}) if k not in stored]
