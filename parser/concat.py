@@ -117,22 +117,28 @@ class Concatenator:
         if len(data) < n * es:
             ok[len(data) // es:] = False
             data = np.concatenate([data, np.zeros(n * es - len(data), np.uint8)])
-        new = data.reshape(n, es)
-        old = r.data[start * es:(start + n) * es].reshape(n, es)
-        seen = r.covered[start:start + n] & ok
+        # One machine word per element (compare and copy whole elements; a boolean-masked copy of
+        # (n, es) byte rows is ~20x slower), rows of bytes for any other element size.
+        w = np.dtype(f"u{es}") if es in (1, 2, 4, 8) else None
+        new = data[:n * es].view(w) if w is not None else data[:n * es].reshape(n, es)
+        old = r.data[start * es:(start + n) * es]
+        old = old.view(w) if w is not None else old.reshape(n, es)
+        covered = r.covered[start:start + n]
+        seen = covered & ok
         if seen.any():
-            if es in (1, 2, 4, 8):  # compare whole elements, not bytes
-                w = np.dtype(f"u{es}")
-                differ = seen & (np.ascontiguousarray(old).view(w)[:, 0] != np.ascontiguousarray(new).view(w)[:, 0])
-            else:
-                differ = seen & (old != new).any(axis=1)
+            differ = seen & ((old != new) if w is not None else (old != new).any(axis=1))
             if differ.any():
                 r.conflict[start:start + n] |= differ
                 for a, ln in ranges(differ):
                     r.conflicts.append(f"elements [{start + a}, {start + a + ln}) differ in the copy from {origin}")
-        put = ok & ~r.covered[start:start + n]
-        old[put] = new[put]
-        r.covered[start:start + n] |= ok
+        put = ok & ~covered
+        if put.all():
+            old[...] = new
+        elif w is not None:
+            np.copyto(old, new, where=put)
+        else:
+            old[put] = new[put]
+        covered |= ok
         r.pieces += 1
 
     def add_p2p(self, s: NcclSend) -> None:

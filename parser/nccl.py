@@ -273,6 +273,8 @@ def _majority_flag(proto: str, wire: np.ndarray, ok: np.ndarray) -> int | None:
     f = f[f > 0]
     if not f.size:
         return None
+    if (f == f[0]).all():  # the usual case: one flag in the whole message
+        return int(f[0])
     vals, counts = np.unique(f, return_counts=True)
     return int(vals[np.argmax(counts)])
 

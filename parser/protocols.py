@@ -77,6 +77,8 @@ def _majority(values: np.ndarray, ok: np.ndarray):
     cand = values[ok]
     if cand.size == 0:
         return None
+    if (cand == cand[0]).all():  # the usual case: one flag in the whole message
+        return int(cand[0])
     uniq, counts = np.unique(cand, return_counts=True)
     return int(uniq[np.argmax(counts)])
 
@@ -93,6 +95,8 @@ class LLDecoded:
     @property
     def holes(self) -> list[tuple[int, int]]:
         """User byte ranges [(start, length)] carried by invalid lines."""
+        if self.line_ok.all():
+            return []
         byte_ok = np.repeat(self.line_ok, LL_DATA_PER_LINE)[: self.data.size]
         return bad_ranges(byte_ok)
 
@@ -165,6 +169,8 @@ class LL128Decoded:
     @property
     def holes(self) -> list[tuple[int, int]]:
         """User byte ranges carried by invalid lines (a line's bytes are not contiguous in data)."""
+        if self.line_ok.all():
+            return []
         groups = self.line_ok.reshape(-1, _LINES_PER_GROUP)
         byte_ok = groups[:, LL128_DATA_LINE].reshape(-1)[: self.data.size]
         return bad_ranges(byte_ok)

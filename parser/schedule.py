@@ -225,6 +225,7 @@ class RingPlan(ABC):
         self._work = work  # channel -> per loop: the loop's chunk(s) as (offset, nelem)
         self._parts = parts  # channel -> its part's size (CBD, cells; NCCL's unit) for proxy_steps
         self._cache: dict[tuple[int, int], list[RingStep]] = {}
+        self._at: dict[tuple[int, int], dict[int, int]] = {}
 
     @property
     def nchannels(self) -> int:
@@ -255,6 +256,15 @@ class RingPlan(ABC):
         if key not in self._cache:
             self._cache[key] = self._build(rank_pos, channel)
         return self._cache[key]
+
+    def message_index(self, rank_pos: int, channel: int, conn_step: int) -> int | None:
+        """Index in ``messages(rank_pos, channel)`` of the message at ``conn_step``, None if no
+        message starts there. Each message has its own step (op * chunkSteps + slice * sliceSteps)."""
+        key = (rank_pos, channel)
+        at = self._at.get(key)
+        if at is None:
+            at = self._at[key] = {st.conn_step: k for k, st in enumerate(self.messages(rank_pos, channel))}
+        return at.get(conn_step)
 
     def conn_steps(self, channel: int, rank_pos: int = 0) -> int:
         """How far the collective advances the step counter of connection rank_pos -> rank_pos+1."""

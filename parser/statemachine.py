@@ -117,11 +117,9 @@ class RingStateMachine:
             i -= 1
         if i < 0:
             return None
-        c = self.model[i]
-        for st in self.model.plan(c).messages(pos, channel):
-            if tr.t0[i] + st.conn_step == t:
-                return i, st
-        return None
+        plan = self.model.plan(self.model[i])
+        k = plan.message_index(pos, channel, t - tr.t0[i])
+        return None if k is None else (i, plan.messages(pos, channel)[k])
 
     def by_message(self, channel: int, pos: int, m: int) -> tuple[int, RingStep, int] | None:
         """(collective, message, absolute step) of the connection's message number ``m``."""
@@ -145,8 +143,7 @@ class RingStateMachine:
 
     def message_number(self, channel: int, pos: int, coll: int, st: RingStep) -> int:
         tr = self.track(channel, pos)
-        msgs = self.model.plan(self.model[coll]).messages(pos, channel)
-        return tr.m0[coll] + msgs.index(st)
+        return tr.m0[coll] + self.model.plan(self.model[coll]).message_index(pos, channel, st.conn_step)
 
     # -- placing sends ---------------------------------------------------------------------------
 

@@ -4,6 +4,12 @@ Each capture source keeps its own packet path (PSN spaces are per QP and a QP ma
 sources: both directions of a port, or one rank's egress that is the next rank's ingress); the
 sends meet only in the concatenator, where duplicate copies must agree. Batches are taken from
 the source whose next frame is oldest, so the concatenator sees the job in (roughly) wire order.
+
+"Roughly" is deliberate: a stream is fed up to ``merge_ns`` past the other streams' next frame.
+With a NIC's nanosecond clock two streams interleave frame by frame, and a strict merge would call
+the packet path for a frame or two at a time (its cost is per call: ~30x slower end to end). The
+concatenator keeps a frontier per stream, so a millisecond of skew between streams changes no
+verdict; it only has to stay far below the time the ring takes to reuse a buffer slot.
 """
 
 from __future__ import annotations
@@ -28,17 +34,18 @@ class StreamStats:
 
 class MirrorStreams:
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], icrc: bool = True,
-                 nccl_version: str = "2.18", protocol: str | None = None):
+                 nccl_version: str = "2.18", protocol: str | None = None, merge_ns: int = 1_000_000):
         self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k)
                       for k in range(len(sources))]
         self.ended: set[int] = set()  # streams with nothing more to come
         self.nstreams = len(sources)
+        self.merge_ns = merge_ns
         self.stats = [StreamStats(name) for name, _ in sources]
         self._iters = [iter(b) for _, b in sources]
 
     def __iter__(self) -> Iterator[list[NcclSend]]:
         """Frames of all streams in timestamp order: the stream with the oldest next frame is fed
-        up to the next frame of any other stream (batches are cut there, not copied)."""
+        up to ``merge_ns`` past the next frame of any other stream (batches are cut there, not copied)."""
         heads: dict[int, FrameBatch] = {}
         for k, it in enumerate(self._iters):
             b = self._next(k, it)
@@ -50,8 +57,8 @@ class MirrorStreams:
             others = [int(h.ts_ns[0]) for h in heads.values() if len(h)]
             cut = len(b)
             if others and len(b):
-                # frames up to (and including) the other streams' next timestamp go now
-                cut = max(1, int(np.searchsorted(b.ts_ns, min(others), side="right")))
+                # frames up to (and including) the other streams' next timestamp + merge_ns go now
+                cut = max(1, int(np.searchsorted(b.ts_ns, min(others) + self.merge_ns, side="right")))
             part, rest = (b, None) if cut >= len(b) else _split(b, cut)
             st = self.stats[k]
             st.frames += len(part)

@@ -28,11 +28,9 @@ fraction must be within 4 sigma of P (sigma = sqrt(P (1-P) / n)). The same trial
 exact per-iteration oracle (recoverable <=> every unit keeps a copy), against which the parser's
 verdict is compared iteration by iteration.
 
-Replays use a 1 ms capture clock (timestamps floored): MirrorStreams merges streams by timestamp,
-and with the generator's nanosecond clock the streams interleave frame by frame, so the packet path
-is fed one or two frames at a time (about 15x slower). Floored timestamps keep every stream's order
-and hand it whole iterations; ``test_the_coarse_clock_changes_no_verdict`` checks on faulted trials
-that every verdict and every hole is the same with the original clock.
+Replays keep the generator's nanosecond clock and MirrorStreams' default 1 ms merge granularity;
+``test_the_coarse_clock_changes_no_verdict`` checks on faulted trials that every verdict and every
+hole is the same with a strict frame-by-frame merge and with timestamps floored to 1 ms.
 
 The one known parser shortfall is a strict xfail with its cause, so it flips when fixed.
 """
@@ -99,12 +97,12 @@ class Job:
     batches: list[FrameBatch]  # per stream (egress of rank k), the clean capture
     fmap: FrameMap
 
-    def replay(self, batches, clock_ns: int | None = CLOCK_NS):
+    def replay(self, batches, clock_ns: int | None = None, merge_ns: int = 1_000_000):
         """The parser on in-memory streams; returns (JobStream, iterations)."""
         if clock_ns:
             batches = [coarse(b, clock_ns) for b in batches]
         ms = MirrorStreams([(f"rank{k}_egress", [b]) for k, b in enumerate(batches)],
-                           nccl_version=self.config.ring.nccl_version)
+                           nccl_version=self.config.ring.nccl_version, merge_ns=merge_ns)
         js = JobStream(ms, model=self.config.model(), ranks=self.config.ranks(), channels=None,
                        nccl_version=self.config.ring.nccl_version)
         iterations = []
@@ -297,10 +295,11 @@ def test_the_coarse_clock_changes_no_verdict(job):
     for M in (2, 3):
         masks = masks_of(M, 0, job)
         batches = [keep_rows(b, m) for b, m in zip(job.batches, masks)]
-        _, fine = job.replay(batches, clock_ns=None)
-        _, coarse_ = job.replay(batches)
-        assert [(it.index, it.complete, it.holes) for it in fine] == [(it.index, it.complete, it.holes)
-                                                                      for it in coarse_]
+        _, strict = job.replay(batches, clock_ns=None, merge_ns=0)  # frame by frame in time order
+        _, fine = job.replay(batches, clock_ns=None)  # MirrorStreams' default 1 ms merge granularity
+        _, coarse_ = job.replay(batches, clock_ns=CLOCK_NS)
+        verdicts = [[(it.index, it.complete, it.holes) for it in its] for its in (strict, fine, coarse_)]
+        assert verdicts[0] == verdicts[1] == verdicts[2]
         assert 0 < sum(it.complete for it in fine) < STEPS
 
 
