@@ -155,16 +155,48 @@ def _render_capture(name, r) -> list[str]:
     return lines
 
 
+def _ms(x: dict | None) -> str:
+    if not x:
+        return "–"
+    return f"{x['median_ms']:.1f} ({x['min_ms']:.1f}–{x['max_ms']:.1f}, n={x['n']})"
+
+
 def _render_stall(name, r) -> list[str]:
     if "error" in r:
         return _render_generic(name, r)
+    job = r.get("job", {})
+    ref = r.get("torch.save", {}).get("stall", {}).get("median_ms")
+
+    def rel(x):
+        return f"{x['median_ms'] / ref:.2f}x" if ref and x else "–"
+
     lines = ["## Training stall per checkpoint (issue 6)", "",
-             f"The same CPU training job ({json.dumps(r.get('job', {}))}), one run.", "",
-             "| method | measurement |", "|---|---|"]
-    for k, v in r.items():
-        if k == "job":
-            continue
-        lines.append(f"| {k} | {json.dumps(v)} |")
+             f"One CPU training job ({job.get('params', 0) / 1e6:.1f} M parameters, Adam, "
+             f"{job.get('state_MB', 0):.0f} MB of state, {job.get('threads', '?')} thread), one run. Milliseconds: "
+             "median (min–max, n). GoCkpt: the training thread's time inside the checkpoint hooks, and the "
+             "excess of the k+1 affected steps over the median step (on a CPU trainer the copies compete "
+             "with training for the same cores; on a GPU they are side-stream copies).", "",
+             "| method | stall per checkpoint, ms | of torch.save |", "|---|---|---|"]
+    if "none" in r:
+        lines.append(f"| none (one training step, for scale) | {_ms(r['none'].get('step'))} | – |")
+    for k in ("torch.save", "dcp.save", "dcp.async_save"):
+        if k in r:
+            lines.append(f"| `{k}` | {_ms(r[k].get('stall'))} | {rel(r[k].get('stall'))} |")
+    for k in sorted(x for x in r if x.startswith("gockpt_k")):
+        x = r[k]
+        lines.append(f"| GoCkpt fallback, k={x.get('parts')}: hooks | {_ms(x.get('hook_stall'))} | "
+                     f"{rel(x.get('hook_stall'))} |")
+        lines.append(f"| GoCkpt fallback, k={x.get('parts')}: excess of the affected steps | "
+                     f"{_ms(x.get('step_excess'))} | {rel(x.get('step_excess'))} |")
+    if "mirror" in r:
+        m = r["mirror"]
+        lines.append(f"| mirror mode (a checkpoint every iteration) | {m['stall_per_checkpoint_ms']:.1f}; the "
+                     f"control link costs {m['link_per_step_ms']:.1f} per step (step {_ms(m.get('step'))}) | 0 |")
+    if "restore" in r:
+        x = r["restore"]
+        lines += ["", "| restore (step reached) | ms |", "|---|---|",
+                  f"| from appliance memory (step {x.get('memory_step')}) | {_ms(x.get('memory'))} |",
+                  f"| from disk (step {x.get('disk_step')}) | {_ms(x.get('disk'))} |"]
     return lines
 
 
