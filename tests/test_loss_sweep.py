@@ -64,12 +64,13 @@ CLOCK_NS = 1_000_000
 SIGMAS = 4.0
 
 MERGED_PIECES = (
-    "parser: three streams at p=0.12 leave 29 of 4200 recoverable iterations reported incomplete. Sends that "
-    "lost several boundary packets (FIRST/LAST of adjacent messages of one QP) are not placed when neither an LL "
-    "flag, a CTS nor a proven size confirms their position (RingStateMachine counts unplaced_unconfirmed and "
-    "protocol_mismatch), so a copy of a reduced chunk that survived in their middle packets is dropped. They are "
-    "never placed by guess: every such iteration is reported incomplete, and the zero-silent-corruption check "
-    "holds")
+    "parser: three streams at p=0.12 leave 29 of 4200 recoverable iterations reported incomplete. When the "
+    "boundary packets of adjacent WRITE messages of one QP are lost (a message's FIRST and LAST and the next "
+    "one's FIRST), reassembly returns them as one message: its LL lines carry two flags, so it reads as Simple "
+    "and the state machine drops it (protocol_mismatch), or its size contradicts the plan (mismatch). A copy of "
+    "a reduced chunk that survived in its middle packets is dropped with it. Splitting it by flag would need a "
+    "proven start offset for each part (the boundary is inside the lost packets). Nothing is placed by guess: "
+    "every such iteration is reported incomplete, and the zero-silent-corruption check holds")
 
 
 # -- the job and what its traffic says -------------------------------------------------------------------
