@@ -105,10 +105,11 @@ class Concatenator:
         if c.kind == ALLGATHER:
             origin = self.model.ring.orders()[p.channel][st.chunk]
             start += origin * c.count
-        self._put(r, start, st.nelem, p.send.data[: st.nelem * es], p.send.holes, str(p.send.connection))
+        self._put(r, start, st.nelem, p.send.data[: st.nelem * es], p.send.holes, p.send.connection)
         r.last_ts = max(r.last_ts, p.send.ts_ns)
 
-    def _put(self, r: CollectiveResult, start: int, n: int, data: np.ndarray, byte_holes, origin: str) -> None:
+    def _put(self, r: CollectiveResult, start: int, n: int, data: np.ndarray, byte_holes, origin) -> None:
+        """``origin`` (a connection, or a description) is only formatted when copies conflict."""
         es = dtype_size(r.spec.dtype)
         ok = np.ones(n, bool)
         for a, ln in byte_holes:  # an element is only covered when all its bytes arrived

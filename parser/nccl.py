@@ -91,6 +91,7 @@ class NcclDecoder:
         self.stream = stream
         self.version = nccl_versions.version(version)
         self.cts_header = nccl_versions.cts_header(self.version)
+        self._imm_little = nccl_versions.imm_byte_order(self.version) == "little"
         self.protocol = protocol  # None: decided per send from its content
         self.p2p_protocol = p2p_protocol
         self.conns: dict[ConnKey, _Conn] = {}
@@ -181,7 +182,8 @@ class NcclDecoder:
     def _imm(self, m: RdmaMessage) -> int | None:
         if m.imm_raw is None:
             return None
-        return nccl_versions.decode_imm(m.imm_raw, self.version)
+        raw = m.imm_raw & 0xFFFFFFFF
+        return int.from_bytes(raw.to_bytes(4, "big"), "little") if self._imm_little else raw
 
     @staticmethod
     def _continues(bulk: list[RdmaMessage], m: RdmaMessage) -> bool:
@@ -221,12 +223,16 @@ class NcclDecoder:
     def _make(self, c: _Conn, wire: np.ndarray, wire_holes, msgs, size, va, form, length_known) -> NcclSend:
         cts = self._match_cts(c, va)
         # An empty step has no bytes to tell its protocol: it takes its connection's.
+        flag = None
         if len(wire):
-            proto = self.protocol or detect(wire, wire_holes)
+            if self.protocol:
+                proto = self.protocol
+            else:
+                proto, flag = _detect(wire, wire_holes)
             c.protocol = proto
         else:
             proto = self.protocol or c.protocol
-        user, holes, flag = decode(proto, wire, wire_holes)
+        user, holes, flag = decode(proto, wire, wire_holes, flag)
         return NcclSend(
             connection=c.key, qp=msgs[0].qp if msgs else None, protocol=proto, data=user, holes=holes,
             wire_bytes=len(wire), size=size, va=va, form=form, flag=flag,
@@ -243,8 +249,10 @@ def _line_mask(nbytes: int, line: int, wire_holes) -> np.ndarray:
     return ok
 
 
-def decode(proto: str, wire: np.ndarray, wire_holes) -> tuple[np.ndarray, list[tuple[int, int]], int | None]:
-    """User bytes, their holes (lost wire bytes and lines whose flags disagree) and the flag."""
+def decode(proto: str, wire: np.ndarray, wire_holes,
+           flag: int | None = None) -> tuple[np.ndarray, list[tuple[int, int]], int | None]:
+    """User bytes, their holes (lost wire bytes and lines whose flags disagree) and the flag
+    (``flag``: the one every intact line carries, when detection already found it)."""
     if proto in (protocols.SIMPLE, None) or not len(wire):
         return wire, list(wire_holes), None
     unit = LL_LINE_BYTES if proto == protocols.LL else LL128_LINE_BYTES
@@ -254,8 +262,9 @@ def decode(proto: str, wire: np.ndarray, wire_holes) -> tuple[np.ndarray, list[t
         return np.zeros(n, np.uint8), [(0, n)] if n else [], None
     ok = _line_mask(len(wire), unit, wire_holes)
     # Flags are only trusted from lines that arrived.
-    dec = (protocols.ll_decode if proto == protocols.LL else protocols.ll128_decode)(
-        wire, expect_flag=_majority_flag(proto, wire, ok))
+    if flag is None:
+        flag = _majority_flag(proto, wire, ok)
+    dec = (protocols.ll_decode if proto == protocols.LL else protocols.ll128_decode)(wire, expect_flag=flag)
     dec.line_ok &= ok
     return dec.data, dec.holes, dec.flag
 
@@ -285,6 +294,11 @@ def detect(wire: np.ndarray, wire_holes) -> str | None:
     flag in word 15. LL is tried first: its signature is the stricter one, while an LL message
     whose data is constant (zero gradients) repeats one u64 at every 128th byte and looks like
     LL128. Anything else is Simple."""
+    return _detect(wire, wire_holes)[0]
+
+
+def _detect(wire: np.ndarray, wire_holes) -> tuple[str | None, int | None]:
+    """``detect`` and, for LL/LL128, the flag every intact line carries."""
     for proto, unit in ((protocols.LL, LL_LINE_BYTES), (protocols.LL128, LL128_GROUP_WIRE)):
         if len(wire) % unit:
             continue
@@ -294,5 +308,5 @@ def detect(wire: np.ndarray, wire_holes) -> str | None:
             continue
         flags = _flags(proto, wire)[ok]
         if flags[0] > 0 and (flags == flags[0]).all():
-            return proto
-    return protocols.SIMPLE if len(wire) else None
+            return proto, int(flags[0])
+    return (protocols.SIMPLE if len(wire) else None), None
