@@ -97,6 +97,7 @@ class NcclDecoder:
         self.conns: dict[ConnKey, _Conn] = {}
         self.cts_posts = 0
         self.orphan_bulk = 0  # split-form pieces whose closing immediate never came
+        self.merged_tails = 0  # sends recovered from the end of messages run together by loss
 
     def _conn(self, key: ConnKey) -> _Conn:
         c = self.conns.get(key)
@@ -175,9 +176,39 @@ class NcclDecoder:
             return out
         if c.bulk:
             out.append(self._join(c, None))
+        if m.with_imm and size and m.length_known and size < len(m.data):
+            tail = self._merged_tail(c, m, size)
+            if tail is not None:
+                out.append(tail)
+                return out
         out.append(self._make(c, m.data, m.holes, [m], size, m.va,
                               "empty" if (m.dlen == 0 and not size) else "normal", m.length_known))
         return out
+
+    def _merged_tail(self, c: _Conn, m: RdmaMessage, size: int) -> NcclSend | None:
+        """The last send of a message longer than its closing immediate says. Loss of the packets
+        between two sends (a FIRST and the LAST before it) makes reassembly return them as one
+        message; its end is the closing packet's, and the immediate is the last send's size, so
+        that send is the message's last ``size`` bytes. Only taken when its LL/LL128 lines carry
+        one flag that no line before it carries (the flag then places it, and the plan checks its
+        size); the part before it has no proven start and is dropped."""
+        cut = len(m.data) - size
+        wire = m.data[cut:]
+        holes = [(max(a, cut) - cut, min(a + n, len(m.data)) - max(a, cut)) for a, n in m.holes if a + n > cut]
+        proto, flag = _detect(wire, holes) if self.protocol is None else (self.protocol, None)
+        if proto not in (protocols.LL, protocols.LL128):
+            return None
+        line = LL_LINE_BYTES if proto == protocols.LL else LL128_LINE_BYTES
+        if cut % line:
+            return None
+        if flag is None:
+            flag = _majority_flag(proto, wire, _line_mask(len(wire), line, holes))
+        head_ok = _line_mask(cut, line, [(a, min(n, cut - a)) for a, n in m.holes if a < cut])
+        head_flags = _flags(proto, m.data[:cut])[head_ok]
+        if flag is None or (head_flags == flag).any():
+            return None  # one send after all (or no flag to place it by): the immediate is what is wrong
+        self.merged_tails += 1
+        return self._make(c, wire, holes, [m], size, None, "normal", True)
 
     def _imm(self, m: RdmaMessage) -> int | None:
         if m.imm_raw is None:

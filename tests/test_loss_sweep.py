@@ -64,13 +64,12 @@ CLOCK_NS = 1_000_000
 SIGMAS = 4.0
 
 MERGED_PIECES = (
-    "parser: three streams at p=0.12 leave 29 of 4200 recoverable iterations reported incomplete. When the "
+    "parser: three streams at p=0.12 leave 15 of 4200 recoverable iterations reported incomplete. When the "
     "boundary packets of adjacent WRITE messages of one QP are lost (a message's FIRST and LAST and the next "
-    "one's FIRST), reassembly returns them as one message: its LL lines carry two flags, so it reads as Simple "
-    "and the state machine drops it (protocol_mismatch), or its size contradicts the plan (mismatch). A copy of "
-    "a reduced chunk that survived in its middle packets is dropped with it. Splitting it by flag would need a "
-    "proven start offset for each part (the boundary is inside the lost packets). Nothing is placed by guess: "
-    "every such iteration is reported incomplete, and the zero-silent-corruption check holds")
+    "one's FIRST), reassembly returns them as one message. Its last send is recovered from the closing "
+    "immediate (NcclDecoder._merged_tail), but the part before it has no proven start (a whole lost message may "
+    "precede it) and is dropped, with any copy of a reduced chunk that survived in it. Nothing is placed by "
+    "guess: every such iteration is reported incomplete, and the zero-silent-corruption check holds")
 
 
 # -- the job and what its traffic says -------------------------------------------------------------------
@@ -422,3 +421,26 @@ def test_a_lost_message_boundary_is_never_silent(job):
     it = next(x for x in its if x.index == i)
     assert not it.complete, "reported complete: bucket sha256 " + (
         "equals" if [sha(x) for x in it.buckets] == job.want(i) else "differs from") + " truth"
+
+
+def test_the_last_send_of_a_merged_message_is_recovered(job):
+    """Rank 0 (stream 0) loses the FIRST and LAST packets of its ring-step 3 message of iteration i (reduced
+    chunk 0) and the FIRST of its step-4 message (chunk 3); rank 1's egress, which also carries both chunks,
+    loses the packet with one unit of chunk 3 from the middle of step 4. Reassembly returns stream 0's two
+    messages as one, closed by step 4's LAST: the immediate gives step 4's size and its lines step 4's flag,
+    so step 4 is taken from the message's end, and its middle unit makes the iteration complete."""
+    i = 20
+    c = first_coll(job, i)
+    a, b = job.message(0, c, 3), job.message(0, c, 4)
+    assert job.fmap.phase[(0, c, 3)] == REDUCED and job.fmap.phase[(0, c, 4)] == REDUCED
+    assert len(a) == len(b) == 16
+    keep = [np.ones(len(x), bool) for x in job.batches[:2]]
+    keep[0][[a[0], a[-1], b[0]]] = False
+    unit = job.fmap.unit[0][b[5]]
+    (other,) = np.flatnonzero(job.fmap.unit[1] == unit)  # the same unit on rank 1's egress
+    keep[1][other] = False
+    assert oracle(job, keep)[i]
+    js, its = job.replay([keep_rows(x, m) for x, m in zip(job.batches, keep)])
+    assert js.streams.decoders[0].merged_tails >= 1
+    it = next(x for x in its if x.index == i)
+    assert it.complete and [sha(x) for x in it.buckets] == job.want(i), it.holes
