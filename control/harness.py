@@ -531,8 +531,8 @@ def spawn_ranks(world: int, out, secret: str, *, control_port: int = 0, frames_p
     return procs
 
 
-def wait_ranks(procs, out, timeout: float = 120.0) -> None:
-    """Wait for every rank; on a failure or timeout kill the rest and raise with the rank's log."""
+def wait_ranks(procs, out, timeout: float = 120.0, error: type[Exception] = RuntimeError) -> None:
+    """Wait for every rank; on a failure or timeout kill the rest and raise ``error`` with the rank's log."""
     import subprocess
 
     deadline = time.monotonic() + timeout
@@ -541,10 +541,10 @@ def wait_ranks(procs, out, timeout: float = 120.0) -> None:
             try:
                 rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"rank {r} did not finish in {timeout:g} s:\n"
-                                   f"{(Path(out) / f'rank{r}.log').read_text()[-3000:]}") from None
+                raise error(f"rank {r} did not finish in {timeout:g} s:\n"
+                            f"{(Path(out) / f'rank{r}.log').read_text()[-3000:]}") from None
             if rc != 0:
-                raise RuntimeError(f"rank {r} exited {rc}:\n{(Path(out) / f'rank{r}.log').read_text()[-3000:]}")
+                raise error(f"rank {r} exited {rc}:\n{(Path(out) / f'rank{r}.log').read_text()[-3000:]}")
     finally:
         for p in procs:
             if p.poll() is None:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from mirrorckpt.capture.afpacket import open_ring
+from mirrorckpt.control import harness
 from mirrorckpt.tools.netns import Monitor, Topology, TopologyError
 
 MASTER_PORT = 29500
@@ -161,21 +162,7 @@ def start_ranks(topo: Topology, out: Path, steps: int = 8, extra: list[str] | No
 
 
 def wait_ranks(procs: list[subprocess.Popen], out: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    try:
-        for r, p in enumerate(procs):
-            try:
-                rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise TopologyError(f"rank {r} did not finish in {timeout} s: "
-                                    f"{(out / f'rank{r}.log').read_text()[-2000:]}") from None
-            if rc != 0:
-                raise TopologyError(f"rank {r} exited {rc}: {(out / f'rank{r}.log').read_text()[-2000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    harness.wait_ranks(procs, out, timeout, error=TopologyError)
 
 
 def wait_file(path: Path, timeout: float = 120) -> None:
