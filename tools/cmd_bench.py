@@ -114,8 +114,11 @@ def _render_updater(name, r) -> list[str]:
     mem = r["memory"]
     bound = mem["traffic_GBps"]  # DRAM traffic of a copy: read + write
     lines = ["## CPU replica and persistence (issue 5)", "",
-             f"Memory-bandwidth bound measured in the same run: numpy copy of {mem['bytes'] / 2**30:.0f} GiB at "
-             f"{mem['copy_GBps']:.1f} GB/s copied = {bound:.1f} GB/s of memory traffic. An fp32 Adam/AdamW step "
+             f"Memory-bandwidth bound measured in the same run: {bound:.1f} GB/s of memory traffic, the more of "
+             f"a {mem['bytes'] / 2**30:.0f} GiB copy (the faster of numpy and torch `copy_` with "
+             f"{mem.get('threads', '?')} threads, {mem['copy_GBps']:.1f} GB/s copied, read + write) and a STREAM "
+             f"triad in torch ({_f(mem.get('triad_GBps'), 1)} GB/s, two reads + a write); both count explicit "
+             "reads and writes only, like the optimizer's figure. An fp32 Adam/AdamW step "
              "touches about 28 bytes per parameter.", "",
              "| replica step | threads | Mparams/s | GB/s at 28 B/param | of the bound |", "|---|---|---|---|---|"]
     for x in r["replica"]:
