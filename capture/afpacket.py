@@ -336,5 +336,12 @@ class AfPacketRing:
 
 
 def open_ring(iface: str, **opts) -> AfPacketRing:
-    """`open_source("afpacket:IFACE", ...)`: an `AfPacketRing` (options as its constructor)."""
-    return AfPacketRing(iface, **opts)
+    """`open_source("afpacket:IFACE", ...)`: an `AfPacketRing` (options as its constructor);
+    "afpacket:IFACE@NETNS" captures IFACE in network namespace NETNS (an appliance whose mirror
+    port sits in a namespace or container while its control plane listens outside)."""
+    name, sep, netns = iface.partition("@")
+    if sep:
+        if not name or not netns:
+            raise CaptureError(f"afpacket:{iface}: expected IFACE@NETNS")
+        opts["netns"] = netns
+    return AfPacketRing(name, **opts)

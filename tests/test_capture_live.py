@@ -86,6 +86,25 @@ def test_afpacket_receives_every_mirrored_frame_byte_identical(topo):
     assert stats.truncated == 0 and stats.vlan_restored == 0
 
 
+def test_afpacket_spec_names_the_namespace(topo):
+    """"afpacket:IFACE@NETNS" (what a [[mirror]] source can say) captures in that namespace."""
+    src = read_all(JUMBO)
+    topo.mirror(0, "both")
+    m = topo.monitors[0]
+    ring = open_source(f"afpacket:{m.ifname}@{m.netns}", idle_timeout=0.5)
+    try:
+        assert ring.name == f"afpacket:{m.ifname}@{m.netns}"
+        h = topo.hosts[0]
+        assert send_frames(h.ifname, src, netns=h.netns) == len(src)
+        got, _ = drain(ring, len(src))
+    finally:
+        ring.close()
+    assert got == frames_of(src)
+    for bad in ("afpacket:@" + m.netns, "afpacket:" + m.ifname + "@"):
+        with pytest.raises(CaptureError, match="expected IFACE@NETNS"):
+            open_source(bad)
+
+
 def test_afpacket_puts_vlan_tags_back(topo):
     """The kernel strips the outer tag into the packet header; the walk restores it."""
     base = frames_of(read_all(SMALL))

@@ -1,0 +1,106 @@
+"""Issue 7 back-pressure, end to end: `serve` (tools.serve.Daemon) behind a real port mirror, with
+the control plane, following a live 2-process CPU DDP job; a deliberately slow updater makes the
+capture edge drop frames, the replica goes stale, the appliance asks the trainer for a GoCkpt
+fallback, resyncs, and follows the rest of the run bit-exactly once the updater keeps up.
+
+The ranks (control.harness) send the RoCEv2 frames of their ring all-reduce over the harness's
+frame stream; a relay injects each rank's frames from that rank's namespace (tools.netns), tc
+mirrors both ranks' ports to the monitor interface, and the daemon's AF_PACKET worker captures it
+there ("afpacket:IFACE@NETNS") while its control plane listens on 127.0.0.1 for the trainers.
+Needs root, as CI has.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from mirrorckpt.config.jobfile import JobConfig
+from mirrorckpt.config.layout import MirrorSpec
+from mirrorckpt.config.training import PersistSpec
+from mirrorckpt.control import harness
+from mirrorckpt.control.appliance_side import AppliancePlane
+from mirrorckpt.tools.metrics import Metrics
+from mirrorckpt.tools.netns import FrameSender, Topology
+from mirrorckpt.tools.serve import Daemon
+
+pytestmark = pytest.mark.root
+
+SECRET = "serve-fallback-secret-0123456789abcdef"
+WORLD, STEPS = 2, 60
+DEADLINE = 240  # seconds for any one wait on a loaded machine (never a timing assertion)
+
+
+def wait_for(cond, timeout=DEADLINE) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def relay(source, sender: FrameSender) -> None:
+    for batch in source:
+        sender.send(batch)
+
+
+def dropped_at_capture(metrics: Metrics) -> float:
+    return sum(s.value for fam in metrics.registry.collect() for s in fam.samples
+               if s.name == "mirrorckpt_frames_dropped_total" and s.labels.get("where") == "capture")
+
+
+def test_slow_updater_drops_then_recovers_by_fallback(tmp_path):
+    if os.geteuid() != 0:
+        pytest.fail("needs root (namespaces, tc, AF_PACKET); CI runs it as root")
+    ring, _ = harness.ring_for(WORLD)
+    plane = AppliancePlane(SECRET, parts=3, fingerprint_every=2, fallback_timeout=60).start()
+    frames = harness.FrameStreamServer(WORLD)
+    daemon = procs = None
+    with Topology(hosts=WORLD, monitors=1) as topo:
+        for r in range(WORLD):
+            topo.mirror(r, "ingress")  # what each rank sends
+        senders = [FrameSender(h.ifname, netns=h.netns) for h in topo.hosts]
+        relays = [threading.Thread(target=relay, args=(src, s), daemon=True)
+                  for (_, src), s in zip(frames.sources(), senders)]
+        for t in relays:
+            t.start()
+        try:
+            procs = harness.spawn_ranks(WORLD, tmp_path, SECRET, control_port=plane.port, frames_port=frames.port,
+                                        steps=STEPS, extra=["--step-delay", "0.15", "--parts", "3",
+                                                            "--dims", "64,128,32"])
+            assert plane.registered.wait(DEADLINE), "no trainer registered"
+            m = topo.monitors[0]
+            job = JobConfig(ring=ring, startup=False, layout=plane.layout,
+                            mirrors=[MirrorSpec(rank=0, source=f"afpacket:{m.ifname}@{m.netns}")],
+                            capture={"queue_bytes": 150_000})
+            metrics = Metrics()
+            daemon = Daemon(job, plane.training, PersistSpec(str(tmp_path / "ckpt")), metrics, iteration_queue=1,
+                            sends_queue=1, updater_delay=0.5, control=plane)
+            runner = threading.Thread(target=daemon.run, name="serve", daemon=True)
+            runner.start()
+            # the updater is slow until the capture edge has dropped and a fallback was asked for
+            assert wait_for(lambda: dropped_at_capture(metrics) > 0 and plane.stats.fallbacks_requested >= 1)
+            daemon.updater_delay = 0.0
+            harness.wait_ranks(procs, tmp_path, timeout=DEADLINE)
+            assert wait_for(lambda: plane.replica is not None and plane.replica.iterations_done == STEPS), (
+                plane.stats, plane.app.summary if plane.app else None)
+        finally:
+            if daemon is not None:
+                daemon.request_stop()
+                runner.join(60)
+            frames.stop()
+            for s in senders:
+                s.close()
+            plane.stop()
+    summary, st = plane.app.summary, plane.stats
+    assert summary.iterations_incomplete > 0 and summary.stale_events >= 1
+    assert st.fallbacks_done >= 1 and st.fallbacks_failed == 0, st
+    # once resynced, mirror mode followed the rest of the run: the last state is the trainer's
+    trainer = harness.read_digests(tmp_path)
+    params, optim = plane.replica.state_sha256()
+    assert (params, optim) == (trainer[STEPS]["params"], trainer[STEPS]["optim"])
+    last_resync = max(d["step"] for kind, d in st.events if kind == "resynced")
+    assert last_resync < STEPS and summary.iterations_applied >= STEPS - last_resync
