@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,3 +18,13 @@ def flowcheck_truth() -> dict:
 
 def flowcheck_captures() -> list[str]:
     return sorted(flowcheck_truth())
+
+
+def wait_for(cond, timeout: float, poll: float = 0.01) -> bool:
+    """Polls ``cond`` until it holds or ``timeout`` seconds passed; its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(poll)
+    return cond()

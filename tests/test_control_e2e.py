@@ -8,12 +8,14 @@ resyncs by fallback too. The handler-level security tests at the end run in-proc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import socket
 import struct
 import time
 
+import common
 import pytest
 import torch
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
@@ -29,13 +31,7 @@ SECRET = "e2e-secret-0123456789abcdef-xyz"
 WORLD = 2
 
 
-def wait_for(cond, timeout=30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
+wait_for = functools.partial(common.wait_for, timeout=30.0)
 
 
 class Appliance:
@@ -118,13 +114,13 @@ def test_appliance_restart_resyncs_by_fallback(tmp_path):
     procs = harness.spawn_ranks(WORLD, tmp_path, SECRET, control_port=a.plane.port, frames_port=a.frames.port,
                                 steps=40, extra=["--step-delay", "0.2", "--parts", "3"])
     try:
-        assert wait_for(lambda: a.plane.replica is not None and a.plane.replica.iterations_done >= 5, 120)
+        assert wait_for(lambda: a.plane.replica is not None and a.plane.replica.iterations_done >= 5, timeout=120)
         cport, fport = a.plane.port, a.frames.port
         a.stop()  # the appliance goes away mid-run ...
         b = Appliance(control_port=cport, frames_port=fport)  # ... and comes back with no state
         try:
             harness.wait_ranks(procs, tmp_path, timeout=200)
-            assert wait_for(lambda: b.plane.stats.fallbacks_done >= 1, 30)
+            assert wait_for(lambda: b.plane.stats.fallbacks_done >= 1, timeout=30)
         finally:
             b.stop()
     finally:

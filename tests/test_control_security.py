@@ -8,6 +8,7 @@ handlers are reachable, so the negative checks can fail.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -16,9 +17,9 @@ import ssl
 import struct
 import subprocess
 import threading
-import time
 import tracemalloc
 
+import common
 import pytest
 import torch
 from mirrorckpt.control import auth, wire
@@ -30,13 +31,7 @@ from mirrorckpt.control.outbox import QueueFull
 SECRET = b"appliance-secret-0123456789abcdef"
 
 
-def wait_for(cond, timeout=10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
+wait_for = functools.partial(common.wait_for, timeout=10.0)
 
 
 class State:

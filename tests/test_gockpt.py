@@ -5,10 +5,12 @@ at that step bit for bit (parameters, optimizer state, LR schedule, RNG, data po
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
 
+import common
 import pytest
 import torch
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
@@ -24,13 +26,7 @@ SECRET = "gockpt-test-secret-0123456789abcdef"
 DIMS = (16, 48, 40, 8)
 
 
-def wait_for(cond, timeout=20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
+wait_for = functools.partial(common.wait_for, timeout=20.0)
 
 
 def replica_digest(r) -> dict:

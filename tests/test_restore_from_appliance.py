@@ -5,9 +5,10 @@ RNG state, data position)."""
 
 from __future__ import annotations
 
+import functools
 import signal
-import time
 
+import common
 from mirrorckpt.config.training import PersistSpec
 from mirrorckpt.control import harness
 from mirrorckpt.control.appliance_side import AppliancePlane, MirrorFollower
@@ -19,13 +20,7 @@ WORLD = 2
 KEYS = ("params", "optim", "lr", "sched", "rng", "data")
 
 
-def wait_for(cond, timeout=60.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
+wait_for = functools.partial(common.wait_for, timeout=60.0)
 
 
 def test_restore_from_appliance_memory_and_disk(tmp_path):
@@ -42,7 +37,7 @@ def test_restore_from_appliance_memory_and_disk(tmp_path):
         procs = harness.spawn_ranks(WORLD, run, SECRET, control_port=plane.port, frames_port=frames.port,
                                     steps=200, extra=["--step-delay", "0.2"])
         try:
-            assert wait_for(lambda: plane.replica is not None and plane.replica.iterations_done >= 6, 120)
+            assert wait_for(lambda: plane.replica is not None and plane.replica.iterations_done >= 6, timeout=120)
             procs[1].send_signal(signal.SIGKILL)  # a rank dies; the job is gone with it
             procs[1].wait(10)
             procs[0].kill()

@@ -12,10 +12,11 @@ Needs root, as CI has.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-import time
 
+import common
 import pytest
 from mirrorckpt.config.jobfile import JobConfig
 from mirrorckpt.config.layout import MirrorSpec
@@ -33,13 +34,7 @@ WORLD, STEPS = 2, 60
 DEADLINE = 240  # seconds for any one wait on a loaded machine (never a timing assertion)
 
 
-def wait_for(cond, timeout=DEADLINE) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
+wait_for = functools.partial(common.wait_for, timeout=DEADLINE)
 
 
 def relay(source, sender: FrameSender) -> None:
