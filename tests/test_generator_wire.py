@@ -654,6 +654,14 @@ def test_the_readme_command_replays_the_demo(tmp_path, monkeypatch):
     assert [a["sha256"] for a in r["allreduces"]] == [c["sha256"] for c in truth["collectives"]
                                                       if c["kind"] == "all_reduce"]
     assert len(r["iterations"]) == len(truth["iterations"]) == 10 and all(it["complete"] for it in r["iterations"])
+    assert len(r["replica"]["checkpoints"]) == 10
+    latest = tmp_path / "mirrorckpt-demo" / "step-00000010"
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in latest.iterdir())
+    # run again into the same directory: nothing committed is overwritten, and the summary says so
+    again = CliRunner().invoke(main, ["replay", "--quiet"], catch_exceptions=False)
+    assert again.exit_code == 0, again.output
+    assert "checkpoints: 0 committed: mirrorckpt-demo/step-00000010 was already there" in again.stdout
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in latest.iterdir()) == before
 
 
 def test_replay_when_the_second_channel_is_never_used(tmp_path):

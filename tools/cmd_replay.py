@@ -165,6 +165,11 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     summary = app.close().to_dict() if app is not None else None
+    if summary is not None and persist is not None and not summary["checkpoints"]:
+        from mirrorckpt.updater import ckptdir
+
+        kept = ckptdir.read_pointer(persist.directory)  # e.g. a second run into the same directory
+        summary["latest_kept"] = str(kept) if kept is not None else None
     secs = time.perf_counter() - t0
     ars = allreduce_report(results)
     damage = [s.damage for s in js.streams.stats if s.damage]
@@ -211,6 +216,9 @@ def _print(report, ars, iterations, summary, secs, nbytes):
                    f"{summary['iterations_skipped']} skipped while stale"
                    + (", no initial state on the wire" if summary["no_initial_state"] else ""))
         last = summary["checkpoints"][-1] if summary["checkpoints"] else None
-        click.echo(f"checkpoints: {len(summary['checkpoints'])} committed, latest {last}")
+        kept = summary.get("latest_kept")
+        click.echo(f"checkpoints: {len(summary['checkpoints'])} committed, latest {last}" if last or not kept else
+                   f"checkpoints: 0 committed: {kept} was already there (a committed checkpoint is never "
+                   "overwritten; use another --checkpoint-dir)")
     click.echo(f"throughput: {nbytes / 1e6:.1f} MB of capture in {secs:.2f} s "
                f"({nbytes / max(secs, 1e-9) / 1e6:.1f} MB/s)")
