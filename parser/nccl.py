@@ -91,7 +91,6 @@ class NcclDecoder:
         self.stream = stream
         self.version = nccl_versions.version(version)
         self.cts_header = nccl_versions.cts_header(self.version)
-        self._imm_little = nccl_versions.imm_byte_order(self.version) == "little"
         self.protocol = protocol  # None: decided per send from its content
         self.p2p_protocol = p2p_protocol
         self.conns: dict[ConnKey, _Conn] = {}
@@ -213,8 +212,7 @@ class NcclDecoder:
     def _imm(self, m: RdmaMessage) -> int | None:
         if m.imm_raw is None:
             return None
-        raw = m.imm_raw & 0xFFFFFFFF
-        return int.from_bytes(raw.to_bytes(4, "big"), "little") if self._imm_little else raw
+        return nccl_versions.decode_imm(m.imm_raw, self.version)
 
     @staticmethod
     def _continues(bulk: list[RdmaMessage], m: RdmaMessage) -> bool:

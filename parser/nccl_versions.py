@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import total_ordering
+from functools import lru_cache, total_ordering
 
 import numpy as np
 
@@ -407,15 +407,23 @@ def uses_split_write(v: str | NcclVersion, size: int, link_layer: str = "RoCE",
 # --- 6.4 the immediate ------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=64)
+def _imm_little(v: str | NcclVersion) -> bool:
+    return version(v) <= "2.28"
+
+
 def imm_byte_order(v: str | NcclVersion) -> str:
     """Byte order of the size in ImmDt: host order (little on x86) up to 2.28, big from 2.29.
 
     v2.28.9-1:src/transport/net_ib.cc:2115 vs v2.29.2-1:src/transport/net_ib/p2p.cc:93."""
-    return "little" if version(v) <= "2.28" else "big"
+    return "little" if _imm_little(v) else "big"
 
 
 def decode_imm(raw_be_u32, v: str | NcclVersion):
     """Message size from ImmDt read big-endian (``RocePackets.imm_raw``); scalar or array."""
+    if isinstance(raw_be_u32, int):  # one message's immediate, per send on the parser's path: no numpy
+        raw = raw_be_u32 & 0xFFFFFFFF
+        return int.from_bytes(raw.to_bytes(4, "big"), "little") if _imm_little(v) else raw
     raw = np.asarray(raw_be_u32, dtype=np.uint32)
     out = raw.byteswap() if imm_byte_order(v) == "little" else raw
     return int(out) if out.ndim == 0 else out
