@@ -296,7 +296,7 @@ def _frame_mean() -> float:
 
 def bench_live(seconds: float = 3.0) -> dict:
     """AF_PACKET, DPDK net_af_packet and tcpdump on one monitor interface, same injector."""
-    from mirrorckpt.tools.netns import Topology
+    from mirrorckpt.tools.testbed.netns import Topology
 
     with Topology(hosts=1, mtu=9000) as topo:
         return {"afpacket": _live_afpacket(topo, seconds),
@@ -320,7 +320,7 @@ def run_all(seconds: float = 3.0) -> dict:
 def _inject(ifname: str, seconds: float, frames: int) -> None:
     """Injector process body: sends FRAMES repeatedly for `seconds` or `frames` frames."""
     from mirrorckpt.capture.batch import FrameBatch
-    from mirrorckpt.tools.netns import FrameSender
+    from mirrorckpt.tools.testbed.netns import FrameSender
 
     src = read_all(FRAMES)
     batch = FrameBatch.from_frames([src.frame(i) for i in range(len(src))])

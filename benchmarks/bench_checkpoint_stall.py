@@ -39,7 +39,7 @@ DIMS = (1024, 1536, 1536, 1536, 1024)
 
 class Job:
     def __init__(self, seed: int = 0, threads: int = 1):
-        from mirrorckpt.control.harness import Shard, build_model
+        from mirrorckpt.tools.testbed.harness import Shard, build_model
 
         torch.set_num_threads(threads)
         self.model = build_model(DIMS, seed)

@@ -60,8 +60,8 @@ def _exact(iterations, truth) -> bool:
 
 
 def _figures(js, iterations, seconds: float, truth) -> dict:
-    nbytes = sum(s.bytes for s in js.streams.stats)
-    frames = sum(s.frames for s in js.streams.stats)
+    nbytes = js.report().bytes
+    frames = js.report().frames
     return {"seconds": seconds, "bytes": nbytes, "frames": frames, "GBps": nbytes / seconds / 1e9,
             "Mpps": frames / seconds / 1e6, "iterations": len(iterations),
             "complete": sum(it.complete for it in iterations), "exact": _exact(iterations, truth)}
@@ -78,7 +78,7 @@ def replay_files(out: Path, files: list[str], truth) -> dict:
 
 
 def run_replay(protocol: str, target_bytes: int) -> dict:
-    import mirrorckpt.tools.appliance  # noqa: F401  (replay imports it, and torch, on its first call)
+    import mirrorckpt.updater.appliance  # noqa: F401  (replay imports it, and torch, on its first call)
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Byte packing for the capture writers: many records in one pass, no per-frame Python.
+"""Compiled byte movers of the capture stage: record packing for the writers, bulk range copies.
 
 The writers build every record header with numpy; this kernel lays out, per record, its header
 row, its frame bytes, zero padding and an optional trailer row (pcapng's trailing length).
@@ -46,3 +46,18 @@ def pack_records(const uint8_t[:, ::1] head, const uint8_t[::1] src, const int64
                 memcpy(&out[pos], &tail[i, 0], tl)
                 pos += tl
     return pos
+
+
+def copy_ranges(const uint8_t[::1] src, const int64_t[::1] src_off, uint8_t[::1] dst,
+                const int64_t[::1] dst_off, const int64_t[::1] length):
+    """dst[dst_off[k] : +length[k]] = src[src_off[k] : +length[k]] for every k (bounds checked)."""
+    cdef Py_ssize_t n = src_off.shape[0], k
+    cdef int64_t ns = src.shape[0], nd = dst.shape[0]
+    for k in range(n):
+        if length[k] < 0 or src_off[k] < 0 or dst_off[k] < 0 or \
+                src_off[k] + length[k] > ns or dst_off[k] + length[k] > nd:
+            raise IndexError(f"range {k}: src {src_off[k]}+{length[k]} of {ns}, dst {dst_off[k]} of {nd}")
+    with nogil:
+        for k in range(n):
+            if length[k] > 0:
+                memcpy(&dst[dst_off[k]], &src[src_off[k]], length[k])

@@ -46,15 +46,15 @@ class FrameBatch:
 
     def copy(self) -> FrameBatch:
         """A compact copy owning its bytes (for a batch that outlives its source's buffer)."""
-        from mirrorckpt.parser import _fast
+        from mirrorckpt.capture._pack import copy_ranges
 
         n = len(self)
         offset = np.zeros(n, np.int64)
         if n > 1:
             np.cumsum(self.caplen[:-1], out=offset[1:])
         data = np.empty(int(self.caplen.sum()), np.uint8)
-        _fast.copy_ranges(np.ascontiguousarray(self.data), np.ascontiguousarray(self.offset, np.int64), data,
-                          offset, np.ascontiguousarray(self.caplen, np.int64))
+        copy_ranges(np.ascontiguousarray(self.data), np.ascontiguousarray(self.offset, np.int64), data,
+                    offset, np.ascontiguousarray(self.caplen, np.int64))
         return FrameBatch(data, offset, self.caplen.copy(), self.wirelen.copy(), self.ts_ns.copy(),
                           self.iface.copy(), self.source, self.first_index, dict(self.linktypes))
 

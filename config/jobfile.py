@@ -146,21 +146,6 @@ class JobConfig:
     capture: dict = field(default_factory=dict)
     path: str = ""
 
-    def model(self):
-        from mirrorckpt.parser.collectives import JobModel
-
-        if self.kind == "ddp":
-            return JobModel.ddp(self.ring, self.layout, with_startup=self.startup)
-        return JobModel.allreduces(self.ring, self.counts, self.grad_dtype)
-
-    def ranks(self) -> dict[bytes, int]:
-        """Address (16 bytes, IPv4 as mapped IPv6) -> rank."""
-        out = {}
-        for r, a in self.ring.addresses.items():
-            ip = ipaddress.ip_address(a)
-            out[(ip if ip.version == 6 else ipaddress.IPv6Address(f"::ffff:{ip}")).packed] = r
-        return out
-
 
 def _source(spec: str, base: Path | None) -> str:
     """A capture-file source relative to the configuration file's folder; live specs unchanged."""

@@ -8,6 +8,7 @@ dataclasses, and they round-trip through plain dicts (JSON, TOML, control-plane 
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -110,6 +111,18 @@ class JobLayout:
 PROTOCOLS = ("LL", "LL128", "Simple")
 
 
+def wire_address(addr: str) -> bytes:
+    """An address as the parser keys it: 16 bytes, IPv4 as IPv4-mapped IPv6 (one key for both families)."""
+    ip = ipaddress.ip_address(addr)
+    return (ip if ip.version == 6 else ipaddress.IPv6Address(f"::ffff:{ip}")).packed
+
+
+def address_text(a: bytes) -> str:
+    """The inverse of ``wire_address``: IPv4 text for a mapped address."""
+    ip = ipaddress.IPv6Address(a)
+    return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
+
+
 @dataclass
 class RingSpec:
     """The NCCL communicator as the wire sees it."""
@@ -148,6 +161,10 @@ class RingSpec:
     def next_rank(self, channel: int, rank: int) -> int:
         o = self.orders()[channel]
         return o[(o.index(rank) + 1) % self.nranks]
+
+    def ranks_by_address(self) -> dict[bytes, int]:
+        """Wire address (``wire_address``) -> rank."""
+        return {wire_address(a): r for r, a in self.addresses.items()}
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -1,7 +1,7 @@
-"""The appliance's control-plane handlers and its mirror follower.
+"""The appliance's control-plane handlers.
 
-``AppliancePlane`` owns the replica (through ``tools.appliance.Appliance``) and serialises every
-change of it under one lock: mirror iterations (``feed``, from the parser thread) and control
+``AppliancePlane`` owns the replica (through ``updater.appliance.Appliance``) and serialises every
+change of it under one lock: mirror iterations (``apply``, from the parser's driver) and control
 messages (handlers, from connection threads). Content is validated before anything changes:
 
 * REGISTER: layout, ring and training spec must match what the appliance was configured with or
@@ -34,8 +34,8 @@ import torch
 
 from ..config.layout import JobLayout, RingSpec
 from ..config.training import PersistSpec, TrainingSpec
-from ..parser.iteration import ReducedIteration
-from ..tools.appliance import Appliance
+from ..parser.iteration import InitialWeights, ReducedIteration
+from ..updater.appliance import Appliance
 from ..updater.dcp_keys import dumps
 from ..updater.replica import Replica, ReplicaStale
 from . import gockpt
@@ -157,7 +157,7 @@ class AppliancePlane:
                     f"sent to {sent} trainer connection(s)" if sent else "no trainer connected yet")
 
     def poll(self) -> None:
-        """Re-ask a fallback that did not finish in time (called from feed and the handlers)."""
+        """Re-ask a fallback that did not finish in time (called from apply and the handlers)."""
         with self.lock:
             f = self.fallback
             if f is None or time.monotonic() - f.requested < self.fallback_timeout:
@@ -171,7 +171,13 @@ class AppliancePlane:
             self._push_request()
 
     # ------------------------------------------------------------------ mirror iterations
-    def feed(self, it: ReducedIteration) -> None:
+    def initial_weights(self, w: InitialWeights) -> None:
+        """DDP's start-up weights from the wire: the replica's step 0 when nobody registered one."""
+        with self.lock:
+            if self.app is not None and self.app.replica is None and self.fallback is None:
+                self.app.initial_weights(w)
+
+    def apply(self, it: ReducedIteration) -> None:
         """One iteration from the parser (any thread)."""
         with self.lock:
             self.poll()
@@ -480,54 +486,3 @@ def restore_message(state, source: str) -> m.Message:
             "lr_scheduler": dumps(state.lr_scheduler, "lr_scheduler") if state.lr_scheduler is not None else None,
             "loss_scale": state.loss_scale, "data_position": state.data_position}
     return m.make(m.RESTORE_STATE, tensors, step=int(state.iterations_done), layout=state.layout or {}, meta=meta)
-
-
-# ------------------------------------------------------------------------ the mirror follower
-
-class MirrorFollower(threading.Thread):
-    """Parser thread: mirror streams -> JobStream -> ``plane.feed``. Waits for the layout (from the
-    configuration or the trainer's REGISTER) before it reads, so frames queue up until then."""
-
-    def __init__(self, plane: AppliancePlane, streams, ring: RingSpec, with_startup: bool = False,
-                 wait_timeout: float = 120.0, window: int = 2, channels: dict | None = None,
-                 reassembly_window: int | None = None):
-        super().__init__(name="mirror-follower", daemon=True)
-        self.plane, self.streams, self.ring = plane, streams, ring
-        self.with_startup, self.wait_timeout = with_startup, wait_timeout
-        self.channels = channels  # ring connection -> channel; None: inferred from the first sends
-        if reassembly_window is not None:  # PSNs a QP moves past a hole before its message is given up
-            for path in getattr(streams, "paths", []):
-                path.reassembler.window = reassembly_window
-        self.window = window  # collectives past an all-reduce before it is final: small, the stream is live
-        self.error: BaseException | None = None
-        self.iterations = 0
-        self.js = None
-
-    def run(self) -> None:
-        from ..parser.collectives import JobModel
-        from ..parser.pipeline import JobStream
-
-        try:
-            if not self.plane.registered.wait(self.wait_timeout):
-                raise TimeoutError("no layout: nobody registered the job")
-            model = JobModel.ddp(self.ring, self.plane.layout, with_startup=self.with_startup)
-            self.js = JobStream(self.streams, model=model, ranks=_ranks(self.ring), channels=self.channels,
-                                nccl_version=self.ring.nccl_version, window=self.window,
-                                infer_after=1 if self.channels is not None else 20000)
-            for _done, its in self.js:
-                for it in its:
-                    self.iterations += 1
-                    self.plane.feed(it)
-        except BaseException as e:  # noqa: BLE001 - handed to whoever joins
-            self.error = e
-            log.error("mirror follower stopped: %s: %s", type(e).__name__, e)
-
-
-def _ranks(ring: RingSpec) -> dict[bytes, int]:
-    import ipaddress
-
-    out = {}
-    for r, a in ring.addresses.items():
-        ip = ipaddress.ip_address(a)
-        out[(ip if ip.version == 6 else ipaddress.IPv6Address(f"::ffff:{ip}")).packed] = r
-    return out

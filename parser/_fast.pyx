@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Compiled kernels of the packet path: RoCEv2 ICRC and bulk range copies.
+"""Compiled kernels of the packet path: RoCEv2 ICRC and the frame walk.
 
 The ICRC (IBTA annex A17.3.3) is a CRC-32 over 8 bytes of 0xFF, the IP header with its variant
 fields set to ones (IPv4: TOS, TTL, header checksum; IPv6: traffic class, flow label, hop limit),
@@ -76,28 +76,13 @@ def icrc_check(const uint8_t[::1] data, const int64_t[::1] ip_off, const int64_t
             ok[k] = got == want
 
 
-def copy_ranges(const uint8_t[::1] src, const int64_t[::1] src_off, uint8_t[::1] dst,
-                const int64_t[::1] dst_off, const int64_t[::1] length):
-    """dst[dst_off[k] : +length[k]] = src[src_off[k] : +length[k]] for every k (bounds checked)."""
-    cdef Py_ssize_t n = src_off.shape[0], k
-    cdef int64_t ns = src.shape[0], nd = dst.shape[0]
-    for k in range(n):
-        if length[k] < 0 or src_off[k] < 0 or dst_off[k] < 0 or \
-                src_off[k] + length[k] > ns or dst_off[k] + length[k] > nd:
-            raise IndexError(f"range {k}: src {src_off[k]}+{length[k]} of {ns}, dst {dst_off[k]} of {nd}")
-    with nogil:
-        for k in range(n):
-            if length[k] > 0:
-                memcpy(&dst[dst_off[k]], &src[src_off[k]], length[k])
-
-
 # --- Frame decode ---------------------------------------------------------------------------
 # One pass per frame over Ethernet/VLAN/IP/UDP/BTH and the extended transport headers. Field
 # offsets are not written here: parser.roce passes them from the tables of parser.headers.
 
 
 
-cdef int64_t[64] K  # field offsets, indexed by the K_* constants below
+cdef int64_t[64] K  # field offsets and EtherTypes, indexed by the K_* constants below
 DEF K_ETH_TYPE = 0
 DEF K_ETH_SIZE = 1
 DEF K_VLAN_TYPE = 2
@@ -137,7 +122,14 @@ DEF K_ICRC = 35
 DEF K_ROCE_PORT = 36
 DEF K_PTP_EVENT = 37
 DEF K_PTP_GENERAL = 38
-DEF K_NKEYS = 39
+DEF K_ET_IPV4 = 39
+DEF K_ET_IPV6 = 40
+DEF K_ET_VLAN = 41
+DEF K_ET_QINQ = 42
+DEF K_ET_ARP = 43
+DEF K_ET_LLDP = 44
+DEF K_ET_PTP = 45
+DEF K_NKEYS = 46
 
 cdef uint8_t[256] HAS_RETH, HAS_IMM, HAS_AETH, HAS_DETH
 
@@ -172,7 +164,7 @@ DEF NCLASSES = 21
 
 
 def configure(offsets, has_reth, has_imm, has_aeth, has_deth):
-    """Field offsets (a sequence in K_* order) and opcode lookup tables, from parser.headers."""
+    """Field offsets and EtherTypes (a sequence in K_* order) and opcode lookup tables, from parser.headers."""
     if len(offsets) != K_NKEYS:
         raise ValueError(f"expected {K_NKEYS} offsets, got {len(offsets)}")
     for i in range(K_NKEYS):
@@ -243,7 +235,7 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
             etype = be(p + base + K[K_ETH_TYPE], 2)
             l3 = base + K[K_ETH_SIZE]
             for k in range(2):  # up to two VLAN tags (802.1Q, 802.1ad)
-                if etype != 0x8100 and etype != 0x88A8:
+                if etype != K[K_ET_VLAN] and etype != K[K_ET_QINQ]:
                     break
                 if l3 + K[K_VLAN_SIZE] > end:
                     etype = -1
@@ -253,7 +245,7 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
             if etype == -1:
                 classes[M_SHORT_VLAN] += 1
                 continue
-            if etype == 0x0800:
+            if etype == K[K_ET_IPV4]:
                 if l3 + K[K_V4_SIZE] > end:
                     classes[M_SHORT_IP] += 1
                     continue
@@ -268,7 +260,7 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
                 proto = p[l3 + K[K_V4_PROTO]]
                 ip_end = l3 + <int64_t>be(p + l3 + K[K_V4_TOTLEN], 2)
                 v6 = False
-            elif etype == 0x86DD:
+            elif etype == K[K_ET_IPV6]:
                 if l3 + K[K_V6_SIZE] > end:
                     classes[M_SHORT_IP] += 1
                     continue
@@ -279,11 +271,11 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
             else:
                 if etype < 0x0600:
                     classes[C_LLC] += 1
-                elif etype == 0x0806:
+                elif etype == K[K_ET_ARP]:
                     classes[C_ARP] += 1
-                elif etype == 0x88CC:
+                elif etype == K[K_ET_LLDP]:
                     classes[C_LLDP] += 1
-                elif etype == 0x88F7:
+                elif etype == K[K_ET_PTP]:
                     classes[C_PTP_L2] += 1
                 else:
                     classes[C_ETYPE_OTHER] += 1

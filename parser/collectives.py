@@ -33,6 +33,13 @@ class JobModel:
                         from_start=with_startup)
 
     @staticmethod
+    def from_job(job) -> JobModel:
+        """The model a job file (``config.jobfile.JobConfig``) describes."""
+        if job.kind == "ddp":
+            return JobModel.ddp(job.ring, job.layout, with_startup=job.startup)
+        return JobModel.allreduces(job.ring, job.counts, job.grad_dtype)
+
+    @staticmethod
     def allreduces(ring: RingSpec, counts: list[int], dtype: str, iterations: int | None = None):
         """Plain all-reduces (no DDP): each iteration all-reduces ``counts`` in order."""
         per = [CollSpec(ALLREDUCE, n, dtype, "grad", bucket=k) for k, n in enumerate(counts)]

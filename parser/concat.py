@@ -5,7 +5,7 @@ all-reduce, any message of a broadcast (the root's data), the pieces of an all-g
 element records whether it was covered; a second copy of an element (the same send mirrored at
 two ports, or a reduced chunk forwarded along the ring) must carry the same bytes, otherwise the
 element is marked conflicting and the collective can never be complete. A collective is
-finished once the traffic has moved ``window`` collectives past it (or at the end); only then is
+finished once the traffic has moved ``collective_window`` collectives past it (or at the end); only then is
 it handed on, complete or not.
 """
 
@@ -66,9 +66,9 @@ class CollectiveResult:
 
 
 class Concatenator:
-    def __init__(self, model: JobModel, window: int = 8):
+    def __init__(self, model: JobModel, collective_window: int = 8):
         self.model = model
-        self.window = window
+        self.collective_window = collective_window
         self.open: dict[int, CollectiveResult] = {}
         self.next_out = 0  # lowest collective not yet handed on
         self.frontier = -1  # highest collective any send was placed in
@@ -181,11 +181,11 @@ class Concatenator:
         return out
 
     def poll(self, final: bool = False) -> list[CollectiveResult]:
-        """Collectives finished (every running stream moved ``window`` past them, or ``final``),
+        """Collectives finished (every running stream moved ``collective_window`` past them, or ``final``),
         in order."""
         out = []
         settled = self.settled()
-        while final and self.next_out <= self.frontier or self.next_out + self.window <= settled:
+        while final and self.next_out <= self.frontier or self.next_out + self.collective_window <= settled:
             r = self.open.pop(self.next_out, None)
             if r is None:
                 r = self._result(self.next_out)

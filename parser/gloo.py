@@ -264,9 +264,9 @@ class SlotTracker:
 class GlooDecoder:
     """One capture source: frame batches -> TCP streams -> ops with slot counts."""
 
-    def __init__(self, source: int = 0, window: int | None = None, max_in_flight: int = 2):
+    def __init__(self, source: int = 0, window_bytes: int | None = None, max_in_flight: int = 2):
         self.source = source
-        self.tcp = tcp.TcpReassembler(window) if window else tcp.TcpReassembler()
+        self.tcp = tcp.TcpReassembler(window_bytes) if window_bytes else tcp.TcpReassembler()
         self.counters = tcp.TcpCounters()
         self.framers: dict[StreamKey, GlooFramer] = {}
         self.trackers: dict[StreamKey, SlotTracker] = {}

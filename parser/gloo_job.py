@@ -15,40 +15,36 @@ held until then):
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.config import ddp
-from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec, dtype_size
+from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec, address_text, dtype_size
 from mirrorckpt.parser import gloo_schedule as gs
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.gloo import GlooDecoder, GlooOp
 from mirrorckpt.parser.gloo_state import GlooPlacer
 from mirrorckpt.parser.infer import InferenceError
-from mirrorckpt.parser.pipeline import Reassembly
-from mirrorckpt.parser.tcp import StreamKey, addr_text
+from mirrorckpt.parser.pipeline import CollectiveAssembler, Item, JobReport
+from mirrorckpt.parser.streams import StreamStats
+from mirrorckpt.parser.tcp import StreamKey
 
 MASTER_PORT = 29500  # torch.distributed's default MASTER_PORT
 ESIZE_DTYPES = {4: "float32", 2: "bfloat16", 8: "float64"}
 
 
-@dataclass
-class SourceStats:
-    source: str
-    frames: int = 0
-    bytes: int = 0
-    damage: str | None = None
-
-
 class GlooStreams:
     """Several capture sources, each decoded on its own, batches taken oldest first."""
 
-    def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], tcp_window: int | None = None,
+    def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], tcp_window_bytes: int | None = None,
                  max_in_flight: int = 2):
-        self.decoders = [GlooDecoder(k, tcp_window, max_in_flight) for k in range(len(sources))]
-        self.stats = [SourceStats(name) for name, _ in sources]
+        self.decoders = [GlooDecoder(k, tcp_window_bytes, max_in_flight) for k in range(len(sources))]
+        self.stats = [StreamStats(name) for name, _ in sources]
+        self.nstreams = 0  # the gloo placer merges every source's ops: no per-stream frontier
+        self.ended: set[int] = set()
         self._iters = [iter(b) for _, b in sources]
 
     def __iter__(self):
@@ -155,7 +151,7 @@ class RankFinder:
         if model is not None:
             for a, r in self.fit(model, n).items():
                 if anchors.setdefault(a, r) != r:
-                    raise InferenceError(f"{addr_text(a)}: the TCPStore says rank {anchors[a]}, the "
+                    raise InferenceError(f"{address_text(a)}: the TCPStore says rank {anchors[a]}, the "
                                          f"all-reduce schedule rank {r}")
         # DDP's broadcasts all come from rank 0: a broadcast send is an edge of that tree.
         tree = {(p, c) for p in range(n) for c in gs.broadcast_children(n, 0, p)}
@@ -167,7 +163,7 @@ class RankFinder:
         enough = len(self.lengths_tags()) >= 2 or final
         if not (len(fixed) == n or (enough and self.data_hosts <= set(fixed))):
             return None
-        notes.append("ranks from the wire: " + ", ".join(f"{addr_text(a)} = {r}" for a, r in
+        notes.append("ranks from the wire: " + ", ".join(f"{address_text(a)} = {r}" for a, r in
                                                            sorted(fixed.items(), key=lambda x: x[1])))
         return fixed
 
@@ -345,42 +341,46 @@ class GlooJobStream:
     """Mirror captures of a gloo DDP job to collectives and iterations.
 
     ``model``/``ranks`` come from the configuration or, when absent, from the wire (see the
-    module doc). Yields ``(collectives finished, iterations finished)`` like ``JobStream``."""
+    module doc). Yields the same typed items as ``pipeline.JobStream``, and the same report."""
 
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], model: JobModel | None = None,
                  ranks: dict[bytes, int] | None = None, nranks: int | None = None,
                  master_port: int = MASTER_PORT, dtype: str | None = None, tag_base: int = 0,
-                 window: int | None = None, tcp_window: int | None = None, max_in_flight: int = 2,
-                 max_held_ops: int = 500_000, max_segment: int = gs.MAX_SEGMENT_BYTES):
-        self.streams = GlooStreams(sources, tcp_window, max_in_flight)
+                 collective_window: int | None = None, tcp_window_bytes: int | None = None,
+                 max_in_flight: int = 2, max_held_ops: int = 500_000, max_segment: int = gs.MAX_SEGMENT_BYTES):
+        self.streams = GlooStreams(sources, tcp_window_bytes, max_in_flight)
         self.model, self.ranks = model, ranks
         self.nranks = nranks or (model.ring.nranks if model is not None else None)
         self.finder = RankFinder(self.nranks, master_port, max_segment)
         self.startup = WireStartup(dtype)
-        self.tag_base, self.window, self.max_held = tag_base, window, max_held_ops
+        self.tag_base, self.collective_window, self.max_held = tag_base, collective_window, max_held_ops
         self.max_segment = max_segment  # gloo AllreduceOptions::setMaxSegmentSize (torch never sets it)
         self.notes: list[str] = []
         self.placer: GlooPlacer | None = None
-        self.reassembly: Reassembly | None = None
+        self.assembler: CollectiveAssembler | None = None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Item]:
         held: list[GlooOp] = []
         for ops in self.streams:
-            if self.reassembly is None:
+            if self.assembler is None:
                 held += ops
                 self._setup(ops, final=False)
-                if self.reassembly is None:
+                if self.assembler is None:
                     if len(held) > self.max_held:
                         raise InferenceError(f"{len(held)} ops seen and the job is still unknown: "
                                              + "; ".join(self._missing()))
                     continue
                 ops, held = held, []
-            yield self.reassembly.add(self.placer.feed(ops))
-        if self.reassembly is None:
+            yield from self.assembler.items(self.assembler.add(self.placer.feed(ops)))
+        if self.assembler is None:
             self._setup([], final=True)
-            yield self.reassembly.add(self.placer.feed(held))
-        yield self.reassembly.add(self.placer.flush())
-        yield self.reassembly.flush()
+            yield from self.assembler.items(self.assembler.add(self.placer.feed(held)))
+        yield from self.assembler.items(self.assembler.add(self.placer.flush()))
+        yield from self.assembler.items(self.assembler.flush())
+
+    def report(self) -> JobReport:
+        placement, mismatches = self.assembler.report() if self.assembler is not None else (Counter(), [])
+        return JobReport(list(self.notes), placement, mismatches, list(self.streams.stats))
 
     def _missing(self) -> list[str]:
         out = []
@@ -412,7 +412,7 @@ class GlooJobStream:
             raise InferenceError(f"rank {max(self.ranks.values())} on the wire, the job has "
                                  f"{self.model.ring.nranks} ranks")
         self.placer = GlooPlacer(self.model, self.ranks, self.tag_base, self.max_segment)
-        self.reassembly = Reassembly(self.model, self.ranks, {}, self.window, placer=self.placer)
+        self.assembler = CollectiveAssembler(self.model, self.ranks, {}, self.collective_window, placer=self.placer)
 
 
 def open_job_stream(captures: list[str], job=None, dtype: str | None = None,
@@ -424,17 +424,6 @@ def open_job_stream(captures: list[str], job=None, dtype: str | None = None,
 
     kw = {}
     if job is not None:
-        kw = dict(model=job.model(), ranks=job.ranks() or None)
+        kw = dict(model=JobModel.from_job(job), ranks=job.ring.ranks_by_address() or None)
     return GlooJobStream([(c, open_capture(c)) for c in captures], dtype=dtype, master_port=master_port,
                          tag_base=tag_base, **kw)
-
-
-def run_replay(captures: list[str], job=None, dtype: str | None = None, master_port: int = MASTER_PORT,
-               tag_base: int = 0):
-    """Decode and reassemble gloo captures: (GlooJobStream, results, iterations)."""
-    js = open_job_stream(captures, job, dtype, master_port, tag_base)
-    results, iterations = [], []
-    for done, its in js:
-        results += done
-        iterations += its
-    return js, results, iterations

@@ -11,7 +11,6 @@ vol. 1 rel. 1.4, 9.2-9.3 and annex A17 (RoCEv2); NCCL net_ib.cc (CTS entry, see
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,12 +197,3 @@ GLOO_OP = Header("gloo_op", 48, [
     Field("nbytes", 0, 8, "little"), Field("opcode", 8, 8, "little"), Field("slot", 16, 8, "little"),
     Field("offset", 24, 8, "little"), Field("length", 32, 8, "little"), Field("roffset", 40, 8, "little"),
 ])
-
-
-def ipv6_from_ipv4_mapped(addr4: bytes) -> bytes:
-    """IPv4 address as an IPv4-mapped IPv6 address (one 16-byte key type for both families)."""
-    return b"\x00" * 10 + b"\xff\xff" + addr4
-
-
-def u32le(v: int) -> bytes:
-    return struct.pack("<I", v & 0xFFFFFFFF)

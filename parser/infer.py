@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from mirrorckpt.config import ddp
-from mirrorckpt.config.layout import JobLayout, RingSpec, dtype_size
+from mirrorckpt.config.layout import JobLayout, RingSpec, address_text, dtype_size
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import schedule
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.nccl import ConnKey, NcclDecoder, NcclSend
-from mirrorckpt.parser.reassembly import _addr
 from mirrorckpt.parser.statemachine import RingStateMachine
 
 ESIZE_DTYPES = {4: "float32", 2: "bfloat16", 8: "float64"}
@@ -70,7 +69,7 @@ def find_ranks(conns: dict[ConnKey, list[NcclSend]], decoders: list[NcclDecoder]
         ranks[missing[0]] = free[0]
     elif missing:
         if R != 2:
-            raise InferenceError(f"ranks of {', '.join(_addr(a) for a in missing)} are unknown (no CTS "
+            raise InferenceError(f"ranks of {', '.join(address_text(a) for a in missing)} are unknown (no CTS "
                                  f"seen from their receivers); give the ring addresses in the configuration")
         # Two ranks, no CTS: rank 0 is the sender of the start-up broadcasts, the one whose
         # connection carries more steps.
@@ -221,7 +220,7 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
     proto = max(set(protos), key=protos.count)
     ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=proto, nccl_version=nccl_version,
                     ring_orders=[order] * nch,
-                    addresses={r: _addr(a) for a, r in ranks.items()})
+                    addresses={r: address_text(a) for a, r in ranks.items()})
     ring_list = [s for v in conns.values() for s in v]
 
     got = _infer_ddp(conns, ranks, ring, dtype, ring_list, notes)

@@ -1,10 +1,12 @@
-"""What the parser hands the updater: one training iteration's reduced gradient buckets."""
+"""What the parser hands the updater, as typed items of the job stream: the initial weights DDP
+broadcast at start-up (once), and one training iteration's reduced gradient buckets."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+from mirrorckpt.config.layout import JobLayout
 
 
 @dataclass
@@ -17,6 +19,11 @@ class ReducedIteration:
     # what the wire does not carry, when the trainer sent it (lr, loss scale, rng states, data position)
     meta: dict = field(default_factory=dict)
 
-    @property
-    def missing_elements(self) -> int:
-        return sum(n for hs in self.holes.values() for _, n in hs)
+
+
+@dataclass
+class InitialWeights:
+    """DDP's start-up broadcast of rank 0's parameters, reassembled whole: the replica's step 0."""
+
+    layout: JobLayout
+    values: np.ndarray  # flat, every parameter in layout order (float32)

@@ -15,9 +15,10 @@ import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
+from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser import nccl_versions, protocols
 from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
-from mirrorckpt.parser.reassembly import QpKey, RdmaMessage, _addr
+from mirrorckpt.parser.reassembly import QpKey, RdmaMessage
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class ConnKey:
     sport: int
 
     def __str__(self) -> str:
-        return f"{_addr(self.sender)}->{_addr(self.receiver)}:{self.sport}"
+        return f"{address_text(self.sender)}->{address_text(self.receiver)}:{self.sport}"
 
 
 @dataclass

@@ -10,10 +10,10 @@ from mirrorckpt.parser.reassembly import RdmaMessage, Reassembler
 
 class PacketPath:
     def __init__(self, icrc: bool = True, nccl_version: str = "2.18", protocol: str | None = None,
-                 window: int = 1024, stream: int = 0):
+                 psn_window: int = 1024, stream: int = 0):
         self.icrc = icrc
         self.counters = roce.Counters()
-        self.reassembler = Reassembler(window=window)
+        self.reassembler = Reassembler(psn_window=psn_window)
         self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream)
 
     def feed(self, batch: FrameBatch) -> tuple[list[RdmaMessage], list[NcclSend]]:

@@ -1,36 +1,57 @@
-"""The back half of the parser: NCCL sends in, finished collectives and iterations out.
+"""The back half of the parser: decoded units in, typed items out.
 
-``Reassembly`` places sends (state machine), merges them (concatenator) and groups the gradient
-all-reduces into iterations. An iteration is handed on only when every one of its buckets is
-finished; it is complete only when every element of every bucket is covered with agreeing
-copies, and an incomplete iteration never carries a gradient (``buckets`` is empty).
+``CollectiveAssembler`` places sends (state machine, or the gloo placer), merges them
+(concatenator) and groups the gradient all-reduces into iterations. An iteration is handed on only
+when every one of its buckets is finished; it is complete only when every element of every bucket
+is covered with agreeing copies, and an incomplete iteration never carries a gradient (``buckets``
+is empty). ``JobStream`` runs it over a send stream (``streams.SendStream``) and yields, in order:
+each finished ``CollectiveResult``, ``InitialWeights`` once (when DDP's start-up broadcast is whole),
+and each ``ReducedIteration``. Its ``report()`` is what callers may read of its state.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.concat import CollectiveResult, Concatenator
-from mirrorckpt.parser.iteration import ReducedIteration
+from mirrorckpt.parser.iteration import InitialWeights, ReducedIteration
 from mirrorckpt.parser.nccl import ConnKey, NcclSend
 from mirrorckpt.parser.statemachine import RingStateMachine
+from mirrorckpt.parser.streams import StreamStats, WireIdle
+
+Item = CollectiveResult | InitialWeights | ReducedIteration
 
 
-def default_window(model: JobModel) -> int:
+def default_collective_window(model: JobModel) -> int:
     """Collectives the traffic must move past one before it is final: two iterations' worth."""
     return max(8, 2 * (model.first_of_iteration(3) - model.first_of_iteration(2)) + 2)
 
 
 @dataclass
-class Startup:
-    """What the start-up collectives carried (DDP: parameter count, shapes, initial weights)."""
+class JobReport:
+    """What a job stream tells its caller: notes on what was inferred, placement counts, state
+    machine mismatches, and per capture source its counts."""
 
-    results: dict[str, CollectiveResult] = field(default_factory=dict)  # label -> result
+    notes: list[str] = field(default_factory=list)
+    placement: Counter = field(default_factory=Counter)  # reason -> sends (0 for any other reason)
+    mismatches: list[str] = field(default_factory=list)
+    streams: list[StreamStats] = field(default_factory=list)
 
-    def initial_weights(self) -> list[CollectiveResult] | None:
-        groups = sorted((k, r) for k, r in self.results.items() if k.startswith("init_params:"))
-        return [r for _, r in groups] or None
+    @property
+    def damage(self) -> list[str]:
+        return [s.damage for s in self.streams if s.damage]
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.streams)
+
+    @property
+    def frames(self) -> int:
+        return sum(s.frames for s in self.streams)
 
 
 class IterationAssembler:
@@ -72,23 +93,28 @@ class IterationAssembler:
         return [self._emit()] if self.current else []
 
 
-class Reassembly:
+class CollectiveAssembler:
     """``placer`` maps a wire unit to a ``Placement`` (default: the NCCL ring state machine; the
     gloo decoder brings its own), so every transport shares the concatenator and what follows."""
 
     def __init__(self, model: JobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int] | None = None,
-                 window: int | None = None, placer=None):
+                 collective_window: int | None = None, placer=None, nstreams: int = 0):
         from mirrorckpt.parser.infer import ChannelResolver
 
         self.model = model
         # Ring connections are mapped to channels as they show up (see ChannelResolver).
         self.resolver = ChannelResolver(model, ranks, channels) if placer is None else None
         self.sm = placer if placer is not None else RingStateMachine(model, ranks, self.resolver.mapped)
-        self.concat = Concatenator(model, window if window is not None else default_window(model))
+        w = collective_window if collective_window is not None else default_collective_window(model)
+        self.concat = Concatenator(model, w)
+        self.concat.expected = set(range(nstreams))  # silent ones hold collectives back (0: none known)
         self.iterations = IterationAssembler(model)
-        self.startup = Startup()
-        self.results: list[CollectiveResult] = []  # every finished collective (kept by the caller's choice)
-        self.keep_results = True
+        self.startup: dict[str, CollectiveResult] = {}  # start-up collectives by label
+        self.weights_given = False
+
+    def streams_ended(self, ended: set[int]) -> None:
+        """Mirror streams with nothing more to come: collectives no longer wait for them."""
+        self.concat.ended = set(ended)
 
     def add(self, sends: list[NcclSend]) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
         for s in sends:
@@ -120,31 +146,51 @@ class Reassembly:
     def _route(self, done: list[CollectiveResult]) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
         its = []
         for r in done:
-            if self.keep_results:
-                self.results.append(r)
             if r.spec.iteration is not None and r.spec.label == "grad":
                 its += self.iterations.add(r)
             else:
-                self.startup.results[r.spec.label] = r
+                self.startup[r.spec.label] = r
         return done, its
+
+    def initial_weights(self) -> InitialWeights | None:
+        """DDP's broadcast of the initial parameters, once every group of it is whole (given once)."""
+        if self.weights_given or self.model.layout is None:
+            return None
+        groups = [r for k, r in sorted(self.startup.items()) if k.startswith("init_params:")]
+        if not groups or not all(g.complete for g in groups):
+            return None
+        self.weights_given = True
+        return InitialWeights(self.model.layout, np.concatenate([g.values() for g in groups]))
+
+    def items(self, out: tuple[list[CollectiveResult], list[ReducedIteration]]) -> Iterator[Item]:
+        """One ``add``/``settle``/``flush`` result as typed items, the initial weights before the
+        first iteration that needs them."""
+        done, its = out
+        yield from done
+        w = self.initial_weights()
+        if w is not None:
+            yield w
+        yield from its
+
+    def report(self) -> tuple[Counter, list[str]]:
+        return Counter(self.sm.counts), list(self.sm.mismatches)
 
 
 class JobStream:
-    """Mirror streams to collectives and iterations, with the job model from the configuration
-    or, when there is none, inferred from the first ``infer_after`` sends (then replayed)."""
+    """A send stream to typed items (see the module doc), with the job model from the
+    configuration or, when there is none, inferred from the first ``infer_after`` sends (then
+    replayed)."""
 
     def __init__(self, streams, model: JobModel | None = None, ranks: dict[bytes, int] | None = None,
                  channels: dict[ConnKey, int] | None = None, dtype: str | None = None,
-                 nccl_version: str = "2.18", infer_after: int = 20000, window: int | None = None,
-                 keep_results: bool = True):
+                 nccl_version: str = "2.18", infer_after: int = 20000, collective_window: int | None = None):
         self.streams = streams
         self.model, self.ranks, self.channels = model, ranks, channels
         self.dtype, self.nccl_version = dtype, nccl_version
         self.infer_after = infer_after
-        self.window = window
-        self.keep_results = keep_results  # False for a daemon: finished collectives are not kept
+        self.collective_window = collective_window
         self.notes: list[str] = []
-        self.reassembly: Reassembly | None = None
+        self.assembler: CollectiveAssembler | None = None
 
     def _setup(self, sends: list[NcclSend]) -> None:
         from mirrorckpt.parser import infer
@@ -153,27 +199,36 @@ class JobStream:
             got = infer.infer(sends, self.streams.decoders, self.dtype, self.nccl_version)
             self.model, self.ranks, self.channels = got.model, got.ranks, got.channels
             self.notes += got.notes
-        self.reassembly = Reassembly(self.model, self.ranks, self.channels, self.window)
-        self.reassembly.keep_results = self.keep_results
-        self.reassembly.concat.expected = set(range(getattr(self.streams, "nstreams", 1)))
+        self.assembler = CollectiveAssembler(self.model, self.ranks, self.channels, self.collective_window,
+                                             nstreams=self.streams.nstreams)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Item]:
         pending: list[NcclSend] = []
         if self.model is not None:  # configured: connections are mapped as they appear
             self._setup([])
         for sends in self.streams:
-            if self.reassembly is None:
+            if isinstance(sends, WireIdle):
+                if self.assembler is not None:
+                    self.assembler.streams_ended(self.streams.ended)
+                    yield from self.assembler.items(self.assembler.settle())
+                continue
+            if self.assembler is None:
                 pending += sends
                 if len(pending) < self.infer_after:
                     continue
                 self._setup(pending)
                 sends, pending = pending, []
-            self.reassembly.concat.ended = set(getattr(self.streams, "ended", ()))
-            yield self.reassembly.add(sends)
-        if self.reassembly is None:
+            self.assembler.streams_ended(self.streams.ended)
+            yield from self.assembler.items(self.assembler.add(sends))
+        if self.assembler is None:
             if not pending:
                 return
             self._setup(pending)
-            yield self.reassembly.add(pending)
-        yield self.reassembly.flush()
-        self.notes += self.reassembly.resolver.notes if self.reassembly.resolver else []
+            yield from self.assembler.items(self.assembler.add(pending))
+        self.assembler.streams_ended(self.streams.ended)
+        yield from self.assembler.items(self.assembler.flush())
+        self.notes += self.assembler.resolver.notes if self.assembler.resolver else []
+
+    def report(self) -> JobReport:
+        placement, mismatches = self.assembler.report() if self.assembler is not None else (Counter(), [])
+        return JobReport(list(self.notes), placement, mismatches, list(self.streams.stats))

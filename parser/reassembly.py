@@ -8,7 +8,7 @@ places every byte, and a lost or duplicated packet only ever damages its own byt
 
 * duplicates (same PSN twice, or below the cursor) are dropped and counted;
 * out-of-order packets are held until the cursor reaches them;
-* a message with missing packets waits until the QP has moved ``window`` PSNs past its end (or
+* a message with missing packets waits until the QP has moved ``psn_window`` PSNs past its end (or
   ``flush``), then is emitted incomplete with its holes as byte ranges;
 * a message whose FIRST was lost still ends at its LAST (or just before the next FIRST/ONLY), so
   its other bytes are placed with the QP's MTU; its VA and RETH length are unknown.
@@ -22,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from mirrorckpt.parser import _fast, memory, opcodes
+from mirrorckpt.capture._pack import copy_ranges
+from mirrorckpt.config.layout import address_text
+from mirrorckpt.parser import memory, opcodes
 from mirrorckpt.parser.headers import PSN_MODULUS
 from mirrorckpt.parser.roce import RocePackets
 
@@ -37,14 +39,7 @@ class QpKey:
     dqp: int
 
     def __str__(self) -> str:
-        return f"{_addr(self.src)}->{_addr(self.dst)}/qp{self.dqp:#x}"
-
-
-def _addr(a: bytes) -> str:
-    import ipaddress
-
-    ip = ipaddress.IPv6Address(a)
-    return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
+        return f"{address_text(self.src)}->{address_text(self.dst)}/qp{self.dqp:#x}"
 
 
 @dataclass(slots=True)
@@ -136,9 +131,9 @@ class _Qp:
 class Reassembler:
     """Streaming per-QP PSN reassembly; feed decoded packets batch by batch, then flush."""
 
-    def __init__(self, window: int = 1024, max_message: int = 64 << 20):
+    def __init__(self, psn_window: int = 1024, max_message: int = 64 << 20):
         memory.keep_freed_memory()  # message buffers come and go at line rate
-        self.window = window
+        self.psn_window = psn_window
         self.max_message = max_message  # bigger RETH lengths are corruption, never allocated
         self.qps: dict[QpKey, _Qp] = {}
 
@@ -349,7 +344,7 @@ class Reassembler:
         for from_new in (True, False):
             m = src_is_new[rows] == from_new
             if m.any():
-                _fast.copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(src[m]), buf,
+                copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(src[m]), buf,
                                   np.ascontiguousarray(dst[m]), np.ascontiguousarray(plen[m]))
         last = g.end_row[k0:k1] - 1
         op_last = tab["opcode"][last]
@@ -407,9 +402,9 @@ class Reassembler:
                 else:
                     end, length_known = s_end, s_known
         k = i + int(np.searchsorted(psn[i:], end))
-        if k - i < end - cur and not final and horizon < end - 1 + self.window:
+        if k - i < end - cur and not final and horizon < end - 1 + self.psn_window:
             return None  # still waiting for packets of this message
-        if head is None and not final and horizon < end - 1 + self.window:
+        if head is None and not final and horizon < end - 1 + self.psn_window:
             return None  # the FIRST may still arrive late
         msg = self._build(qp, tab, src_is_new, data, i, k, cur, end, head, dlen, length_known)
         qp.cursor = end
@@ -445,7 +440,7 @@ class Reassembler:
         for from_new in (True, False):
             m = good & (src_is_new[rows] == from_new)
             if m.any():
-                _fast.copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(tab["src_off"][rows][m]),
+                copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(tab["src_off"][rows][m]),
                                   buf, np.ascontiguousarray(dst[m]), np.ascontiguousarray(plen[m]))
         present = np.zeros(npk, bool)
         present[(psn - start)[good]] = True
@@ -482,7 +477,7 @@ class Reassembler:
         for from_new in (True, False):
             m = src_is_new == from_new
             if m.any():
-                _fast.copy_ranges(data if from_new else slab, np.ascontiguousarray(tab["src_off"][m]), out,
+                copy_ranges(data if from_new else slab, np.ascontiguousarray(tab["src_off"][m]), out,
                                   np.ascontiguousarray(new_off[m]), np.ascontiguousarray(plen[m]))
         tab = dict(tab)
         tab["src_off"] = new_off

@@ -18,6 +18,12 @@ from mirrorckpt.parser.headers import (
     BTH,
     DETH,
     ETH,
+    ETHERTYPE_ARP,
+    ETHERTYPE_IPV4,
+    ETHERTYPE_IPV6,
+    ETHERTYPE_LLDP,
+    ETHERTYPE_PTP,
+    ETHERTYPE_VLAN,
     ICRC_BYTES,
     IMMDT,
     IPV4,
@@ -95,7 +101,7 @@ class RocePackets:
         return RocePackets(**{k: np.concatenate([getattr(p, k) for p in parts]) for k in keys})
 
 
-# Field offsets for the compiled frame walk, in its K_* order, taken from the header tables.
+# Field offsets and EtherTypes for the compiled frame walk, in its K_* order, taken from the header tables.
 _fast.configure(
     [ETH["type"].offset, ETH.size, VLAN["type"].offset, VLAN.size,
      IPV4["ver_ihl"].offset, IPV4["total_len"].offset, IPV4["frag"].offset, IPV4["proto"].offset,
@@ -105,7 +111,8 @@ _fast.configure(
      BTH["opcode"].offset, BTH["flags"].offset, BTH["dqp"].offset, BTH["ackreq"].offset, BTH["psn"].offset,
      BTH.size, RETH["va"].offset, RETH["rkey"].offset, RETH["dlen"].offset, RETH.size, IMMDT.size,
      AETH["syndrome"].offset, AETH["msn"].offset, AETH.size, DETH.size, ICRC_BYTES,
-     ROCEV2_PORT, PTP_PORTS[0], PTP_PORTS[1]],
+     ROCEV2_PORT, PTP_PORTS[0], PTP_PORTS[1],
+     ETHERTYPE_IPV4, ETHERTYPE_IPV6, *ETHERTYPE_VLAN, ETHERTYPE_ARP, ETHERTYPE_LLDP, ETHERTYPE_PTP],
     opcodes.HAS_RETH.astype(np.uint8), opcodes.HAS_IMMDT.astype(np.uint8),
     opcodes.HAS_AETH.astype(np.uint8), opcodes.HAS_DETH.astype(np.uint8))
 

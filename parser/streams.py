@@ -1,4 +1,10 @@
-"""Several mirror streams of one job, decoded side by side and merged in time order.
+"""The send-stream contract, and several mirror streams of one job decoded side by side and
+merged in time order (``MirrorStreams``, the file form of that contract).
+
+A send stream is what the job stream reads (``SendStream``): lists of decoded units (NCCL sends;
+gloo ops for the gloo transport) in roughly wire order, and ``WIRE_IDLE`` when a live stream went
+quiet, so that what is already complete is handed on. ``MirrorStreams`` (files), the gloo
+``GlooStreams`` and the daemon's ``QueueStreams`` implement it.
 
 Each capture source keeps its own packet path (PSN spaces are per QP and a QP may appear in two
 sources: both directions of a port, or one rank's egress that is the next rank's ingress); the
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
@@ -26,10 +33,39 @@ from mirrorckpt.parser.packet_path import PacketPath
 
 @dataclass
 class StreamStats:
+    """One capture source's counts, the same for every transport."""
+
     source: str
     frames: int = 0
     bytes: int = 0
-    damage: str | None = None
+    damage: str | None = None  # why the source ended early (None: a clean end)
+
+
+class WireIdle:
+    """Marker in a send stream: no source delivered anything for a while (end of job, pause)."""
+
+    def __repr__(self) -> str:
+        return "WIRE_IDLE"
+
+
+WIRE_IDLE = WireIdle()
+
+
+class SendStream(Protocol):
+    """What ``pipeline.JobStream`` reads."""
+
+    nstreams: int  # mirror streams (a collective is final once every stream moved past it)
+    stats: list[StreamStats]
+
+    @property
+    def ended(self) -> set[int]:
+        """Streams with nothing more to come (finished, failed or silent)."""
+
+    @property
+    def decoders(self) -> list:
+        """Per-stream decoders whose state inference reads (CTS tags); may be empty."""
+
+    def __iter__(self) -> Iterator[list | WireIdle]: ...
 
 
 class MirrorStreams:

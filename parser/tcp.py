@@ -8,20 +8,20 @@ Checksums are never checked: mirrored copies of offloaded traffic carry partial 
 (32-bit sequence numbers unwrapped against the stream's highest byte). Bytes are copied once,
 from the batch into the stream buffer. A byte received twice must agree with the copy held,
 else both are distrusted: the range becomes a hole. A missing range waits until the stream has
-moved ``window`` bytes past it, or ``hole_ns`` of capture time passed (or ``flush``), then it
+moved ``window_bytes`` past it, or ``hole_ns`` of capture time passed (or ``flush``), then it
 is declared lost. The consumer reads the
 stream below ``settled``: every byte there is final, present or lost, and never changes again.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+from mirrorckpt.capture._pack import copy_ranges
 from mirrorckpt.capture.batch import FrameBatch
-from mirrorckpt.parser import _fast
+from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser.headers import (
     ETH,
     ETHERTYPE_IPV4,
@@ -38,7 +38,7 @@ SEQ_MOD = 1 << 32
 _HALF = 1 << 31
 FIN, SYN, RST, ACK = 0x01, 0x02, 0x04, 0x10
 MAX_JUMP = 1 << 30  # a segment this far past the stream's end is not believed
-DEFAULT_WINDOW = 4 << 20  # bytes a hole may wait for a late copy (above Linux's usual TCP window)
+DEFAULT_WINDOW_BYTES = 4 << 20  # bytes a hole may wait for a late copy (above Linux's usual TCP window)
 DEFAULT_HOLE_NS = 2_000_000_000  # capture time a hole may wait (a retransmission comes after an RTO)
 
 
@@ -171,11 +171,6 @@ def decode(batch: FrameBatch) -> tuple[TcpSegments, TcpCounters]:
 # -- reassembly -------------------------------------------------------------------------------
 
 
-def addr_text(a: bytes) -> str:
-    ip = ipaddress.IPv6Address(a)
-    return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
-
-
 @dataclass(frozen=True)
 class StreamKey:
     """One direction of a TCP connection."""
@@ -189,7 +184,7 @@ class StreamKey:
         return StreamKey(self.dst, self.src, self.dport, self.sport)
 
     def __str__(self) -> str:
-        return f"{addr_text(self.src)}:{self.sport}->{addr_text(self.dst)}:{self.dport}"
+        return f"{address_text(self.src)}:{self.sport}->{address_text(self.dst)}:{self.dport}"
 
 
 @dataclass
@@ -225,9 +220,9 @@ def _overlaps(iv: list[list[int]], a: int, b: int) -> list[tuple[int, int]]:
 class TcpStream:
     """The bytes of one direction, addressed by unwrapped sequence number."""
 
-    def __init__(self, key: StreamKey, window: int = DEFAULT_WINDOW, hole_ns: int = DEFAULT_HOLE_NS):
+    def __init__(self, key: StreamKey, window_bytes: int = DEFAULT_WINDOW_BYTES, hole_ns: int = DEFAULT_HOLE_NS):
         self.key = key
-        self.window = window
+        self.window_bytes = window_bytes
         self.hole_ns = hole_ns
         self._hole: tuple[int, int] | None = None  # (where, capture time first seen) of the first hole
         self.stats = StreamStats()
@@ -289,7 +284,7 @@ class TcpStream:
         self._room(int(b.max()))
         f = np.nonzero(fresh)[0]
         if len(f):
-            _fast.copy_ranges(data, np.ascontiguousarray(off[f]), self.buf,
+            copy_ranges(data, np.ascontiguousarray(off[f]), self.buf,
                               np.ascontiguousarray(a[f] - self.buf_lo), np.ascontiguousarray(ln[f]))
             fa, fb = a[f], b[f]
             brk = np.nonzero(fa[1:] != fb[:-1])[0] + 1  # consecutive fresh segments merge
@@ -323,10 +318,10 @@ class TcpStream:
     # -- reading --------------------------------------------------------------------------------
 
     def settle(self, final: bool = False, now: int | None = None) -> None:
-        """Moves ``settled`` over received bytes and over holes the stream has left ``window``
+        """Moves ``settled`` over received bytes and over holes the stream has left ``window_bytes``
         bytes behind or that waited ``hole_ns`` since capture time ``now`` first saw them
         (every hole when ``final``)."""
-        s = self._run_end(max(self.settled, self.hi if final else self.hi - self.window))
+        s = self._run_end(max(self.settled, self.hi if final else self.hi - self.window_bytes))
         if not final and now is not None and s < self.hi:  # a hole starts at s
             if self._hole is None or self._hole[0] != s:
                 self._hole = (s, now)
@@ -392,8 +387,8 @@ class TcpReassembler:
     """Streams by direction; ``feed`` places a batch's segments and settles the streams it
     touched and those waiting on a hole (by the batch's capture time)."""
 
-    def __init__(self, window: int = DEFAULT_WINDOW, hole_ns: int = DEFAULT_HOLE_NS):
-        self.window = window
+    def __init__(self, window_bytes: int = DEFAULT_WINDOW_BYTES, hole_ns: int = DEFAULT_HOLE_NS):
+        self.window_bytes = window_bytes
         self.hole_ns = hole_ns
         self.streams: dict[StreamKey, TcpStream] = {}
 
@@ -425,7 +420,7 @@ class TcpReassembler:
                             int.from_bytes(raw[34:], "big"))
             st = self.streams.get(key)
             if st is None:
-                st = self.streams[key] = TcpStream(key, self.window, self.hole_ns)
+                st = self.streams[key] = TcpStream(key, self.window_bytes, self.hole_ns)
             self._feed_stream(st, segs.take(rows), data, now)
             touched.append(st)
         return touched

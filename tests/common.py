@@ -28,3 +28,19 @@ def wait_for(cond, timeout: float, poll: float = 0.01) -> bool:
             return True
         time.sleep(poll)
     return cond()
+
+
+def collect(js):
+    """A job stream's typed items, sorted: (finished collectives, iterations, initial weights or None)."""
+    from mirrorckpt.parser.concat import CollectiveResult
+    from mirrorckpt.parser.iteration import InitialWeights, ReducedIteration
+
+    results, iterations, weights = [], [], None
+    for item in js:
+        if isinstance(item, CollectiveResult):
+            results.append(item)
+        elif isinstance(item, ReducedIteration):
+            iterations.append(item)
+        elif isinstance(item, InitialWeights):
+            weights = item
+    return results, iterations, weights

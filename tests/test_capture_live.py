@@ -21,7 +21,7 @@ from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.capture.dpdk import DpdkAbiError, DpdkMissingError, DpdkPort
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.capture.source import open_source
-from mirrorckpt.tools.netns import Topology, send_frames
+from mirrorckpt.tools.testbed.netns import Topology, send_frames
 
 pytestmark = pytest.mark.root
 

@@ -45,7 +45,7 @@ def test_round_trip(tmp_path):
     job = load_job(write(tmp_path, GOOD))
     assert job.ring.nranks == 3 and job.layout.grad_dtype == "bfloat16"
     assert [b.params for b in job.layout.buckets] == [(1,), (0,)]
-    assert job.ranks()[bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 3])] == 2
+    assert job.ring.ranks_by_address()[bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 3])] == 2
     again = load_job(write(tmp_path, dump_job(job), "again.toml"))
     assert again.layout == job.layout and again.ring == job.ring and again.mirrors == job.mirrors
 

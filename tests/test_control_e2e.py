@@ -20,11 +20,13 @@ import pytest
 import torch
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
-from mirrorckpt.control import auth, harness, wire
+from mirrorckpt.control import auth, wire
 from mirrorckpt.control import messages as m
-from mirrorckpt.control.appliance_side import AppliancePlane, MirrorFollower
+from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.control.channel import Channel
 from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.tools.testbed import harness
+from mirrorckpt.tools.testbed.follower import MirrorFollower
 from mirrorckpt.updater.fingerprint import state_sha256
 
 SECRET = "e2e-secret-0123456789abcdef-xyz"
@@ -46,7 +48,7 @@ class Appliance:
         self.frames = harness.FrameStreamServer(WORLD, port=frames_port)
         ring, topo = harness.ring_for(WORLD)
         self.follower = MirrorFollower(self.plane, MirrorStreams(self.frames.sources()), ring,
-                                       channels=harness.channels_for(topo, ring), reassembly_window=16)
+                                       channels=harness.channels_for(topo, ring), psn_window=16)
         self.follower.start()
 
     def _record(self, index, r) -> None:

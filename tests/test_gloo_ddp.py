@@ -30,12 +30,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from common import collect
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.config.jobfile import parse_job
 from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
-from mirrorckpt.parser.gloo_job import GlooJobStream, run_replay
+from mirrorckpt.parser.collectives import JobModel
+from mirrorckpt.parser.gloo_job import GlooJobStream, open_job_stream
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.updater.replica import Replica
 
@@ -79,11 +81,8 @@ def run(tmp_path_factory) -> Run:
 
         def consume(live):  # the appliance, live: nothing configured
             js = GlooJobStream([(live.name, live)])
-            res, its = [], []
-            for d, i in js:
-                res += d
-                its += i
-            return js, res, its
+            res, its, w = collect(js)
+            return js, res, its, w
 
         consumers = {m: h.Consumer(lambda live=live: consume(live)) for m, live in lives.items()}
         # rank 0 holds step 3 until the late capture runs; ranks 1 and 2 are already in its
@@ -172,11 +171,13 @@ def batches(full: FrameBatch, idx: np.ndarray, size: int = 512):
 
 def decode(sources, **kw):
     js = GlooJobStream(sources, **kw)
-    res, its = [], []
-    for d, i in js:
-        res += d
-        its += i
-    return js, res, its
+    res, its, w = collect(js)
+    return js, res, its, w
+
+
+def run_replay(captures, job=None):
+    js = open_job_stream(captures, job)
+    return (js, *collect(js))
 
 
 # -- tests ----------------------------------------------------------------------------------------
@@ -206,18 +207,18 @@ def test_capture_saw_every_frame(run: Run):
 def test_live_capture_drives_a_bit_exact_replica(run: Run, monitor: int):
     """AF_PACKET on a mirror, nothing configured: ranks, layout and the initial weights come
     from the wire; every iteration is bit-exact and the replica ends in the trainer's state."""
-    js, results, its = run.live[monitor]
+    js, results, its, init = run.live[monitor]
     layout = js.model.layout
     assert [p.shape for p in layout.params] == [tuple(s) for s in run.meta["shapes"]]
     assert [i.index for i in its] == list(range(STEPS)) and all(i.complete for i in its)
     for it in its:
         assert_bit_exact(run, layout, it)
-    assert js.placer.counts["mismatch"] == 0 and js.placer.counts["untrusted"] == 0
-    init = js.reassembly.startup.initial_weights()
-    assert init and len(init) == 1 and init[0].complete
+    placement = js.report().placement
+    assert placement["mismatch"] == 0 and placement["untrusted"] == 0
+    assert init is not None
     want = np.concatenate([v.reshape(-1).numpy() for v in run.init.values()])
-    assert np.array_equal(init[0].values().view(np.uint32), want.view(np.uint32))
-    rep = Replica.from_initial_weights(layout, training(), init[0].values())
+    assert np.array_equal(init.values.view(np.uint32), want.view(np.uint32))
+    rep = Replica.from_initial_weights(layout, training(), init.values)
     for it in its:
         rep.apply(it)
     assert_final_state(run, rep)
@@ -248,7 +249,7 @@ def tcp_checksum_ok(frame: bytes) -> bool:
 
 
 def test_replay_of_the_same_port_agrees_with_live(run: Run):
-    js, results, its = run_replay([str(run.pcap("r1both.pcap"))])
+    js, results, its, _ = run_replay([str(run.pcap("r1both.pcap"))])
     live = {r.index: r.sha256() for r in run.live[0][1]}
     assert {r.index: r.sha256() for r in results} == live and None not in live.values()
     assert len(its) == STEPS and all(i.complete for i in its)
@@ -257,18 +258,17 @@ def test_replay_of_the_same_port_agrees_with_live(run: Run):
 def test_two_ranks_egress_only(run: Run):
     """Egress of ranks 0 and 1: rank 0's all-gather sends cover every chunk but 2, rank 1's
     every chunk but 0; the start-up broadcasts leave rank 0."""
-    js, results, its = run_replay([str(run.pcap("egress01.pcap"))])
+    js, results, its, init = run_replay([str(run.pcap("egress01.pcap"))])
     assert check_iterations(run, js.model.layout, its) == (STEPS, 0)
-    init = js.reassembly.startup.initial_weights()
     want = np.concatenate([v.reshape(-1).numpy() for v in run.init.values()])
-    assert np.array_equal(init[0].values().view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(init.values.view(np.uint32), want.view(np.uint32))
     # each direction alone misses a third of every bucket: incomplete, never wrong
     for rank in (0, 1):
         full = read_all(run.pcap("egress01.pcap"))
         src = ipaddress.IPv4Address(run.addrs[rank]).packed
         ipsrc = np.array([bytes(full.data[o + 26:o + 30]) == src for o in full.offset.tolist()])
         idx = np.nonzero(ipsrc)[0]
-        js1, _, its1 = decode([("one-rank", batches(full, idx))], model=js.model, ranks=js.ranks)
+        js1, _, its1, _ = decode([("one-rank", batches(full, idx))], model=js.model, ranks=js.ranks)
         assert check_iterations(run, js.model.layout, its1) == (0, STEPS)
 
 
@@ -278,13 +278,13 @@ def test_mid_run_attach_continues_bit_exactly(run: Run):
     first complete iteration on is bit-exact; a replica brought to that iteration continues to
     the trainer's final state."""
     job = configured_job(run)
-    js, results, its = run_replay([str(run.pcap("late.pcap"))], job=job)
+    js, results, its, _ = run_replay([str(run.pcap("late.pcap"))], job=job)
     good, bad = check_iterations(run, job.layout, its)
     done = [i.complete for i in its]
     assert good >= 3 and bad >= 3 and True in done, done
     first = done.index(True)
     assert all(done[first:]) and len(done) == STEPS, done
-    assert js.placer.counts["untrusted"] > 0  # the ops in flight at the attach were not used
+    assert js.report().placement["untrusted"] > 0  # the ops in flight at the attach were not used
     # the replica: initial weights, the trainer's gradients up to the attach, then the wire's
     rep = Replica(job.layout, training(), {n: v.clone() for n, v in run.init.items()})
     for i in range(first):
@@ -302,7 +302,7 @@ def test_loss_and_late_attach_never_yield_a_wrong_iteration(run: Run):
     rng = random.Random(8)
     full = read_all(run.pcap("r1both.pcap"))
     job = configured_job(run)
-    model, ranks = job.model(), job.ranks()
+    model, ranks = JobModel.from_job(job), job.ring.ranks_by_address()
     n = len(full)
     totals = {"good": 0, "bad": 0, "trials": 0}
     for trial in range(14):
@@ -326,7 +326,7 @@ def test_loss_and_late_attach_never_yield_a_wrong_iteration(run: Run):
                              np.append(full.wirelen, len(frame)), np.append(full.ts_ns, full.ts_ns[k]),
                              np.append(full.iface, 0), full.source, 0, full.linktypes)
             idx = np.insert(np.arange(n), k + 1, n)
-        _, _, its = decode([(f"trial{trial}", batches(src, idx))], model=model, ranks=ranks)
+        _, _, its, _ = decode([(f"trial{trial}", batches(src, idx))], model=model, ranks=ranks)
         good, bad = check_iterations(run, job.layout, its)
         totals["good"] += good
         totals["bad"] += bad

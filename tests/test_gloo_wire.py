@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from common import collect
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 from mirrorckpt.capture.batch import FrameBatch
@@ -281,10 +282,8 @@ def decode(job: SynthJob, frames, config=True, batch=50, **kw):
         kw.setdefault("model", job.model)
         kw.setdefault("ranks", job.ranks())
     js = GlooJobStream([("synth", batches(frames, batch))], max_segment=job.max_segment, **kw)
-    results, its = [], []
-    for d, i in js:
-        results += d
-        its += i
+    results, its, weights = collect(js)
+    js.weights = weights  # the initial weights item, for the tests that check it
     return js, results, its
 
 
@@ -311,11 +310,11 @@ def test_job_from_the_wire_alone():
     job = SynthJob(seed=1)
     js, results, its = decode(job, job.frames(), config=False)
     assert check_iterations(job, its) == (4, 0)
-    init = js.reassembly.startup.initial_weights()
-    assert init and np.array_equal(init[0].data, job.truth[2])
+    assert js.weights is not None and np.array_equal(js.weights.values.view(np.uint8), job.truth[2])
     assert [p.shape for p in js.model.layout.params] == [p.shape for p in job.layout.params]
     assert js.model.layout.buckets == job.layout.buckets
-    assert js.placer.counts["mismatch"] == 0 and js.placer.counts["untrusted"] == 0
+    placement = js.report().placement
+    assert placement["mismatch"] == 0 and placement["untrusted"] == 0
 
 
 @pytest.mark.parametrize("P", [2, 3, 4, 5])
@@ -323,7 +322,7 @@ def test_every_ring_size_and_mirrored_rank(P):
     for rank in range(P):
         job = SynthJob(P=P, seed=10 + P, iterations=3, max_segment=1024)
         js, _, its = decode(job, job.frames([(rank, "both")]), config=False)
-        assert check_iterations(job, its) == (3, 0), (P, rank, js.placer.mismatches)
+        assert check_iterations(job, its) == (3, 0), (P, rank, js.report().mismatches)
 
 
 def test_ipv6_vlan_small_segments_and_sequence_wrap():
@@ -354,7 +353,7 @@ def test_a_collective_outside_the_model_shifts_the_tags():
     job = SynthJob(seed=5, extra_barrier_after=8)  # a user barrier inside iteration 2
     js, _, its = decode(job, job.frames())
     assert check_iterations(job, its) == (4, 0)
-    assert js.placer.counts["not_in_model:barrier"] > 0
+    assert js.report().placement["not_in_model:barrier"] > 0
 
 
 def test_duplicates_agree_and_reordering_within_the_window():
@@ -437,7 +436,7 @@ def test_damage_never_yields_a_wrong_iteration(seed, drop, attach, corrupt):
 
 def test_tcp_stream_holes_settle_and_conflicts():
     key = tcp.StreamKey(addr16("10.0.0.1"), addr16("10.0.0.2"), 1, 2)
-    st = tcp.TcpStream(key, window=100)
+    st = tcp.TcpStream(key, window_bytes=100)
     st.restart(1000, 0)
     data = np.arange(256, dtype=np.uint8)
     put = lambda a, ln, off: st.place(np.array([a]), np.array([ln]), np.array([off]), data)  # noqa: E731
@@ -454,7 +453,7 @@ def test_tcp_stream_holes_settle_and_conflicts():
     put(1040, 10, 40)
     assert st.holes(1030, 1050) == [(0, 10)]
     assert st.stats.conflict_bytes == 10
-    put(1400, 10, 0)  # far ahead: holes more than ``window`` bytes behind it are given up
+    put(1400, 10, 0)  # far ahead: holes more than ``window_bytes`` behind it are given up
     st.settle()
     assert st.settled == 1310 and st.stats.lost_bytes == 260
     put(1100, 10, 0)  # too late now

@@ -17,8 +17,8 @@ from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.control import gockpt
 from mirrorckpt.control.appliance_side import AppliancePlane
-from mirrorckpt.control.harness import Shard, build_model, digest
 from mirrorckpt.control.trainer import attach
+from mirrorckpt.tools.testbed.harness import Shard, build_model, digest
 from mirrorckpt.updater.fingerprint import fingerprint, state_sha256
 from torch import nn
 

@@ -43,12 +43,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from common import collect
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.config.jobfile import load_job
 from mirrorckpt.parser import lossmodel, opcodes, roce
+from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.nccl import NcclDecoder
-from mirrorckpt.parser.pipeline import JobStream, Reassembly
+from mirrorckpt.parser.pipeline import CollectiveAssembler, JobStream
 from mirrorckpt.parser.reassembly import Reassembler
 from mirrorckpt.parser.schedule import OWN, REDUCED
 from mirrorckpt.parser.streams import MirrorStreams
@@ -103,11 +105,9 @@ class Job:
             batches = [coarse(b, clock_ns) for b in batches]
         ms = MirrorStreams([(f"rank{k}_egress", [b]) for k, b in enumerate(batches)],
                            nccl_version=self.config.ring.nccl_version, merge_ns=merge_ns)
-        js = JobStream(ms, model=self.config.model(), ranks=self.config.ranks(), channels=None,
-                       nccl_version=self.config.ring.nccl_version)
-        iterations = []
-        for _, its in js:
-            iterations += its
+        js = JobStream(ms, model=JobModel.from_job(self.config), ranks=self.config.ring.ranks_by_address(),
+                       channels=None, nccl_version=self.config.ring.nccl_version)
+        _, iterations, _ = collect(js)
         return js, iterations
 
     def want(self, i: int) -> list[str]:
@@ -150,7 +150,7 @@ def frame_map(config, batches: list[FrameBatch]) -> FrameMap:
                 sends.append((s.ts_ns, k, s, m, pk))
     sends.sort(key=lambda x: (x[0], x[1]))
     by_id = {id(s): (k, m, pk) for _, k, s, m, pk in sends}
-    ra = Reassembly(config.model(), config.ranks())
+    ra = CollectiveAssembler(JobModel.from_job(config), config.ring.ranks_by_address())
     units: dict[tuple, int] = {}
     info = []
     phase = {}
@@ -260,7 +260,7 @@ def sweep(job) -> dict[int, Outcome]:
 def test_the_clean_job_is_bit_exact(job):
     for M in (2, 3):
         js, its = job.replay(job.batches[:M])
-        assert js.reassembly.sm.counts.get("mismatch", 0) == 0
+        assert js.report().placement.get("mismatch", 0) == 0
         assert [it.index for it in its] == list(range(STEPS))
         assert all(it.complete and [sha(b) for b in it.buckets] == job.want(it.index) for it in its)
     js, its = job.replay(job.batches[:1])
@@ -273,7 +273,7 @@ def test_K_and_the_copies_come_from_the_traffic(job):
     fm = job.fmap
     K = units_per_iteration(job)
     # the plan: every chunk's fully reduced message, one unit per LL packet (PMTU 1024: 512 user bytes)
-    model = job.config.model()
+    model = JobModel.from_job(job.config)
     plan = model.plan(model[model.first_of_iteration(2)])
     chunks = plan.chunk_ranges(0)
     assert K == sum(math.ceil(n * ESIZE / 512) for _, _, n in chunks) == 64
@@ -365,7 +365,7 @@ def test_every_verdict_is_the_oracle(sweep, M, request):
 
 
 def first_coll(job: Job, i: int) -> int:
-    return job.config.model().first_of_iteration(i)
+    return JobModel.from_job(job.config).first_of_iteration(i)
 
 
 def test_frames_without_reduced_data_cost_nothing_at_the_end(job):

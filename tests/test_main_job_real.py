@@ -19,9 +19,10 @@ CAPTURE = FLOWCHECK / "iter_40000_p2p_iter10.pcapng"
 
 def test_replica_equals_independent_adam(truth):
     steps = []
-    training = lambda gd: TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-3), grad_dtype=gd)  # noqa: E731
+    training = lambda layout: TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-3),  # noqa: E731
+                                           grad_dtype=layout.grad_dtype)
     js, results, iterations, app = run(
-        [str(CAPTURE)], replica_training=training,
+        [str(CAPTURE)], training=training,
         progress=lambda i, replica: steps.append(state_sha256(replica.params, replica.optimizer)))
     assert app.summary.iterations_applied == 20 and len(steps) == 20
 

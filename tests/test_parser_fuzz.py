@@ -56,8 +56,9 @@ def test_decoder_stack_survives(frames):
         assert len(m.data) <= 64 << 20
         assert all(0 <= a and n > 0 and a + n <= max(len(m.data), a + n) for a, n in m.holes)
 
-    class One:
+    class One:  # a parser.streams.SendStream of one batch
         decoders = [pp.nccl]
+        nstreams, ended, stats = 1, set(), []
 
         def __iter__(self):
             yield sends + s2

@@ -183,9 +183,9 @@ def test_the_job_uses_what_the_design_says(job):
 def test_every_send_placed_without_mismatch(job, mirror):
     cfg, out, _ = job
     js, _, _ = replay(out, STREAMS[mirror][0])
-    sm = js.reassembly.sm
-    assert sm.counts.get("mismatch", 0) == 0, sm.mismatches
-    assert sm.counts["placed"] > 0 and set(sm.counts) == {"placed"}, dict(sm.counts)
+    rep = js.report()
+    assert rep.placement.get("mismatch", 0) == 0, rep.mismatches
+    assert rep.placement["placed"] > 0 and set(rep.placement) == {"placed"}, rep.placement
 
 
 @pytest.mark.parametrize("mirror", list(STREAMS))

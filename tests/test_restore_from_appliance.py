@@ -10,9 +10,10 @@ import signal
 
 import common
 from mirrorckpt.config.training import PersistSpec
-from mirrorckpt.control import harness
-from mirrorckpt.control.appliance_side import AppliancePlane, MirrorFollower
+from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.tools.testbed import harness
+from mirrorckpt.tools.testbed.follower import MirrorFollower
 from mirrorckpt.updater import ckptdir
 
 SECRET = "restore-secret-0123456789abcdef"
@@ -30,7 +31,7 @@ def test_restore_from_appliance_memory_and_disk(tmp_path):
     frames = harness.FrameStreamServer(WORLD)
     ring, topo = harness.ring_for(WORLD)
     follower = MirrorFollower(plane, MirrorStreams(frames.sources()), ring, channels=harness.channels_for(topo, ring),
-                              reassembly_window=16)
+                              psn_window=16)
     follower.start()
     try:
         run = tmp_path / "killed"

@@ -3,7 +3,7 @@ the control plane, following a live 2-process CPU DDP job; a deliberately slow u
 capture edge drop frames, the replica goes stale, the appliance asks the trainer for a GoCkpt
 fallback, resyncs, and follows the rest of the run bit-exactly once the updater keeps up.
 
-The ranks (control.harness) send the RoCEv2 frames of their ring all-reduce over the harness's
+The ranks (tools.testbed.harness) send the RoCEv2 frames of their ring all-reduce over the harness's
 frame stream; a relay injects each rank's frames from that rank's namespace (tools.netns), tc
 mirrors both ranks' ports to the monitor interface, and the daemon's AF_PACKET worker captures it
 there ("afpacket:IFACE@NETNS") while its control plane listens on 127.0.0.1 for the trainers.
@@ -21,11 +21,11 @@ import pytest
 from mirrorckpt.config.jobfile import JobConfig
 from mirrorckpt.config.layout import MirrorSpec
 from mirrorckpt.config.training import PersistSpec
-from mirrorckpt.control import harness
 from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.tools.metrics import Metrics
-from mirrorckpt.tools.netns import FrameSender, Topology
 from mirrorckpt.tools.serve import Daemon
+from mirrorckpt.tools.testbed import harness
+from mirrorckpt.tools.testbed.netns import FrameSender, Topology
 
 pytestmark = pytest.mark.root
 

@@ -46,7 +46,7 @@ from mirrorckpt.config.layout import MirrorSpec
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.tools.cmd_status import fetch
 from mirrorckpt.tools.generator.gen import GenConfig, generate
-from mirrorckpt.tools.netns import FrameSender, Topology
+from mirrorckpt.tools.testbed.netns import FrameSender, Topology
 from mirrorckpt.updater import ckptdir, restore
 from mirrorckpt.updater.replica import Replica
 

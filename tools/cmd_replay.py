@@ -17,7 +17,10 @@ from pathlib import Path
 import click
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
+from mirrorckpt.parser.collectives import JobModel
+from mirrorckpt.parser.concat import CollectiveResult
 from mirrorckpt.parser.infer import InferenceError
+from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.pipeline import JobStream
 from mirrorckpt.parser.streams import MirrorStreams
 
@@ -57,33 +60,38 @@ def persist_spec(job, checkpoint_dir):
     return PersistSpec.from_dict(d)
 
 
-def run(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, replica_training=None,
-        persist=None, progress=None, transport="roce"):
-    """The main job. Returns (JobStream, results, iterations, Appliance or None)."""
-    from mirrorckpt.tools.appliance import Appliance
-
-    if transport == "gloo":  # PyTorch DDP over gloo/TCP: same pipeline after the placer
+def open_stream(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, transport="roce"):
+    """The job stream over capture files: NCCL over RoCEv2, or PyTorch DDP over gloo/TCP."""
+    if transport == "gloo":
         from mirrorckpt.parser.gloo_job import open_job_stream
 
-        js = open_job_stream(captures, job, dtype)
-    else:
-        streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
-        kw = dict(model=job.model(), ranks=job.ranks(), channels=None) if job is not None else {}
-        js = JobStream(streams, dtype=dtype, nccl_version=nccl_version, **kw)
-    results, iterations, app = [], [], None
-    for done, its in js:
-        results += done
-        iterations += its
-        if replica_training is None:
-            continue
-        layout = js.model.layout
-        if app is None and layout is not None:
-            training = replica_training(layout.grad_dtype)
-            app = Appliance(layout, training, persist, on_iteration=progress)
-        if app is not None:
-            app.start_from_wire(js.reassembly.startup, layout)
-            for it in its:
-                app.apply(it)
+        return open_job_stream(captures, job, dtype)
+    streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
+    kw = dict(model=JobModel.from_job(job), ranks=job.ring.ranks_by_address()) if job is not None else {}
+    return JobStream(streams, dtype=dtype, nccl_version=nccl_version, **kw)
+
+
+def run(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, training=None,
+        persist=None, progress=None, transport="roce"):
+    """The main job. ``training``: the replica's TrainingSpec, or a function of the layout; None
+    keeps no replica. Returns (job stream, finished collectives, iterations, Appliance or None)."""
+    js = open_stream(captures, job, dtype, nccl_version, icrc, transport)
+    app = None
+    if training is not None:
+        from mirrorckpt.updater.appliance import Appliance
+
+        app = Appliance(None, training, persist, on_iteration=progress)
+    results, iterations = [], []
+
+    def keep(item):
+        if isinstance(item, CollectiveResult):
+            results.append(item)
+        elif isinstance(item, ReducedIteration):
+            iterations.append(item)
+
+    from mirrorckpt.updater.appliance import drive
+
+    drive(js, app, keep)
     return js, results, iterations, app
 
 
@@ -137,13 +145,14 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     keep_replica = checkpoint_dir is not None or (job is not None and bool(job.persist))
     try:
         persist = persist_spec(job, checkpoint_dir) if keep_replica else None
-        training = (lambda gd: training_spec(job, dtype or gd, optimizer, lr)) if keep_replica else None
+        training = (lambda layout: training_spec(job, dtype or layout.grad_dtype, optimizer, lr)) \
+            if keep_replica else None
     except SpecError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
     if keep_replica:
-        import mirrorckpt.tools.appliance  # noqa: F401  (torch's import is not replay time)
+        import mirrorckpt.updater.appliance  # noqa: F401  (torch's import is not replay time)
     t0 = time.perf_counter()
     shown = {"n": 0}
 
@@ -172,13 +181,13 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         summary["latest_kept"] = str(kept) if kept is not None else None
     secs = time.perf_counter() - t0
     ars = allreduce_report(results)
-    damage = [s.damage for s in js.streams.stats if s.damage]
-    nbytes = sum(s.bytes for s in js.streams.stats)
+    rep = js.report()
+    damage, nbytes = rep.damage, rep.bytes
     report = {
         "captures": list(captures),
-        "notes": js.notes,
-        "placement": dict(js.reassembly.sm.counts) if js.reassembly else {},
-        "mismatches": js.reassembly.sm.mismatches if js.reassembly else [],
+        "notes": rep.notes,
+        "placement": rep.placement,
+        "mismatches": rep.mismatches,
         "allreduces": ars,
         "iterations": [{"index": it.index, "complete": it.complete,
                         "holes": {str(b): [list(h) for h in hs] for b, hs in it.holes.items()}}

@@ -27,6 +27,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from mirrorckpt.parser.iteration import ReducedIteration
+from mirrorckpt.parser.streams import WIRE_IDLE, StreamStats
+
 log = logging.getLogger("mirrorckpt.serve")
 
 
@@ -145,20 +148,20 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
 
 
 class QueueStreams:
-    """Sends from the capture workers, as the parser's stream interface (what MirrorStreams is
+    """Sends from the capture workers as a ``parser.streams.SendStream`` (what MirrorStreams is
     for files in one process)."""
 
     def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0,
                  idle_seconds: float = 2.0):
         self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
         self.nstreams = nports
+        self.stats = [StreamStats(f"port {k}") for k in range(nports)]
         self.finished: dict[int, str | None] = {}  # port -> damage (None: clean end)
         self.last_seen: dict[int, float] = {}
         self.stall_seconds = stall_seconds
-        # Called (in the consumer's thread, between two yields) once no port delivered a send
-        # for `idle_seconds` after some did: the wire went quiet (end of the job, a pause).
+        # WIRE_IDLE is yielded once no port delivered a send for `idle_seconds` after some did:
+        # the wire went quiet (end of the job, a pause).
         self.idle_seconds = idle_seconds
-        self.on_idle = None
         self.stalled: set[int] = set()
         self.counters: dict[int, dict] = {}
         self.decoders: list = []  # CTS tags live in the workers; serve takes ranks from the config
@@ -182,8 +185,7 @@ class QueueStreams:
         while len(self.finished) < self.nports:
             if unsettled is not None and time.monotonic() - unsettled >= self.idle_seconds:
                 unsettled = None
-                if self.on_idle is not None:
-                    self.on_idle()
+                yield WIRE_IDLE
             try:
                 kind, port, payload = self.q.get(timeout=0.2)
             except queue.Empty:
@@ -196,6 +198,7 @@ class QueueStreams:
                 self._stats(port, payload)
             elif kind == "end":
                 self.finished[port] = payload
+                self.stats[port].damage = payload
                 if payload:
                     log.error("capture source failed", extra={"port": port, "error": payload})
 
@@ -208,6 +211,24 @@ class QueueStreams:
         m.dropped.labels(lp, "kernel").inc(max(0, c["dropped_kernel"] - old.get("dropped_kernel", 0)))
         m.icrc.labels(lp).inc(max(0, c["icrc"] - old.get("icrc", 0)))
         self.counters[port] = c
+        self.stats[port].frames, self.stats[port].bytes = c["frames"], c["bytes"]
+
+
+class _UpdaterQueue:
+    """The parser thread's sink: items go to the updater thread over a bounded queue (a full
+    queue blocks the parser: back-pressure)."""
+
+    def __init__(self, q: queue.Queue, metrics):
+        self.q, self.metrics = q, metrics
+
+    def initial_weights(self, w) -> None:
+        self.q.put(w)
+
+    def apply(self, it) -> None:
+        self.metrics.iterations.labels("complete" if it.complete else "incomplete").inc()
+        self.metrics.wire_iteration.set(it.index)
+        self.q.put(it)
+        self.metrics.queue_depth.labels("iterations").set(self.q.qsize())
 
 
 class Daemon:
@@ -247,53 +268,48 @@ class Daemon:
         self.stop_capture.set()
 
     def _parser(self) -> None:
+        from mirrorckpt.parser.collectives import JobModel
         from mirrorckpt.parser.pipeline import JobStream
+        from mirrorckpt.updater.appliance import drive
 
         streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping)
-        js = JobStream(streams, model=self.job.model(), ranks=self.job.ranks(), channels=None,
-                       nccl_version=self.job.ring.nccl_version, infer_after=2000, keep_results=False)
+        js = JobStream(streams, model=JobModel.from_job(self.job), ranks=self.job.ring.ranks_by_address(),
+                       nccl_version=self.job.ring.nccl_version, infer_after=2000)
         self.jobstream, self.streams = js, streams
-        # The wire went quiet: what is complete goes on now, not when traffic resumes or at stop.
-        streams.on_idle = lambda: self._hand_on(js, js.reassembly.settle()[1] if js.reassembly else [])
         try:
-            for _done, its in js:
-                self._hand_on(js, its)
+            drive(js, _UpdaterQueue(self.iters_q, self.metrics))
         except BaseException as e:  # a parser failure stops the daemon with the reason logged
             self.error = e
             log.exception("parser stopped")
         finally:
             self.iters_q.put(None)
 
-    def _hand_on(self, js, its) -> None:
-        if self.appliance.replica is None and js.reassembly is not None:
-            self.appliance.start_from_wire(js.reassembly.startup, js.model.layout)
-        for it in its:
-            self.metrics.iterations.labels("complete" if it.complete else "incomplete").inc()
-            self.metrics.wire_iteration.set(it.index)
-            self.iters_q.put(it)  # blocks when the updater is behind: back-pressure
-            self.metrics.queue_depth.labels("iterations").set(self.iters_q.qsize())
-
     def _updater(self) -> None:
+        from mirrorckpt.updater.appliance import drive
+
+        sink = self.control if self.control is not None else self.appliance  # the plane: fallbacks, replays
+        drive(iter(self._next_update, None), sink, self._updated)  # metrics after each step
+
+    def _next_update(self):
+        item = self.iters_q.get()
+        self.metrics.queue_depth.labels("iterations").set(self.iters_q.qsize())
+        if item is not None and self.updater_delay:
+            time.sleep(self.updater_delay)
+        return item
+
+    def _updated(self, it) -> None:
+        if not isinstance(it, ReducedIteration):
+            return
         m = self.metrics
-        while True:
-            it = self.iters_q.get()
-            m.queue_depth.labels("iterations").set(self.iters_q.qsize())
-            if it is None:
-                break
-            if self.updater_delay:
-                time.sleep(self.updater_delay)
-            if self.control is not None:
-                self.control.feed(it)  # stale -> fallback request; resync replays buffered ones
-                m.fallbacks.inc(self.control.stats.fallbacks_requested - self._fallbacks_seen)
-                self._fallbacks_seen = self.control.stats.fallbacks_requested
-            else:
-                self.appliance.apply(it)
-            r = self.appliance.replica
-            if r is not None:
-                m.replica_step.set(r.step)
-                m.replica_iteration.set(r.iteration)
-                m.stale.set(1 if r.stale is not None else 0)
-                m.lag.set(max(0, it.index - r.iteration))
+        if self.control is not None:
+            m.fallbacks.inc(self.control.stats.fallbacks_requested - self._fallbacks_seen)
+            self._fallbacks_seen = self.control.stats.fallbacks_requested
+        r = self.appliance.replica
+        if r is not None:
+            m.replica_step.set(r.step)
+            m.replica_iteration.set(r.iteration)
+            m.stale.set(1 if r.stale is not None else 0)
+            m.lag.set(max(0, it.index - r.iteration))
 
     def _on_stale(self, exc) -> None:
         self.metrics.fallbacks.inc()
@@ -309,7 +325,7 @@ class Daemon:
         log.info("checkpoint committed", extra={"path": str(path)})
 
     def run(self) -> int:
-        from mirrorckpt.tools.appliance import Appliance
+        from mirrorckpt.updater.appliance import Appliance
 
         self._fallbacks_seen = 0
         if self.control is not None:

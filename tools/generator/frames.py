@@ -2,7 +2,7 @@
 
 A batch is described column-wise (``Packets``: one row per packet, no per-packet Python objects).
 Every field is written through the header tables of ``parser.headers`` (``put`` is the vectorised
-counterpart of ``Header.read``), payloads are copied from a pool with ``parser._fast.copy_ranges``
+counterpart of ``Header.read``), payloads are copied from a pool with ``capture._pack.copy_ranges``
 and the ICRCs of all packets come from one call of ``parser._fast.icrc``.
 
 Layout: Ethernet | IPv6 or IPv4 | UDP (dport 4791, checksum 0) | BTH | RETH? ImmDt? AETH? DETH? |
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import numpy as np
+from mirrorckpt.capture._pack import copy_ranges
 from mirrorckpt.parser import _fast, opcodes
 from mirrorckpt.parser.headers import (
     AETH,
@@ -193,7 +194,7 @@ def build(pk: Packets, pool: np.ndarray, macs: np.ndarray, ips: np.ndarray, v6: 
 
     sel = np.flatnonzero(pay_len > 0)
     if sel.size:
-        _fast.copy_ranges(np.ascontiguousarray(pool, np.uint8), np.ascontiguousarray(pk.pay_off[sel], np.int64), buf,
+        copy_ranges(np.ascontiguousarray(pool, np.uint8), np.ascontiguousarray(pk.pay_off[sel], np.int64), buf,
                           np.ascontiguousarray(at[sel]), np.ascontiguousarray(pay_len[sel]))
     icrc_at = offset + length - ICRC_BYTES
     crc = np.zeros(n, np.uint32)

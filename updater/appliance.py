@@ -1,24 +1,25 @@
-"""The appliance's main loop, shared by `replay` and `serve`: reduced iterations from the parser
-applied to the CPU replica, which the persister commits in the background.
+"""The appliance: the parser's items applied to the CPU replica, which the persister commits in
+the background; and ``drive``, the one loop that runs the pipeline (``replay``, ``serve``, the
+control plane's mirror path and the gloo transport all use it).
 
-The replica starts from the initial weights DDP broadcast at start-up (read off the wire), from
-a committed checkpoint, or from a state handed in (the trainer's registration). An incomplete
-iteration is never applied: the replica goes stale, ``on_stale`` is told once per stale episode
-(the control plane turns it into a fallback request), and later iterations are counted as
-skipped until ``resync`` brings a consistent state.
+The replica starts from the initial weights DDP broadcast at start-up (an ``InitialWeights`` item
+of the job stream), from a committed checkpoint, or from a state handed in (the trainer's
+registration). An incomplete iteration is never applied: the replica goes stale, ``on_stale`` is
+told once per stale episode (the control plane turns it into a fallback request), and later
+iterations are counted as skipped until ``resync`` brings a consistent state.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-import numpy as np
 from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import PersistSpec, TrainingSpec
-from mirrorckpt.parser.iteration import ReducedIteration
-from mirrorckpt.parser.pipeline import Startup
+from mirrorckpt.parser.iteration import InitialWeights, ReducedIteration
 from mirrorckpt.updater.persist import Persister
 from mirrorckpt.updater.replica import Replica, ReplicaStale
 
@@ -40,9 +41,35 @@ class Summary:
         return dict(self.__dict__)
 
 
+class IterationSink(Protocol):
+    """What ``drive`` hands the job stream's items to (``Appliance``, the control plane's
+    ``AppliancePlane``, the daemon's queue to its updater thread)."""
+
+    def initial_weights(self, w: InitialWeights) -> None: ...
+
+    def apply(self, it: ReducedIteration) -> None: ...
+
+
+def drive(items: Iterable, sink: IterationSink | None = None, on_item: Callable | None = None) -> None:
+    """The pipeline loop: the initial weights and the iterations of a job stream to ``sink``, then
+    every item to ``on_item`` (reports, metrics)."""
+    for item in items:
+        if sink is not None:
+            if isinstance(item, ReducedIteration):
+                sink.apply(item)
+            elif isinstance(item, InitialWeights):
+                sink.initial_weights(item)
+        if on_item is not None:
+            on_item(item)
+
+
 class Appliance:
-    def __init__(self, layout: JobLayout | None, training: TrainingSpec, persist: PersistSpec | None = None,
-                 replica: Replica | None = None, on_stale=None, on_iteration=None):
+    """``training`` may be a function of the layout (a replay that learns the gradient dtype from
+    the wire)."""
+
+    def __init__(self, layout: JobLayout | None, training: TrainingSpec | Callable[[JobLayout], TrainingSpec],
+                 persist: PersistSpec | None = None, replica: Replica | None = None, on_stale=None,
+                 on_iteration=None):
         self.layout = layout
         self.training = training
         self.replica = replica
@@ -55,18 +82,15 @@ class Appliance:
     def _committed(self, path) -> None:
         self.summary.checkpoints.append(str(path))
 
-    def start_from_wire(self, startup: Startup, layout: JobLayout) -> bool:
-        """Creates the replica from DDP's initial-weight broadcast once it has been reassembled."""
+    def initial_weights(self, w: InitialWeights) -> None:
+        """Creates the replica from DDP's initial-weight broadcast (ignored once there is one)."""
         if self.replica is not None:
-            return True
-        groups = startup.initial_weights()
-        if not groups or not all(g.complete for g in groups):
-            return False
-        flat = np.concatenate([g.values() for g in groups])
-        self.layout = layout
-        self.replica = Replica.from_initial_weights(layout, self.training, flat)
-        log.info("replica started from the initial weights on the wire (%d parameters)", layout.total_numel)
-        return True
+            return
+        if callable(self.training):
+            self.training = self.training(w.layout)
+        self.layout = w.layout
+        self.replica = Replica.from_initial_weights(w.layout, self.training, w.values)
+        log.info("replica started from the initial weights on the wire (%d parameters)", w.layout.total_numel)
 
     def apply(self, it: ReducedIteration) -> None:
         s = self.summary

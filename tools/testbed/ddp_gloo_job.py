@@ -6,7 +6,7 @@ reproduce: the parameters after DDP's construction (``init.pt``), every iteratio
 gradients (``grads_<i>.pt``, rank 0), the final parameters and Adam state (``final.pt``) and the
 job description (``meta.json``: names, shapes, DDP's rebuilt buckets).
 
-Run: ``python -m mirrorckpt.tools.ddp_gloo_job --rank R --world W --master ADDR --port P --out DIR``
+Run: ``python -m mirrorckpt.tools.testbed.ddp_gloo_job --rank R --world W --master ADDR --port P --out DIR``
 with ``GLOO_SOCKET_IFNAME`` set to the rank's interface.
 """
 

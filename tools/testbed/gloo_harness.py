@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from mirrorckpt.capture.afpacket import open_ring
-from mirrorckpt.control import harness
-from mirrorckpt.tools.netns import Monitor, Topology, TopologyError
+from mirrorckpt.tools.testbed import harness
+from mirrorckpt.tools.testbed.netns import Monitor, Topology, TopologyError
 
 MASTER_PORT = 29500
 _HOOK = {"egress": ("ingress",), "ingress": ("egress",), "both": ("ingress", "egress")}
@@ -153,7 +153,7 @@ def start_ranks(topo: Topology, out: Path, steps: int = 8, extra: list[str] | No
     for r, h in enumerate(topo.hosts):
         env["GLOO_SOCKET_IFNAME"] = h.ifname
         log = open(out / f"rank{r}.log", "w")
-        procs.append(topo.popen(h, sys.executable, "-m", "mirrorckpt.tools.ddp_gloo_job", "--rank", r,
+        procs.append(topo.popen(h, sys.executable, "-m", "mirrorckpt.tools.testbed.ddp_gloo_job", "--rank", r,
                                 "--world", len(topo.hosts), "--master", topo.hosts[0].ip, "--port", port,
                                 "--out", out, "--steps", steps, *(extra or []),
                                 env=dict(env), stdout=log, stderr=subprocess.STDOUT))

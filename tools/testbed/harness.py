@@ -10,7 +10,7 @@ appliance turns it back into ``FrameBatch``es per port, which ``MirrorStreams`` 
 captures). Loss is injected in that stream: ``drop`` names (iteration, bucket) all-reduces whose
 middle data frames never reach any mirror port, so the iteration cannot be reassembled.
 
-``python -m mirrorckpt.control.harness --rank R --world W ...`` is a complete DDP job using it
+``python -m mirrorckpt.tools.testbed.harness --rank R --world W ...`` is a complete DDP job using it
 together with ``control.trainer.attach`` (tests and the stall benchmark run it).
 """
 
@@ -31,20 +31,19 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from mirrorckpt.capture.batch import FrameBatch
+from mirrorckpt.config.layout import MirrorSpec, RingSpec
+from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.parser import ringreduce, schedule
+from mirrorckpt.tools.generator import topology as topo_mod
+from mirrorckpt.tools.generator.faults import FaultInjector, FaultOptions
+from mirrorckpt.tools.generator.mirrors import CaptureSet, MirrorFile
+from mirrorckpt.tools.generator.noise import NoiseOptions, NoiseSource
+from mirrorckpt.tools.generator.packetize import NcclRing
+from mirrorckpt.tools.generator.wire import Wire, WireOptions
 from torch import nn
 
-from ..capture.batch import FrameBatch
-from ..config.layout import MirrorSpec, RingSpec
-from ..parser import nccl_versions as nv
-from ..parser import ringreduce, schedule
-from ..tools.generator import topology as topo_mod
-from ..tools.generator.faults import FaultInjector, FaultOptions
-from ..tools.generator.mirrors import CaptureSet, MirrorFile
-from ..tools.generator.noise import NoiseOptions, NoiseSource
-from ..tools.generator.packetize import NcclRing
-from ..tools.generator.wire import Wire, WireOptions
-
-log = logging.getLogger("mirrorckpt.control.harness")
+log = logging.getLogger("mirrorckpt.tools.testbed.harness")
 
 _MAGIC = 0x4D434B46  # "MCKF": one batch of frames of one mirror port
 _BATCH = struct.Struct(">IHHIQ")  # magic, port, reserved, frames, data bytes
@@ -62,12 +61,11 @@ def ring_for(world: int, seed: int = 1, protocol: str = "LL", nccl_version: str 
 def channels_for(topo, ring: RingSpec) -> dict:
     """Ring connection -> channel of the simulated fabric (what the parser would otherwise infer
     from the first collectives' traffic)."""
-    import ipaddress
-
-    from ..parser.nccl import ConnKey
+    from mirrorckpt.config.layout import wire_address
+    from mirrorckpt.parser.nccl import ConnKey
 
     def addr(rank):
-        return ipaddress.ip_address(ring.addresses[rank]).packed
+        return wire_address(ring.addresses[rank])
 
     return {ConnKey(addr(p.sender), addr(p.receiver), p.sport): ch for (ch, _pos), p in topo.ring.items()}
 
@@ -270,7 +268,7 @@ class StreamSink(CaptureSet):
     """The packetiser's sink: every rank's egress is one mirror port of the frame stream."""
 
     def __init__(self, topo, sender: FrameStreamSender, nranks: int, v6: bool = True):
-        from ..tools.generator.messages import MessageLog
+        from mirrorckpt.tools.generator.messages import MessageLog
 
         self.topo, self.v6, self.fmt, self.switch_ns = topo, v6, "stream", 600
         mirrors = [MirrorSpec(r, "egress") for r in range(nranks)]
@@ -412,8 +410,8 @@ def build_model(dims, seed: int) -> nn.Module:
 def digest(link_or_none, module, optimizer, scheduler, shard) -> dict:
     """The five state components of a rank, hashed: parameters, optimizer state, schedule and
     counters, RNG state, data position."""
-    from ..updater.fingerprint import state_sha256
-    from .trainer import reducer_params
+    from mirrorckpt.control.trainer import reducer_params
+    from mirrorckpt.updater.fingerprint import state_sha256
 
     params = [p for _, p in reducer_params(module)]
     ps, os_ = state_sha256(params, optimizer)
@@ -449,7 +447,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"rank{a.rank} %(asctime)s %(name)s: %(message)s")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=a.rank,
                             world_size=a.world)
-    from .trainer import attach
+    from mirrorckpt.control.trainer import attach
 
     dims = tuple(int(x) for x in a.dims.split(","))
     model = build_model(dims, a.seed + a.rank)  # differs per rank: DDP's broadcast makes them agree
@@ -522,7 +520,7 @@ def spawn_ranks(world: int, out, secret: str, *, control_port: int = 0, frames_p
     procs = []
     for r in range(world):
         logf = open(out / f"rank{r}.log", "a")
-        cmd = [sys.executable, "-m", "mirrorckpt.control.harness", "--rank", str(r), "--world", str(world),
+        cmd = [sys.executable, "-m", "mirrorckpt.tools.testbed.harness", "--rank", str(r), "--world", str(world),
                "--master-port", str(master), "--control-port", str(control_port), "--frames-port",
                str(frames_port), "--steps", str(steps), "--out", str(out), *(extra or []),
                *((rank_extra or {}).get(r, []))]
