@@ -16,12 +16,17 @@ c10d comm.cpp/reducer.cpp):
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, dtype_size
 
-BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+MIB = 1024 * 1024
+BROADCAST_BUCKET_BYTES = 250 * MIB  # DistributedDataParallel.broadcast_bucket_size
+DEFAULT_BUCKET_CAP_MB = 25  # distributed._DEFAULT_BUCKET_CAP_MB
+FIRST_BUCKET_BYTES = MIB  # dist._DEFAULT_FIRST_BUCKET_BYTES, used only with the default cap
 
 ALLREDUCE, BROADCAST, ALLGATHER = "allreduce", "broadcast", "allgather"
 
@@ -65,6 +70,35 @@ def size_groups(nbytes: list[int], limit: int) -> list[list[int]]:
     if cur:
         out.append(cur)
     return out
+
+
+def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """(bucket_bytes_cap, first_bucket_bytes_cap) as _BucketCapacityConfig.create computes them:
+    a user value is used for both caps; only the default keeps the 1 MiB first bucket."""
+    if bucket_cap_mb is None:
+        return int(DEFAULT_BUCKET_CAP_MB * MIB), FIRST_BUCKET_BYTES
+    cap = int(bucket_cap_mb * MIB)
+    return cap, cap
+
+
+def assign_buckets(tensors: Sequence, limits: Sequence[int], indices: Sequence[int] | None = None) -> list[list[int]]:
+    """torch's own compute_bucket_assignment_by_size (sorted by minimum index only when
+    ``indices`` is not given, as in the C++)."""
+    import torch.distributed as dist
+
+    buckets, _ = dist._compute_bucket_assignment_by_size(list(tensors), list(limits), [], list(indices or []))
+    return [list(b) for b in buckets]
+
+
+def initial_buckets(params: Sequence) -> list[list[int]]:
+    """Iteration 0's buckets. compute_bucket_size_limits gives [sys.maxsize] when
+    find_unused_parameters=False; DDP reverses the assignment."""
+    return list(reversed(assign_buckets(params, [sys.maxsize])))
+
+
+def rebuilt_buckets(params: Sequence, ready_order: Sequence[int], cap: int, first_cap: int) -> list[list[int]]:
+    """The buckets from iteration 1 on: parameters in first-backward ready order, DDP's caps."""
+    return assign_buckets([params[i] for i in ready_order], [first_cap, cap], ready_order)
 
 
 def broadcast_groups(layout: JobLayout) -> list[list[int]]:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from mirrorckpt.config import ddp as cddp
 from mirrorckpt.config.layout import numpy_dtype
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.tools.generator import ddp as gddp
@@ -457,16 +458,21 @@ def test_broadcast_coalesced_splits_at_the_limit(monkeypatch):
 
 
 def test_bucket_caps_follow_ddp_2_13():
-    assert gddp.bucket_caps(None) == (25 * 2 ** 20, 2 ** 20)
-    assert gddp.bucket_caps(4) == (4 * 2 ** 20, 4 * 2 ** 20)  # a user value is used for both
+    assert cddp.bucket_caps(None) == (25 * 2 ** 20, 2 ** 20) == (cddp.bucket_caps(None)[0],
+                                                               dist._DEFAULT_FIRST_BUCKET_BYTES)
+    assert cddp.bucket_caps(4) == (4 * 2 ** 20, 4 * 2 ** 20)  # a user value is used for both
     params = [torch.empty(n) for n in (200_000, 100_000, 300_000, 10)]  # 800, 400, 1200, 0.04 kB
     order = [3, 2, 1, 0]
-    assert gddp.rebuilt_buckets(params, order, None) == [[3, 2], [1, 0]]  # 1 MiB first bucket
-    assert gddp.rebuilt_buckets(params, order, 1) == [[3, 2], [1, 0]]
-    assert gddp.rebuilt_buckets(params, order, 0.5) == [[3, 2], [1, 0]]
-    assert gddp.rebuilt_buckets(params, order, 0.3) == [[3, 2], [1], [0]]
-    assert gddp.rebuilt_buckets(params, order, 4) == [[3, 2, 1, 0]]
-    assert gddp.initial_buckets(params) == [[0, 1, 2, 3]]
+
+    def rebuilt(cap_mb):
+        return cddp.rebuilt_buckets(params, order, *cddp.bucket_caps(cap_mb))
+
+    assert rebuilt(None) == [[3, 2], [1, 0]]  # 1 MiB first bucket
+    assert rebuilt(1) == [[3, 2], [1, 0]]
+    assert rebuilt(0.5) == [[3, 2], [1, 0]]
+    assert rebuilt(0.3) == [[3, 2], [1], [0]]
+    assert rebuilt(4) == [[3, 2, 1, 0]]
+    assert cddp.initial_buckets(params) == [[0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("training,overflow_at", [

@@ -23,21 +23,21 @@ torch/nn/parallel/distributed.py of the 2.13 wheel and c10d reducer.cpp / comm.c
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from mirrorckpt.config.ddp import reducer_params
+from mirrorckpt.config.ddp import (
+    BROADCAST_BUCKET_BYTES,
+    assign_buckets,
+    bucket_caps,
+    initial_buckets,
+    rebuilt_buckets,
+    reducer_params,
+)
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from torch import nn
-
-MIB = 1024 * 1024
-BROADCAST_BUCKET_BYTES = 250 * MIB  # DistributedDataParallel.broadcast_bucket_size
-DEFAULT_BUCKET_CAP_MB = 25  # distributed._DEFAULT_BUCKET_CAP_MB
-FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES  # 1 MiB, used only with the default cap
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                torch.int32: "int32", torch.int64: "int64", torch.float64: "float64", torch.uint8: "uint8"}
@@ -68,36 +68,6 @@ def from_wire(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a).to(dtype)
-
-
-def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
-    """(bucket_bytes_cap, first_bucket_bytes_cap) as _BucketCapacityConfig.create computes them:
-    a user value is used for both caps; only the default keeps the 1 MiB first bucket."""
-    if bucket_cap_mb is None:
-        return int(DEFAULT_BUCKET_CAP_MB * MIB), FIRST_BUCKET_BYTES
-    cap = int(bucket_cap_mb * MIB)
-    return cap, cap
-
-
-def assign_buckets(tensors: Sequence[torch.Tensor], limits: Sequence[int],
-                   indices: Sequence[int] | None = None) -> list[list[int]]:
-    """torch's own compute_bucket_assignment_by_size (sorted by minimum index only when
-    ``indices`` is not given, as in the C++)."""
-    buckets, _ = dist._compute_bucket_assignment_by_size(list(tensors), list(limits), [],
-                                                           list(indices or []))
-    return [list(b) for b in buckets]
-
-
-def initial_buckets(params: Sequence[torch.Tensor]) -> list[list[int]]:
-    # compute_bucket_size_limits: [sys.maxsize] when find_unused_parameters=False; DDP reverses.
-    return list(reversed(assign_buckets(params, [sys.maxsize])))
-
-
-def rebuilt_buckets(params: Sequence[torch.Tensor], ready_order: Sequence[int],
-                    bucket_cap_mb: float | None) -> list[list[int]]:
-    cap, first = bucket_caps(bucket_cap_mb)
-    ordered = [params[i] for i in ready_order]
-    return assign_buckets(ordered, [first, cap], ready_order)
 
 
 def shape_metadata(params: Sequence[torch.Tensor]) -> np.ndarray:
@@ -208,7 +178,7 @@ class DDP:
             self.rebuild()
 
     def rebuild(self) -> None:
-        mine = rebuilt_buckets(self.params, self.ready_order, self.bucket_cap_mb)
+        mine = rebuilt_buckets(self.params, self.ready_order, *bucket_caps(self.bucket_cap_mb))
         indices, sizes = sync_indices_payloads(mine)
         got_indices = self.comm.broadcast(indices, 0, "rebuild_indices")
         got_sizes = self.comm.broadcast(sizes, 0, "rebuild_sizes")
@@ -252,7 +222,7 @@ class DDP:
         if self.rebuilt:
             after = self.buckets
         elif self.ready_order is not None:
-            after = rebuilt_buckets(self.params, self.ready_order, self.bucket_cap_mb)
+            after = rebuilt_buckets(self.params, self.ready_order, *bucket_caps(self.bucket_cap_mb))
         else:
             raise RuntimeError("the rebuilt layout is known only after the first backward")
         first = [BucketSpec(tuple(b)) for b in self.first_buckets]

@@ -1,0 +1,88 @@
+"""The folders show the data path: capture, config < parser < updater < control < tools.
+
+An AST walk over every source (lazy imports inside functions included) finds each import of a
+``mirrorckpt`` module; none may reach a stage above its own, the two leaves (capture, config) do
+not import each other, and only tools, benchmarks and tests import the generator or the test rigs.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from common import REPO
+
+LAYER = {"capture": 0, "config": 0, "parser": 1, "updater": 2, "control": 3, "tools": 4}
+RIGS = ("tools.generator", "tools.testbed")
+
+
+def _resolve(module: str, level: int, here: tuple[str, ...]) -> str:
+    if not level:
+        return module.removeprefix("mirrorckpt.") if module.startswith("mirrorckpt") else ""
+    base = list(here[:len(here) - (level - 1)])
+    return ".".join(base + ([module] if module else []))
+
+
+def imports(path) -> list[tuple[int, str]]:
+    """(line, module inside mirrorckpt without its prefix) for every import in ``path``."""
+    rel = path.relative_to(REPO)
+    here = rel.parts[:-1]
+    text = path.read_text()
+    if path.suffix == ".pyx":  # Cython: its Python-level imports, by pattern
+        out = []
+        for n, line in enumerate(text.splitlines(), 1):
+            m = re.match(r"\s*(?:from\s+(\S+)\s+c?import|c?import\s+(\S+))", line)
+            if m and (m.group(1) or m.group(2) or "").startswith(("mirrorckpt", ".")):
+                mod = m.group(1) or m.group(2)
+                level = len(mod) - len(mod.lstrip("."))
+                out.append((n, _resolve(mod.lstrip("."), level, here)))
+        return out
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(node.module or "", node.level, here)
+            if mod and mod.split(".")[0] in LAYER:
+                # `from mirrorckpt.tools import generator` names a subpackage
+                out += [(node.lineno, f"{mod}.{a.name}") for a in node.names] if mod in ("tools",) else \
+                    [(node.lineno, mod)]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name.removeprefix("mirrorckpt."))
+                    for a in node.names if a.name.startswith("mirrorckpt.")]
+    return out
+
+
+def violations() -> list[str]:
+    bad = []
+    for path in sorted(REPO.rglob("*.py*")):
+        rel = path.relative_to(REPO)
+        if path.suffix not in (".py", ".pyx") or rel.parts[0] not in LAYER:
+            continue
+        own = rel.parts[0]
+        rig = ".".join(rel.parts[:2]) in RIGS
+        for line, mod in imports(path):
+            top = mod.split(".")[0]
+            if top not in LAYER or top == own:
+                continue
+            if LAYER[top] > LAYER[own] or (LAYER[top] == LAYER[own] == 0):
+                bad.append(f"{rel}:{line} imports {mod} (layer {top} is not below {own})")
+        for line, mod in imports(path):
+            if mod.startswith(RIGS) and own != "tools" and not rig:
+                bad.append(f"{rel}:{line} imports the test rig or generator {mod}")
+    return bad
+
+
+def test_no_import_against_the_layer_order():
+    assert violations() == []
+
+
+def test_the_walk_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
+    """The check itself can fail: an import inside a function and a relative import are found."""
+    src = "def f():\n    from ..tools.appliance import X\n    import mirrorckpt.control.trainer\n"
+    p = REPO / "parser" / "_layer_probe.py"
+    p.write_text(src)
+    try:
+        got = violations()
+    finally:
+        p.unlink()
+    assert any("_layer_probe.py:2 imports tools.appliance" in v for v in got), got
+    assert any("_layer_probe.py:3 imports control.trainer" in v for v in got), got
