@@ -249,7 +249,7 @@ class AppliancePlane:
         log.warning("drift at step %d: replica differs from the trainer in %d tensor(s), first %s",
                     step, len(diff), diff[0])
         self._event("drift", {"step": step, "tensors": diff[:8]})
-        r.stale = ReplicaStale(r.step, r.iterations_done, {})
+        r.stale = ReplicaStale(r.step, r.iterations_done, {}, state_good=False)
         self._buffer.extend(self._waiting)
         self._waiting.clear()
         self.request_fallback(f"drift at step {step} in {diff[0]}")

@@ -119,9 +119,12 @@ class Appliance:
             self.persister.submit(self.replica)
 
     def close(self) -> Summary:
+        """Commits the last good state if it is newer than the last commit (a replica stale for
+        missing data still holds a state the trainer had; one that drifted does not), then stops."""
         if self.persister is not None:
-            if self.replica is not None and self.replica.stale is None and self.summary.iterations_applied:
-                self.persister.submit(self.replica, force=True)
+            r = self.replica
+            if r is not None and r.committable and self.summary.iterations_applied:
+                self.persister.submit(r, force=True)
             self.persister.close()
         self.summary.seconds = time.perf_counter() - self._t0
         return self.summary

@@ -27,10 +27,13 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 class ReplicaStale(RuntimeError):
-    """The replica missed gradient data at ``iteration`` and needs ``resync``."""
+    """The replica cannot go on at ``iteration`` and needs ``resync``. Missed gradient data leaves
+    the state as it was, a good state one step behind (``state_good``: it may still be committed);
+    drift from the trainer makes the state itself wrong."""
 
-    def __init__(self, step: int, iteration: int, holes: dict | None = None):
+    def __init__(self, step: int, iteration: int, holes: dict | None = None, state_good: bool = True):
         self.step, self.iteration, self.holes = step, iteration, dict(holes or {})
+        self.state_good = state_good
         missing = sum(n for hs in self.holes.values() for _, n in hs)
         what = (f"{len(self.holes)} bucket(s) incomplete, {missing} element(s) missing" if self.holes
                 else "iteration not received")
@@ -239,6 +242,11 @@ class Replica:
             layout=self.layout.to_dict(),
             training=self.training.to_dict(),
         )
+
+    @property
+    def committable(self) -> bool:
+        """The state is one the trainer had: not stale, or stale only for missing data."""
+        return self.stale is None or self.stale.state_good
 
     def state_dict_for_checkpoint(self) -> dict:
         """Nested DCP state dict {"model", "optim", "extra"} (see updater.dcp_keys); references."""
