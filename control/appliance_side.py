@@ -177,6 +177,9 @@ class AppliancePlane:
             if self.app is not None and self.app.replica is None and self.fallback is None:
                 self.app.initial_weights(w)
 
+    def bucket(self, b) -> None:
+        """Buckets are not stepped ahead here: an iteration waits for its step metadata."""
+
     def apply(self, it: ReducedIteration) -> None:
         """One iteration from the parser (any thread)."""
         with self.lock:

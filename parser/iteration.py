@@ -22,6 +22,17 @@ class ReducedIteration:
 
 
 @dataclass
+class ReducedBucket:
+    """One bucket of an iteration, final and complete: handed on at once so the updater can step
+    its parameters before the rest of the iteration is on the wire. The iteration's
+    ``ReducedIteration`` follows and decides (an incomplete one undoes what its buckets did)."""
+
+    iteration: int
+    bucket: int
+    values: np.ndarray  # as ReducedIteration.buckets[bucket]; the same array
+
+
+@dataclass
 class InitialWeights:
     """DDP's start-up broadcast of rank 0's parameters, reassembled whole: the replica's step 0."""
 

@@ -5,8 +5,8 @@
 when every one of its buckets is finished; it is complete only when every element of every bucket
 is covered with agreeing copies, and an incomplete iteration never carries a gradient (``buckets``
 is empty). ``JobStream`` runs it over a send stream (``streams.SendStream``) and yields, in order:
-each finished ``CollectiveResult``, ``InitialWeights`` once (when DDP's start-up broadcast is whole),
-and each ``ReducedIteration``. Its ``report()`` is what callers may read of its state.
+each finished ``CollectiveResult``, ``InitialWeights`` once (when DDP's start-up broadcast is
+whole), each complete ``ReducedBucket`` as soon as it is final, and each ``ReducedIteration``. Its ``report()`` is what callers may read of its state.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.concat import CollectiveResult, Concatenator
-from mirrorckpt.parser.iteration import InitialWeights, ReducedIteration
+from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
 from mirrorckpt.parser.nccl import ConnKey, NcclSend
 from mirrorckpt.parser.statemachine import RingStateMachine
 from mirrorckpt.parser.streams import StreamStats, WireIdle
 
-Item = CollectiveResult | InitialWeights | ReducedIteration
+Item = CollectiveResult | InitialWeights | ReducedBucket | ReducedIteration
 
 
 def default_collective_window(model: JobModel) -> int:
@@ -55,20 +55,27 @@ class JobReport:
 
 
 class IterationAssembler:
+    """Gradient all-reduces to iterations: each complete bucket at once (``ReducedBucket``), the
+    iteration (``ReducedIteration``) when its last bucket is final."""
+
     def __init__(self, model: JobModel):
         self.model = model
         self.current: dict[int, CollectiveResult] = {}
+        self.values: dict[int, np.ndarray] = {}  # bucket -> its copy, shared by both items
         self.iteration = 0
 
     def _buckets(self, i: int) -> int:
         return len(self.model.grads(i))
 
-    def add(self, r: CollectiveResult) -> list[ReducedIteration]:
-        i = r.spec.iteration
+    def add(self, r: CollectiveResult) -> list[ReducedBucket | ReducedIteration]:
+        i, b = r.spec.iteration, r.spec.bucket
         out = []
         while i > self.iteration:  # an iteration whose last buckets never showed up
             out.append(self._emit())
-        self.current[r.spec.bucket] = r
+        self.current[b] = r
+        if r.complete and i == self.iteration:
+            self.values[b] = r.values().copy()
+            out.append(ReducedBucket(i, b, self.values[b]))
         if len(self.current) == self._buckets(i):
             out.append(self._emit())
         return out
@@ -83,9 +90,9 @@ class IterationAssembler:
             elif not r.complete:
                 holes[b] = r.holes
             else:
-                buckets.append(r.values().copy())
+                buckets.append(self.values[b])
         complete = not holes
-        self.current = {}
+        self.current, self.values = {}, {}
         self.iteration += 1
         return ReducedIteration(i, buckets if complete else [], complete, holes)
 
@@ -116,7 +123,7 @@ class CollectiveAssembler:
         """Mirror streams with nothing more to come: collectives no longer wait for them."""
         self.concat.ended = set(ended)
 
-    def add(self, sends: list[NcclSend]) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
+    def add(self, sends: list[NcclSend]) -> tuple[list[CollectiveResult], list]:
         for s in sends:
             if self.resolver is not None and isinstance(s, NcclSend) and self.resolver.is_ring(s.connection):
                 for r in self.resolver.offer(s):
@@ -132,18 +139,18 @@ class CollectiveAssembler:
         elif isinstance(s, NcclSend) and s.connection not in self.sm.channels:
             self.concat.add_p2p(s)
 
-    def settle(self) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
+    def settle(self) -> tuple[list[CollectiveResult], list]:
         """Hands on what is already complete when the wire goes quiet (see Concatenator.settle)."""
         return self._route(self.concat.settle())
 
-    def flush(self) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
+    def flush(self) -> tuple[list[CollectiveResult], list]:
         if self.resolver is not None:
             for r in self.resolver.flush():
                 self._place(r)
         done, its = self._route(self.concat.poll(final=True))
         return done, its + self.iterations.flush()
 
-    def _route(self, done: list[CollectiveResult]) -> tuple[list[CollectiveResult], list[ReducedIteration]]:
+    def _route(self, done: list[CollectiveResult]) -> tuple[list[CollectiveResult], list]:
         its = []
         for r in done:
             if r.spec.iteration is not None and r.spec.label == "grad":
@@ -162,7 +169,7 @@ class CollectiveAssembler:
         self.weights_given = True
         return InitialWeights(self.model.layout, np.concatenate([g.values() for g in groups]))
 
-    def items(self, out: tuple[list[CollectiveResult], list[ReducedIteration]]) -> Iterator[Item]:
+    def items(self, out: tuple[list[CollectiveResult], list]) -> Iterator[Item]:
         """One ``add``/``settle``/``flush`` result as typed items, the initial weights before the
         first iteration that needs them."""
         done, its = out

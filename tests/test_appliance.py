@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, PersistSpec, TrainingSpec
-from mirrorckpt.parser.iteration import InitialWeights, ReducedIteration
+from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
 from mirrorckpt.updater import ckptdir
 from mirrorckpt.updater.appliance import Appliance, drive
 from mirrorckpt.updater.replica import ReplicaStale
@@ -81,3 +81,42 @@ def test_drive_without_a_sink_only_reports():
     drive(_items(2), None, seen.append)
     assert [type(x).__name__ for x in seen] == ["InitialWeights", "ReducedIteration", "ReducedIteration",
                                                 "ReducedIteration"]
+
+
+LAYOUT2 = JobLayout(params=[ParamSpec("w", (8, 4), "float32"), ParamSpec("b", (8,), "float32")],
+                    buckets=[BucketSpec((1,)), BucketSpec((0,))], first_buckets=[BucketSpec((1,)), BucketSpec((0,))])
+
+
+def test_a_bucket_stepped_ahead_is_undone_when_its_iteration_is_incomplete(tmp_path):
+    """Pipelined: bucket 0 of iteration 3 is stepped as soon as it is final; bucket 1 never
+    completes, so the iteration is incomplete and bucket 0's step is rolled back: the state
+    committed at close is the one after iteration 2, bit for bit the plain whole-iteration one."""
+    init = np.random.default_rng(7).standard_normal(40).astype(np.float32)
+
+    def grads(i):
+        g = np.random.default_rng(100 + i).standard_normal(40).astype(np.float32)
+        return [g[:8], g[8:]]  # bucket 0 holds b, bucket 1 holds w
+
+    def items(pipelined_buckets: bool):
+        yield InitialWeights(LAYOUT2, init)
+        for i in range(3):
+            if pipelined_buckets:
+                yield from (ReducedBucket(i, k, v) for k, v in enumerate(grads(i)))
+            yield ReducedIteration(i, grads(i))
+        if pipelined_buckets:
+            yield ReducedBucket(3, 0, grads(3)[0])
+        yield ReducedIteration(3, [], complete=False, holes={1: [(0, 5)]})
+
+    states = []
+    for pipelined in (True, False):
+        app = _appliance(tmp_path / str(pipelined), pipelined=pipelined)
+        drive(items(pipelined), app)
+        assert app.replica.iterations_done == 3 and app.replica.stale.state_good
+        app.close()
+        states.append(read_state(ckptdir.read_pointer(tmp_path / str(pipelined) / "ck")))
+    a, b = states
+    assert a.iterations_done == b.iterations_done == 3
+    for n in ("w", "b"):
+        assert torch.equal(a.params[n], b.params[n]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a.optim["state"][n][k], b.optim["state"][n][k]), (n, k)

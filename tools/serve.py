@@ -224,6 +224,9 @@ class _UpdaterQueue:
     def initial_weights(self, w) -> None:
         self.q.put(w)
 
+    def bucket(self, b) -> None:
+        self.q.put(b)
+
     def apply(self, it) -> None:
         self.metrics.iterations.labels("complete" if it.complete else "incomplete").inc()
         self.metrics.wire_iteration.set(it.index)

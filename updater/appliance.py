@@ -19,7 +19,7 @@ from typing import Protocol
 
 from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import PersistSpec, TrainingSpec
-from mirrorckpt.parser.iteration import InitialWeights, ReducedIteration
+from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
 from mirrorckpt.updater.persist import Persister
 from mirrorckpt.updater.replica import Replica, ReplicaStale
 
@@ -47,6 +47,9 @@ class IterationSink(Protocol):
 
     def initial_weights(self, w: InitialWeights) -> None: ...
 
+    def bucket(self, b: ReducedBucket) -> None:
+        """A complete bucket ahead of its iteration (a sink may step it now, or wait)."""
+
     def apply(self, it: ReducedIteration) -> None: ...
 
 
@@ -55,7 +58,9 @@ def drive(items: Iterable, sink: IterationSink | None = None, on_item: Callable 
     every item to ``on_item`` (reports, metrics)."""
     for item in items:
         if sink is not None:
-            if isinstance(item, ReducedIteration):
+            if isinstance(item, ReducedBucket):
+                sink.bucket(item)
+            elif isinstance(item, ReducedIteration):
                 sink.apply(item)
             elif isinstance(item, InitialWeights):
                 sink.initial_weights(item)
@@ -65,12 +70,16 @@ def drive(items: Iterable, sink: IterationSink | None = None, on_item: Callable 
 
 class Appliance:
     """``training`` may be a function of the layout (a replay that learns the gradient dtype from
-    the wire)."""
+    the wire). ``pipelined``: step each bucket's parameters as soon as the bucket is final (where
+    the step is separable; otherwise its gradients wait in the replica's buffers), so the
+    iteration's step ends soon after its last packet."""
 
     def __init__(self, layout: JobLayout | None, training: TrainingSpec | Callable[[JobLayout], TrainingSpec],
                  persist: PersistSpec | None = None, replica: Replica | None = None, on_stale=None,
-                 on_iteration=None):
+                 on_iteration=None, pipelined: bool = True):
         self.layout = layout
+        self.pipelined = pipelined
+        self._by_buckets: int | None = None  # the last iteration stepped bucket by bucket
         self.training = training
         self.replica = replica
         self.on_stale = on_stale
@@ -92,6 +101,22 @@ class Appliance:
         self.replica = Replica.from_initial_weights(w.layout, self.training, w.values)
         log.info("replica started from the initial weights on the wire (%d parameters)", w.layout.total_numel)
 
+    def bucket(self, b: ReducedBucket) -> None:
+        r = self.replica
+        if not self.pipelined or r is None or r.stale is not None:
+            return  # its iteration decides
+        try:
+            if r.apply_bucket(b.iteration, b.bucket, b.values):
+                self._by_buckets = b.iteration  # its last bucket finished the step
+        except ReplicaStale as e:  # an iteration before it was missed
+            self._stale(e)
+
+    def _stale(self, e: ReplicaStale) -> None:
+        self.summary.stale_events += 1
+        log.warning("%s", e)
+        if self.on_stale is not None:
+            self.on_stale(e)
+
     def apply(self, it: ReducedIteration) -> None:
         s = self.summary
         if not it.complete:
@@ -104,12 +129,10 @@ class Appliance:
             s.iterations_skipped += it.complete
             return
         try:
-            self.replica.apply(it)
+            if not (it.complete and self._by_buckets == it.index):
+                self.replica.apply(it)
         except ReplicaStale as e:
-            s.stale_events += 1
-            log.warning("%s", e)
-            if self.on_stale is not None:
-                self.on_stale(e)
+            self._stale(e)
             return
         s.iterations_applied += 1
         s.replica_step = self.replica.step
