@@ -91,6 +91,32 @@ def test_size_from_params_and_job_file():
     assert r["inputs"]["params"]["source"] == "job file example.toml"
 
 
+def test_measured_costs_from_the_stall_benchmark(tmp_path):
+    ms = lambda x: {"median_ms": x, "min_ms": x, "max_ms": x, "n": 3}  # noqa: E731
+    stall = {"job": {"params": 1_000_000, "state_MB": 12.0}, "none": {"step": ms(50.0)},
+             "torch.save": {"stall": ms(120.0)}, "dcp.async_save": {"stall": ms(30.0)},
+             "mirror": {"link_per_step_ms": 2.0}, "restore": {"memory": ms(60.0), "disk": ms(40.0)},
+             "gockpt_k1": {"parts": 1, "step_excess": ms(20.0)}, "gockpt_k7": {"parts": 7, "step_excess": ms(70.0)}}
+    f = tmp_path / "BENCHMARKS.json"
+    f.write_text(json.dumps({"machine": {"date": "2026-01-01T00:00:00", "cpu": "X"}, "results": {"stall": stall}}))
+    r = plan_json("--measured", f, "--mtbf-hours", 1)
+    st = r["strategies"]
+    assert r["checkpoint"]["params"] == 1e6 and r["checkpoint"]["checkpoint_bytes"] == 12e6
+    assert st["synchronous"]["stall_s"] == 0.12 and st["asynchronous"]["stall_s"] == 0.03
+    assert st["asynchronous"]["restorable_lag_s"] == pytest.approx(0.12)  # the write at torch.save's rate
+    assert st["gockpt"]["stall_s"] == 0.07 and st["gockpt"]["steps"] == 7
+    assert st["mirror"]["stall_s"] == pytest.approx(0.002, rel=1e-3) and st["mirror"]["interval_s"] == 0.05
+    assert st["mirror"]["load_s"] == pytest.approx(0.06) and st["synchronous"]["load_s"] == pytest.approx(0.04)
+    assert r["inputs"]["write_GBps"]["source"].startswith("measured: BENCHMARKS.json stall section, 2026-01-01")
+    # with a size of its own, only the bandwidths carry over
+    big = plan_json("--measured", f, "--mtbf-hours", 1, "--params", "1B", "--precision", "fp32")["strategies"]
+    assert big["synchronous"]["stall_s"] == pytest.approx(1e9 * 12 / 0.1e9 + 1e9 * 12 / 0.4e9)
+    assert big["mirror"]["missing"] == ["--step-seconds"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"results": {"stall": {"error": "RuntimeError: x"}}}))
+    assert "no usable stall benchmark" in plan("--measured", bad, "--mtbf-hours", 1, code=2).output
+
+
 # -- the model ----------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 import sys
+from pathlib import Path
 
 import click
 from mirrorckpt.tools import goodput, planner
@@ -74,13 +75,19 @@ _POS = click.FloatRange(min=0)
 @click.option("--mtu", type=click.IntRange(min=256), help="RoCE path MTU, bytes [4096].")
 @click.option("--target", type=click.FloatRange(min=0, max=1), help="Fallback probability per iteration the "
               "recommended number of mirrors meets [1e-6].")
+@click.option("--measured", "measured_file", type=click.Path(exists=True, dir_okay=False),
+              help="Costs measured by `mirrorckpt bench --only stall` (its BENCHMARKS.json): bandwidths, and "
+              "without --params that job's size, step time and GoCkpt stall.")
 @click.option("--json", "as_json", is_flag=True, help="Print every result with its inputs as JSON.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), help="Write PNG plots into this folder.")
-def plan(mtbf_hours, job_file, as_json, plot_dir, **opts):
+def plan(mtbf_hours, job_file, measured_file, as_json, plot_dir, **opts):
     """Expected goodput of synchronous, asynchronous, GoCkpt and mirror checkpointing."""
     kw, source = {}, {}
+    if measured_file:
+        kw, source = from_bench(measured_file, sized=opts.get("params") is not None or job_file is not None)
     if job_file:
-        kw, source = from_job(job_file)
+        k, src = from_job(job_file)
+        kw, source = kw | k, source | src
     for opt, fieldname in OPTIONS.items():
         if opts.get(opt) is not None:
             kw[fieldname], source[fieldname] = opts[opt], "given"
@@ -109,6 +116,37 @@ def inputs(inp: planner.Inputs) -> dict:
     return {f.name: {"value": getattr(inp, f.name), "source": inp.source.get(f.name, "default"),
                      "option": flag.get(f.name, "--job")}
             for f in dataclasses.fields(inp) if f.name != "source"}
+
+
+def from_bench(path, sized: bool) -> tuple[dict, dict]:
+    """Inputs measured by the stall benchmark: bandwidths from its state bytes over the measured
+    times; unless the size comes from elsewhere (``sized``), that job itself (an fp32 Adam MLP)."""
+    try:
+        doc = json.loads(open(path).read())
+        r, info = doc["results"]["stall"], doc.get("machine", {})
+        S = r["job"]["state_MB"] * 1e6
+
+        def bw(*keys):
+            x = r
+            for k in keys:
+                x = x[k]
+            return S / (x["median_ms"] / 1e3) / 1e9
+
+        kw = {"write_GBps": bw("torch.save", "stall"), "snapshot_GBps": bw("dcp.async_save", "stall"),
+              "read_GBps": bw("restore", "disk"), "restore_GBps": bw("restore", "memory"),
+              "mirror_step_overhead_s": r["mirror"]["link_per_step_ms"] / 1e3}
+        if not sized:
+            k7 = max((v for k, v in r.items() if k.startswith("gockpt_k")), key=lambda v: v["parts"])
+            kw |= {"params": float(r["job"]["params"]), "precision": "fp32", "optimizer": "adam",
+                   "step_s": r["none"]["step"]["median_ms"] / 1e3, "gockpt_steps": k7["parts"],
+                   "gockpt_stall_s": k7["step_excess"]["median_ms"] / 1e3,
+                   "sync_stall_s": r["torch.save"]["stall"]["median_ms"] / 1e3,
+                   "async_stall_s": r["dcp.async_save"]["stall"]["median_ms"] / 1e3}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise click.BadParameter(f"{path}: no usable stall benchmark results ({type(e).__name__}: {e}); "
+                                 "run `mirrorckpt bench --only stall`", param_hint="--measured") from None
+    where = f"measured: {Path(path).name} stall section, {info.get('date', '?')}, {info.get('cpu', '?')}"
+    return kw, {k: where for k in kw}
 
 
 def from_job(path) -> tuple[dict, dict]:
