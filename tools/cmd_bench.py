@@ -64,9 +64,24 @@ def render(results: dict, info: dict) -> str:
         # a section that failed keeps its error message, shown as it came
         failed = isinstance(res, dict) and "error" in res
         render_section = _render_generic if failed else globals().get(f"_render_{name}", _render_generic)
-        out += render_section(name, res)
+        out += _captioned(render_section(name, res), _caption(info))
         out.append("")
     return "\n".join(out)
+
+
+def _caption(info: dict) -> str:
+    """Machine, command and date, written above every table."""
+    cmd = info.get("command", "command not recorded")
+    return f"*{info['cpu']}, {info['cores']} cores · `{cmd}` · {info['date']}*"
+
+
+def _captioned(lines: list[str], caption: str) -> list[str]:
+    out = []
+    for i, line in enumerate(lines):
+        if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|")):
+            out += [caption, ""]
+        out.append(line)
+    return out
 
 
 def _render_packet_path(name, r) -> list[str]:
@@ -206,6 +221,7 @@ def _render_generic(name, r) -> list[str]:
 def bench(only, quick, out):
     """Run the benchmarks and write BENCHMARKS.md (and BENCHMARKS.json beside it)."""
     info = machine()
+    info["command"] = " ".join(["mirrorckpt bench", *(f"--only {n}" for n in only), *(["--quick"] if quick else [])])
     results = {}
     names = list(only or SECTIONS)
     with Progress("[bench]", total=len(names), unit="sections", tick=1.0) as bar:
