@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": ("mirrorckpt.tools.cmd_serve", "serve", "Run the appliance on live mirror ports."),
     "status": ("mirrorckpt.tools.cmd_status", "status", "Show the state of a running appliance."),
     "bench": ("mirrorckpt.tools.cmd_bench", "bench", "Run the benchmarks and write BENCHMARKS.md."),
+    "plan": ("mirrorckpt.tools.cmd_plan", "plan", "Checkpoint interval and expected goodput per strategy."),
 }
 
 

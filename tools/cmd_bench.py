@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import click
+from mirrorckpt.tools.progress import Progress
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,9 +64,24 @@ def render(results: dict, info: dict) -> str:
         # a section that failed keeps its error message, shown as it came
         failed = isinstance(res, dict) and "error" in res
         render_section = _render_generic if failed else globals().get(f"_render_{name}", _render_generic)
-        out += render_section(name, res)
+        out += _captioned(render_section(name, res), _caption(info))
         out.append("")
     return "\n".join(out)
+
+
+def _caption(info: dict) -> str:
+    """Machine, command and date, written above every table."""
+    cmd = info.get("command", "command not recorded")
+    return f"*{info['cpu']}, {info['cores']} cores · `{cmd}` · {info['date']}*"
+
+
+def _captioned(lines: list[str], caption: str) -> list[str]:
+    out = []
+    for i, line in enumerate(lines):
+        if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|")):
+            out += [caption, ""]
+        out.append(line)
+    return out
 
 
 def _render_packet_path(name, r) -> list[str]:
@@ -205,20 +221,25 @@ def _render_generic(name, r) -> list[str]:
 def bench(only, quick, out):
     """Run the benchmarks and write BENCHMARKS.md (and BENCHMARKS.json beside it)."""
     info = machine()
+    info["command"] = " ".join(["mirrorckpt bench", *(f"--only {n}" for n in only), *(["--quick"] if quick else [])])
     results = {}
-    for name in only or SECTIONS:
-        module, func, full, small = SECTIONS[name]
-        click.echo(f"[bench] {name} ...", err=True)
-        t0 = time.perf_counter()
-        try:
-            fn = getattr(importlib.import_module(module), func)
-            kwargs = dict(small if quick else full)
-            if name == "replay" and "error" not in results.get("packet_path", {"error": 1}):
-                kwargs["packet_path"] = results["packet_path"]  # measured minutes ago, in this run
-            results[name] = fn(**kwargs)
-        except Exception as e:  # one failing section must not lose the others' numbers
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-        click.echo(f"[bench] {name}: {time.perf_counter() - t0:.0f} s", err=True)
+    names = list(only or SECTIONS)
+    with Progress("[bench]", total=len(names), unit="sections", tick=1.0) as bar:
+        for i, name in enumerate(names):
+            module, func, full, small = SECTIONS[name]
+            bar.echo(f"[bench] {name} ...")
+            bar.set(i, note=name)
+            t0 = time.perf_counter()
+            try:
+                fn = getattr(importlib.import_module(module), func)
+                kwargs = dict(small if quick else full)
+                if name == "replay" and "error" not in results.get("packet_path", {"error": 1}):
+                    kwargs["packet_path"] = results["packet_path"]  # measured minutes ago, in this run
+                results[name] = fn(**kwargs)
+            except Exception as e:  # one failing section must not lose the others' numbers
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+            bar.echo(f"[bench] {name}: {time.perf_counter() - t0:.0f} s")
+            bar.set(i + 1)
     outp = Path(out)
     outp.with_suffix(".json").write_text(json.dumps({"machine": info, "results": results}, indent=1, default=str))
     outp.write_text(render(results, info))
