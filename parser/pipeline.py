@@ -6,7 +6,8 @@ when every one of its buckets is finished; it is complete only when every elemen
 is covered with agreeing copies, and an incomplete iteration never carries a gradient (``buckets``
 is empty). ``JobStream`` runs it over a send stream (``streams.SendStream``) and yields, in order:
 each finished ``CollectiveResult``, ``InitialWeights`` once (when DDP's start-up broadcast is
-whole), each complete ``ReducedBucket`` as soon as it is final, and each ``ReducedIteration``. Its ``report()`` is what callers may read of its state.
+whole), each complete ``ReducedBucket`` as soon as it is final, and each ``ReducedIteration``.
+Its ``report()`` is what callers may read of its state.
 """
 
 from __future__ import annotations
