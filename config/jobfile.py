@@ -216,9 +216,12 @@ def _table_or(name, sec, v):
     return v
 
 
-def _layout(name: str, j: dict, grad_dtype: str) -> JobLayout:
+def _layout(name: str, j: dict, grad_dtype: str) -> JobLayout | None:
+    """The [[job.params]]/[job.buckets] layout; None when not written (the trainer registers it)."""
     if "params" not in j:
-        raise ConfigError(f"{name}: [job] kind = \"ddp\" needs [[job.params]] (name, shape) entries")
+        if "buckets" in j:
+            raise ConfigError(f"{name}: [job.buckets] without [[job.params]] (name, shape) entries")
+        return None
     params = []
     for i, p in enumerate(j["params"]):
         pp = _check(f"{name}: [[job.params]] #{i + 1}", "job.params", _table_or(name, "job.params", p))

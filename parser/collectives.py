@@ -35,6 +35,9 @@ class JobModel:
     @staticmethod
     def from_job(job) -> JobModel:
         """The model a job file (``config.jobfile.JobConfig``) describes."""
+        if job.kind == "ddp" and job.layout is None:
+            raise ValueError(f"{job.path or 'the job file'}: no [[job.params]] layout (a trainer registers it "
+                             "with `serve`; a replay without --config infers it from the traffic)")
         if job.kind == "ddp":
             return JobModel.ddp(job.ring, job.layout, with_startup=job.startup)
         return JobModel.allreduces(job.ring, job.counts, job.grad_dtype)

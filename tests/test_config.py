@@ -89,3 +89,23 @@ def test_documented_example_loads():
     job = load_job(Path(__file__).resolve().parents[1] / "config" / "example.toml")
     assert job.ring.nranks == 3 and len(job.mirrors) == 2 and job.control["fallback_parts"] == 7
     assert TrainingSpec.from_dict(job.training).grad_dtype == job.grad_dtype
+
+
+def _without_layout(text: str) -> str:
+    head, _, rest = text.partition("[[job.params]]")
+    return head + rest[rest.index("[[mirror]]"):]
+
+
+def test_the_layout_may_come_from_the_trainer(tmp_path):
+    """No [[job.params]]: the layout is None in the job (serve takes it from REGISTER); serve
+    without a [control] listen address, and replay, say what is missing."""
+    text = _without_layout(GOOD)
+    job = load_job(write(tmp_path, text))
+    assert job.layout is None and job.kind == "ddp"
+    res = CliRunner().invoke(main, ["serve", "--config", str(write(tmp_path, text, "a.toml"))])
+    assert res.exit_code == 2 and "[control] listen address where the trainer registers it" in res.stderr
+    res = CliRunner().invoke(main, ["replay", "--config", str(write(tmp_path, text, "b.toml")), str(p := write(
+        tmp_path, "x", "x.pcap"))])
+    assert res.exit_code == 2 and "replay needs the layout" in res.stderr, (res.stderr, p)
+    with pytest.raises(ConfigError, match="without"):
+        parse_job({"ring": {"nranks": 2}, "job": {"buckets": {"after_rebuild": [[0]]}}})

@@ -132,6 +132,9 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     if config_path:
         try:
             job = load_job(config_path)
+            if job.kind == "ddp" and job.layout is None:
+                raise ConfigError(f"{config_path}: replay needs the layout ([[job.params]] in [job]); "
+                                  "without --config it is inferred from the traffic")
         except ConfigError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)

@@ -43,14 +43,20 @@ def serve(config_path, pace, log_level):
     log = logging.getLogger("mirrorckpt.serve")
     try:
         job = load_job(config_path)
-        if job.kind == "ddp" and job.layout is None:
-            raise ConfigError(f"{config_path}: serve needs the job layout in [job]")
+        if job.kind == "ddp" and job.layout is None and not job.control.get("listen"):
+            raise ConfigError(f"{config_path}: serve needs the job layout: [[job.params]] in [job], or a "
+                              "[control] listen address where the trainer registers it")
         if not job.ring.addresses:
             raise ConfigError(f"{Path(config_path).name}: [ring] addresses: serve needs every rank's address")
         problems = check_sources(job)
         if problems:
             raise ConfigError("; ".join(f"{Path(config_path).name}: {p}" for p in problems))
-        training = TrainingSpec.from_dict(job.training) if job.training else TrainingSpec(grad_dtype=job.grad_dtype)
+        if job.training:
+            training = TrainingSpec.from_dict(job.training)
+        elif job.control.get("listen"):
+            training = None  # the trainer's REGISTER brings it (a [training] table must agree with it)
+        else:
+            training = TrainingSpec(grad_dtype=job.grad_dtype)
         persist = PersistSpec.from_dict(job.persist) if job.persist else None
     except (ConfigError, SpecError) as e:
         click.echo(f"error: {e}", err=True)

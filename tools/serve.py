@@ -271,21 +271,38 @@ class Daemon:
         self.stop_capture.set()
 
     def _parser(self) -> None:
-        from mirrorckpt.parser.collectives import JobModel
         from mirrorckpt.parser.pipeline import JobStream
         from mirrorckpt.updater.appliance import drive
 
         streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping)
-        js = JobStream(streams, model=JobModel.from_job(self.job), ranks=self.job.ring.ranks_by_address(),
-                       nccl_version=self.job.ring.nccl_version, infer_after=2000)
-        self.jobstream, self.streams = js, streams
+        self.streams = streams
         try:
+            model = self._job_model()
+            if model is None:
+                return
+            js = JobStream(streams, model=model, ranks=self.job.ring.ranks_by_address(),
+                           nccl_version=self.job.ring.nccl_version, infer_after=2000)
+            self.jobstream = js
             drive(js, _UpdaterQueue(self.iters_q, self.metrics))
         except BaseException as e:  # a parser failure stops the daemon with the reason logged
             self.error = e
             log.exception("parser stopped")
         finally:
             self.iters_q.put(None)
+
+    def _job_model(self):
+        """The job's collective sequence: from the configuration, or once the trainer registered its
+        layout (frames wait in the capture queues meanwhile). None if stopped before that."""
+        from mirrorckpt.parser.collectives import JobModel
+
+        if self.job.kind != "ddp" or self.job.layout is not None:
+            return JobModel.from_job(self.job)
+        log.info("waiting for the trainer to register the job's layout")
+        while not self.control.registered.wait(0.2):
+            if self.stopping.is_set():
+                return None
+        log.info("layout registered: following the mirror", extra={"params": len(self.control.layout.params)})
+        return JobModel.ddp(self.job.ring, self.control.layout, with_startup=self.job.startup)
 
     def _updater(self) -> None:
         from mirrorckpt.updater.appliance import drive
