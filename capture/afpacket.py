@@ -117,9 +117,6 @@ class RingStats:
     kernel_freezes: int = 0  # tp_freeze_q_cnt: times the ring ran full
     errors: int = 0  # socket errors reported by poll (e.g. ENETDOWN when the link went down)
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 class AfPacketRing:
     """An AF_PACKET TPACKET_V3 receive ring bound to one interface; iterate for batches.

@@ -206,14 +206,6 @@ class Topology:
                   "action", "mirred", "egress", "mirror", "dev", dst])
             self._mirrors.add(key)
 
-    def unmirror(self, port: int | str | Host) -> None:
-        """Removes every mirror of a port (drops its clsact qdisc)."""
-        dev = self._port(port)
-        if dev in self._clsact:
-            _run(["tc", "qdisc", "del", "dev", dev, "clsact"])
-            self._clsact.discard(dev)
-            self._mirrors = {k for k in self._mirrors if k[0] != dev}
-
     def _port(self, port) -> str:
         if isinstance(port, Host):
             return port.port
