@@ -12,6 +12,7 @@ a single size mismatch is rejected.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,7 @@ from mirrorckpt.parser.reassembly import _addr
 from mirrorckpt.parser.ringfind import find_ring, sequences
 from mirrorckpt.parser.statemachine import RingStateMachine
 
-__all__ = ["ChannelResolver", "InferenceError", "Inferred", "infer", "wire_family"]
+__all__ = ["ChannelResolver", "InferenceError", "Inferred", "infer", "infer_from_streams", "wire_family"]
 
 ESIZE_DTYPES = {4: "float32", 2: "bfloat16", 8: "float64"}
 
@@ -114,8 +115,43 @@ def _learn(model: JobModel, seqs, ranks, upto=None) -> tuple[dict, int | None] |
     return None
 
 
+def infer_from_streams(streams, dtype: str | None = None, nccl_version: str | None = None,
+                       hint: JobModel | None = None, window: int = 20000) -> Inferred:
+    """``infer`` over the first ``window`` sends of ``streams`` (parser.streams.MirrorStreams)."""
+    sends: list[NcclSend] = []
+    for batch in streams:
+        sends += batch
+        if len(sends) >= window:
+            break
+    return infer(sends, streams.decoders, dtype, nccl_version, hint)
+
+
+def _with_version(hint: JobModel, ring: RingSpec) -> JobModel:
+    m = JobModel(ring, hint.layout, list(hint.startup), list(hint.before_iteration_1), hint.per_iteration,
+                 hint.iterations, hint.from_start)
+    m.protocols.update(hint.protocols)
+    return m
+
+
+def _fit_hint(hint: JobModel, conns, ranks, ring, ring_list, notes):
+    """The configured collective sequence, with what the configuration left open from the wire."""
+    model = _with_version(hint, ring)
+    got = _learn(model, conns, ranks)
+    if got is None:
+        return None
+    model.protocols.update(got[0])
+    _fill_unseen(model)
+    channels = resolve_channels(model, ranks, conns_lists(conns), notes)
+    if channels is None:
+        return None
+    placed, bad = check(model, ranks, channels, ring_list)
+    return (model, channels) if bad == 0 and placed else None
+
+
 def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | None = None,
-          nccl_version: str | None = None) -> Inferred:
+          nccl_version: str | None = None, hint: JobModel | None = None) -> Inferred:
+    """The job from its first sends. ``hint``: a configured collective sequence (its ring's protocol
+    may be "auto" and its release None: those are read from the wire)."""
     versions, fam = versions_to_try(list(decoders), nccl_version)
     seqs = sequences(sends)
     ranks, order, conns, notes = find_ring(seqs, list(decoders))
@@ -129,8 +165,12 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
         ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=v,
                         ring_orders=[order] * nch, addresses={r: _addr(a) for a, r in ranks.items()})
         vnotes: list[str] = []
-        got = _infer_ddp(conns, ranks, order, ring, dtype, ring_list, vnotes)
-        if got is None:
+        if hint is not None:
+            ring = dataclasses.replace(hint.ring, nccl_version=v)
+            got = _fit_hint(hint, conns, ranks, ring, ring_list, vnotes)
+        else:
+            got = _infer_ddp(conns, ranks, order, ring, dtype, ring_list, vnotes)
+        if got is None and hint is None:
             got = _infer_allreduces(conns, ranks, ring, dtype, ring_list, vnotes)
         if got is not None:
             model, channels = got
