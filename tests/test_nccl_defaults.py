@@ -85,3 +85,43 @@ def test_tuning_model_orders_protocols_by_size():
     got = [tuning.choose(nv.ALLREDUCE, n, 2, 2) for n in (8, 64 << 10, 1 << 20, 32 << 20)]
     assert got == ["LL", "LL", "LL128", "Simple"]
     assert tuning.choose(nv.ALLREDUCE, 1 << 20, 2, 2, tuning.Fabric(ll128=False)) in ("LL", "Simple")
+
+
+def _subset(src, dst, keep) -> None:
+    """Write the frames of ``src`` whose UDP source port is in ``keep`` to pcap ``dst``."""
+    from mirrorckpt.capture.pcapfile import open_capture
+    from mirrorckpt.capture.writer import PcapWriter
+
+    with open_capture(str(src)) as reader, PcapWriter(str(dst)) as w:
+        for b in reader:
+            for i in range(len(b)):
+                f = bytes(b.data[int(b.offset[i]):int(b.offset[i]) + int(b.caplen[i])])
+                l3 = 14 + (40 if f[12:14] == b"\x86\xdd" else (f[14] & 0x0F) * 4)
+                if int.from_bytes(f[l3:l3 + 2], "big") in keep:
+                    w.write(f, int(b.ts_ns[i]))
+
+
+def test_doctor_names_point_to_point_only_traffic(tmp_path):
+    from common import FLOWCHECK
+
+    cap = FLOWCHECK / "allreduce+p2p.pcapng"
+    r = CliRunner().invoke(main, ["doctor", str(cap)])
+    assert r.exit_code == 0 and "algorithm: ring" in r.output and "point-to-point" in r.output
+    p2p = {int(line.split(":")[-1].split(":")[0]) for line in r.output.splitlines()
+           if line.startswith("connection ") and "point-to-point" in line
+           for line in [line.split(": point")[0]]}
+    assert p2p
+    _subset(cap, tmp_path / "p2p.pcap", p2p)
+    r = CliRunner().invoke(main, ["doctor", str(tmp_path / "p2p.pcap")])
+    assert r.exit_code == 1, r.output
+    assert "only point-to-point sends" in r.output and "fix:" in r.output
+
+
+def test_doctor_names_collective_traffic_to_several_peers(tmp_path):
+    """A rank whose collective connections go to two peers is not one ring (Tree, or per-channel ring
+    orders): the cause and NCCL_ALGO=Ring are named (the generator has no Tree algorithm; two ring
+    orders give the same wire symptom)."""
+    generate(GenConfig(ranks=3, channels=2, ring_orders=[[0, 1, 2], [0, 2, 1]], model="mlp:2000,64,8", steps=1,
+                       mirrors="0:egress", send_truth=False), tmp_path)
+    r = CliRunner().invoke(main, ["doctor", str(tmp_path / "rank0_egress.pcapng")])
+    assert r.exit_code == 1 and "sends collective traffic to 2 peers" in r.output and "NCCL_ALGO=Ring" in r.output
