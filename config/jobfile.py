@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mirrorckpt.config.layout import DTYPES, PROTOCOLS, BucketSpec, JobLayout, MirrorSpec, ParamSpec, RingSpec
+from mirrorckpt.config.layout import AUTO, DTYPES, PROTOCOLS, BucketSpec, JobLayout, MirrorSpec, ParamSpec, RingSpec
 
 
 class ConfigError(Exception):
@@ -84,7 +84,7 @@ def _table(v):
 
 SCHEMA = {
     "ring": {
-        "nranks": (_int(2), True), "nchannels": (_int(1), False), "protocol": (_str(PROTOCOLS), False),
+        "nranks": (_int(2), True), "nchannels": (_int(1), False), "protocol": (_str(PROTOCOLS + (AUTO,)), False),
         "nccl_version": (_str(), False), "nthreads": (_int(32), False), "orders": (_int_lists, False),
         "addresses": (_addr_list, False),
     },
@@ -145,6 +145,8 @@ class JobConfig:
     metrics: dict = field(default_factory=dict)
     capture: dict = field(default_factory=dict)
     path: str = ""
+    # (kind, count, dtype) -> protocol, as the traffic showed it when [ring] protocol is "auto"
+    protocols: dict = field(default_factory=dict)
 
 
 def _source(spec: str, base: Path | None) -> str:
@@ -181,8 +183,8 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
     if addresses and len(addresses) != r["nranks"]:
         raise ConfigError(f"{name}: [ring] addresses: {len(addresses)} given for {r['nranks']} ranks")
     try:
-        ring = RingSpec(nranks=r["nranks"], nchannels=r.get("nchannels", 1), protocol=r.get("protocol", "LL"),
-                        nccl_version=r.get("nccl_version", "2.18"), nthreads=r.get("nthreads"),
+        ring = RingSpec(nranks=r["nranks"], nchannels=r.get("nchannels", 1), protocol=r.get("protocol", AUTO),
+                        nccl_version=r.get("nccl_version"), nthreads=r.get("nthreads"),
                         ring_orders=r.get("orders"), addresses=addresses)
     except ValueError as e:
         raise ConfigError(f"{name}: [ring] {e}") from None
@@ -265,7 +267,9 @@ def _drop_none(d):
 def dump_job(cfg: JobConfig) -> str:
     r = cfg.ring
     lines = ["# mirrorckpt job configuration", "[ring]", f"nranks = {r.nranks}", f"nchannels = {r.nchannels}",
-             f"protocol = {_toml_value(r.protocol)}", f"nccl_version = {_toml_value(r.nccl_version)}"]
+             f"protocol = {_toml_value(r.protocol)}"]
+    if r.nccl_version:
+        lines.append(f"nccl_version = {_toml_value(r.nccl_version)}")
     if r.nthreads:
         lines.append(f"nthreads = {r.nthreads}")
     if r.ring_orders:

@@ -109,6 +109,7 @@ class JobLayout:
 
 
 PROTOCOLS = ("LL", "LL128", "Simple")
+AUTO = "auto"  # NCCL's default: a protocol per collective, as its tuning model picks it
 
 
 def wire_address(addr: str) -> bytes:
@@ -129,8 +130,8 @@ class RingSpec:
 
     nranks: int
     nchannels: int = 1
-    protocol: str = "LL"
-    nccl_version: str = "2.18"
+    protocol: str = "LL"  # or "auto": per collective, read from the traffic
+    nccl_version: str | None = "2.18"  # None: read from the traffic
     nthreads: int | None = None  # None: NCCL's default for the protocol
     # Ring order per channel, listed from rank 0 (as NCCL_DEBUG=INFO prints "Channel 00 : 0 1 2").
     ring_orders: list[list[int]] | None = None
@@ -140,8 +141,8 @@ class RingSpec:
     def __post_init__(self):
         if self.nranks < 2:
             raise ValueError(f"a ring needs at least 2 ranks, got {self.nranks}")
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol {self.protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        if self.protocol not in PROTOCOLS + (AUTO,):
+            raise ValueError(f"protocol {self.protocol!r} is not one of {', '.join(PROTOCOLS + (AUTO,))}")
         if self.nchannels < 1:
             raise ValueError(f"nchannels must be >= 1, got {self.nchannels}")
         for ch, order in enumerate(self.orders()):

@@ -3,6 +3,11 @@
 A ``JobModel`` is a start-up prefix, an optional set of collectives issued once before
 iteration 1 (DDP's bucket rebuild), and per iteration the gradient all-reduces. Collective
 ``i`` and its NCCL ring plan are computed on demand, so the sequence has no end.
+
+NCCL picks the protocol per collective (its tuning model, from the size); the model takes it from
+the collective (``CollSpec.protocol``), else from the ring when a job pins one, else from
+``protocols``: collective shape -> protocol, as the traffic showed it (``parser.infer``). Equal
+shapes get equal protocols: NCCL's choice depends only on the size, kind and communicator.
 """
 
 from __future__ import annotations
@@ -13,6 +18,13 @@ from mirrorckpt.config import ddp
 from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST, CollSpec
 from mirrorckpt.config.layout import JobLayout, RingSpec, dtype_size
 from mirrorckpt.parser import schedule
+from mirrorckpt.parser.errors import InferenceError
+from mirrorckpt.parser.nccl_versions import AUTO
+
+
+def shape(c: CollSpec) -> tuple:
+    """What NCCL's protocol choice depends on, for one communicator."""
+    return (c.kind, c.count, c.dtype)
 
 
 @dataclass
@@ -24,6 +36,7 @@ class JobModel:
     per_iteration: list[CollSpec] | None = None  # used when there is no layout
     iterations: int | None = None  # how many iterations the sequence holds (None: no end)
     from_start: bool = True  # the capture begins with the job (False: attached mid-run)
+    protocols: dict[tuple, str] = field(default_factory=dict)  # shape -> protocol (ring protocol "auto")
 
     @staticmethod
     def ddp(ring: RingSpec, layout: JobLayout, with_startup: bool = True, iterations: int | None = None):
@@ -39,8 +52,11 @@ class JobModel:
             raise ValueError(f"{job.path or 'the job file'}: no [[job.params]] layout (a trainer registers it "
                              "with `serve`; a replay without --config infers it from the traffic)")
         if job.kind == "ddp":
-            return JobModel.ddp(job.ring, job.layout, with_startup=job.startup)
-        return JobModel.allreduces(job.ring, job.counts, job.grad_dtype)
+            m = JobModel.ddp(job.ring, job.layout, with_startup=job.startup)
+        else:
+            m = JobModel.allreduces(job.ring, job.counts, job.grad_dtype)
+        m.protocols.update(job.protocols)
+        return m
 
     @staticmethod
     def allreduces(ring: RingSpec, counts: list[int], dtype: str, iterations: int | None = None):
@@ -97,15 +113,33 @@ class JobModel:
         return len(self.startup) + n[0] + n[1] + (i - 2) * n[2]
 
     def protocol(self, c: CollSpec) -> str:
-        return c.protocol or self.ring.protocol
+        p = c.protocol or (self.ring.protocol if self.ring.protocol != AUTO else self.protocols.get(shape(c)))
+        if p is None:
+            raise InferenceError(f"the protocol of {c.kind} of {c.count} x {c.dtype} ({c.label}) is not known: "
+                                 "the traffic did not show it; pin [ring] protocol")
+        return p
+
+    def pinned(self, c: CollSpec) -> str | None:
+        """The protocol of ``c`` if known, else None."""
+        try:
+            return self.protocol(c)
+        except InferenceError:
+            return None
 
     def plan(self, c: CollSpec) -> schedule.RingPlan:
         """The NCCL ring plan of a collective (cached by its shape)."""
-        key = (c.kind, c.count, c.dtype, c.root, self.protocol(c))
+        return self.plan_as(c, self.protocol(c))
+
+    def plan_as(self, c: CollSpec, proto: str) -> schedule.RingPlan:
+        """The plan of ``c`` if it ran under ``proto``."""
+        key = (c.kind, c.count, c.dtype, c.root, proto)
         p = self._plans.get(key)
         if p is None:
             r = self.ring
-            args = (c.count, dtype_size(c.dtype), r.nranks, r.nchannels, self.protocol(c), r.nccl_version)
+            if r.nccl_version is None:
+                raise InferenceError("the NCCL version is not known: the traffic did not show it; "
+                                     "state it (--nccl-version, [ring] nccl_version)")
+            args = (c.count, dtype_size(c.dtype), r.nranks, r.nchannels, proto, r.nccl_version)
             if c.kind == ALLREDUCE:
                 p = schedule.allreduce_plan(*args, nthreads=r.nthreads)
             elif c.kind == BROADCAST:

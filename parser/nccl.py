@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser import nccl_versions, protocols
+from mirrorckpt.parser.errors import VersionMismatch
 from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
 from mirrorckpt.parser.reassembly import QpKey, RdmaMessage
 
@@ -87,11 +88,16 @@ class _Conn:
 class NcclDecoder:
     """Turns RDMA messages (any QP, any order across QPs) into NCCL sends, per connection."""
 
-    def __init__(self, version: str = "2.18", protocol: str | None = None, p2p_protocol: str = "Simple",
+    def __init__(self, version: str | None = None, protocol: str | None = None, p2p_protocol: str = "Simple",
                  stream: int = 0):
+        """``version``: the NCCL release if stated (the wire must agree); None: read from the wire
+        (CTS layout, immediate byte order: ``family``)."""
         self.stream = stream
-        self.version = nccl_versions.version(version)
-        self.cts_header = nccl_versions.cts_header(self.version)
+        self.version = nccl_versions.version(version) if version else None
+        self.cts_header = nccl_versions.cts_header(self.version) if self.version else None
+        self.imm_order = nccl_versions.imm_byte_order(self.version) if self.version else None
+        self.seen_cts: nccl_versions.Header | None = None  # layout of the CTS posts seen
+        self.seen_imm: str | None = None  # byte order shown by an immediate equal to its message's length
         self.protocol = protocol  # None: decided per send from its content
         self.p2p_protocol = p2p_protocol
         self.conns: dict[ConnKey, _Conn] = {}
@@ -126,18 +132,28 @@ class NcclDecoder:
 
     # -- CTS -----------------------------------------------------------------------------------
 
+    @property
+    def family(self) -> nccl_versions.WireFamily:
+        """What this stream's traffic showed about the NCCL release."""
+        return nccl_versions.WireFamily(self.seen_cts, self.seen_imm)
+
     def _take_cts(self, m: RdmaMessage) -> bool:
-        h = self.cts_header
-        if m.with_imm or m.dlen is None or m.dlen == 0 or m.dlen % h.size or not m.complete:
+        if m.with_imm or m.dlen is None or m.dlen == 0 or m.dlen % 32 or m.dlen > 512 or not m.complete:
             return False
-        if m.dlen > h.size * 8:
+        layouts = [self.cts_header or self.seen_cts] if (self.cts_header or self.seen_cts) else []
+        layouts += [h for h, _, _ in nccl_versions.CTS_LAYOUTS if h not in layouts]
+        for h in layouts:
+            e = _cts_entry(h, m)
+            if e is not None:
+                break
+        else:
             return False
-        e = h.unpack(m.data, 0)
-        # A real CTS: a positive size no larger than a Simple slice pair, a request count matching
-        # the WRITE length, a small tag (a rank) and a running index.
-        if not (0 < e["size"] <= 1 << 24 and e["nreqs"] * h.size == m.dlen and e["tag"] < 1 << 20
-                and e["idx"] >= 1 and e["addr"] != 0):
-            return False
+        if h is not self.seen_cts:
+            if self.seen_cts is not None or (self.cts_header is not None and h is not self.cts_header):
+                self._contradiction(f"a CTS post in the {h.name} layout ({address_text(m.qp.src)}->"
+                                    f"{address_text(m.qp.dst)} idx {int(e['idx'])})",
+                                    nccl_versions.WireFamily(h, None))
+            self.seen_cts = h
         conn = self._conn(ConnKey(m.qp.dst, m.qp.src, m.sport))
         cts = Cts(idx=int(e["idx"]), addr=int(e["addr"]), size=int(e["size"]), rkey=int(e["rkey"]),
                   nreqs=int(e["nreqs"]), tag=int(e["tag"]))
@@ -169,7 +185,7 @@ class NcclDecoder:
                 out.append(self._join(c, None))
             c.bulk.append(m)
             return out
-        size = self._imm(m)
+        size = self._imm(m, m.dlen if m.length_known and m.dlen and not c.bulk else None)
         if m.va == 0 and m.dlen == 0 and m.rkey == 0 and size:
             c.split_seen = True
             out.append(self._join(c, m))  # the 0-byte closing WRITE of the split form
@@ -210,10 +226,37 @@ class NcclDecoder:
         self.merged_tails += 1
         return self._make(c, wire, holes, [m], size, None, "normal", True)
 
-    def _imm(self, m: RdmaMessage) -> int | None:
+    def _contradiction(self, what: str, seen: nccl_versions.WireFamily) -> None:
+        """Stop on traffic that the stated version (or this stream's earlier traffic) rules out."""
+        if self.version is not None:
+            why = seen.contradicts(self.version)
+            raise VersionMismatch(f"stream {self.stream}: {what} contradicts the stated NCCL {self.version} "
+                                  f"({why}): state the right version, or none (it is read from the wire)")
+        raise VersionMismatch(f"stream {self.stream}: {what} contradicts this stream's earlier traffic "
+                              f"({self.family.describe()}): more than one NCCL release in one capture")
+
+    def _imm(self, m: RdmaMessage, nbytes: int | None = None) -> int | None:
+        """The immediate's size. ``nbytes`` (the message's own length, when it is the whole send)
+        shows the byte order: the first immediate that equals its length under exactly one order
+        decides it for the stream."""
         if m.imm_raw is None:
             return None
-        return nccl_versions.decode_imm(m.imm_raw, self.version)
+        if nbytes and self.seen_imm is None:
+            order = nccl_versions.imm_order_of(m.imm_raw, nbytes)
+            if order is not None:
+                if self.imm_order is not None and order != self.imm_order:
+                    self._contradiction(f"a {order}-endian immediate ({nbytes}-byte send on "
+                                        f"{address_text(m.qp.src)}->{address_text(m.qp.dst)})",
+                                        nccl_versions.WireFamily(None, order))
+                self.seen_imm = order
+        order = self.imm_order or self.seen_imm
+        if order is None:
+            # Undecided yet (empty sends, or sizes that read the same both ways): the order under
+            # which it is a plausible size, host order when both are.
+            le = nccl_versions.decode_imm_order(m.imm_raw, "little")
+            be = nccl_versions.decode_imm_order(m.imm_raw, "big")
+            return be if (le > 1 << 26 and be <= 1 << 26) else le
+        return nccl_versions.decode_imm_order(m.imm_raw, order)
 
     @staticmethod
     def _continues(bulk: list[RdmaMessage], m: RdmaMessage) -> bool:
@@ -227,7 +270,9 @@ class NcclDecoder:
 
     def _join(self, c: _Conn, close: RdmaMessage | None) -> NcclSend:
         pieces, c.bulk = c.bulk, []
-        size = self._imm(close) if close is not None else None
+        known_len = close is not None and all(p.length_known and p.complete for p in c.bulk)
+        size = self._imm(close, sum(len(p.data) for p in c.bulk) if known_len else None) \
+            if close is not None else None
         pos = 0
         holes: list[tuple[int, int]] = []
         chunks = []
@@ -269,6 +314,19 @@ class NcclDecoder:
             seq=cts.idx if cts else None, cts=cts, ts_ns=min(m.ts_ns for m in msgs) if msgs else 0,
             length_known=length_known, stream=self.stream,
         )
+
+
+def _cts_entry(h, m: RdmaMessage):
+    """The CTS entry of WRITE ``m`` read in layout ``h``, or None when it is not one: a positive size
+    no larger than a Simple slice pair, a request count matching the WRITE length, a small tag (a
+    rank), a running index and a buffer address."""
+    if m.dlen % h.size or m.dlen > h.size * nccl_versions.NET_IB_MAX_RECVS:
+        return None
+    e = h.unpack(m.data, 0)
+    if (0 < e["size"] <= 1 << 24 and e["nreqs"] * h.size == m.dlen and e["tag"] < 1 << 20
+            and e["idx"] >= 1 and e["addr"] != 0):
+        return e
+    return None
 
 
 def _line_mask(nbytes: int, line: int, wire_holes) -> np.ndarray:

@@ -81,6 +81,8 @@ def version(v: str | NcclVersion) -> NcclVersion:
 
 LL, LL128, SIMPLE = "LL", "LL128", "Simple"
 PROTOCOLS = (LL, LL128, SIMPLE)
+# NCCL's default: the protocol is chosen per collective by its tuning model (doc nccl-defaults.md)
+AUTO = "auto"
 _PROTO_BY_LOWER = {p.lower(): p for p in PROTOCOLS}
 
 ALLREDUCE, ALLGATHER, REDUCESCATTER, BROADCAST = "allreduce", "allgather", "reducescatter", "broadcast"
@@ -455,3 +457,76 @@ def split_data_on_qps_default(v: str | NcclVersion) -> bool:
     round-robin (2.20+, NCCL_IB_SPLIT_DATA_ON_QPS=0). v2.18.6-1:src/transport/net_ib.cc:1021-1048,
     v2.21.5-1:1570-1614."""
     return version(v) <= "2.19"
+
+
+# --- what the wire tells about the version ------------------------------------------------------
+
+# CTS layouts in version order, with the releases that write them (cts_header).
+CTS_LAYOUTS = ((CTS32, "2.12", "2.19"), (CTS64_V220, "2.20", "2.23"), (CTS64_V224, "2.24", "2.29"),
+               (CTS64_V230, "2.30", "2.30"))
+
+# One release per run of releases whose ring schedule is the same (chunk_family, cells_rules,
+# min_threads): 2.12 | 2.13-2.19 | 2.20-2.21 | 2.22 | 2.23-2.25 | 2.26-2.28 | 2.29 | 2.30.
+SCHEDULE_RUNS = (("2.13", "2.19"), ("2.12", "2.12"), ("2.20", "2.21"), ("2.22", "2.22"), ("2.23", "2.25"),
+                 ("2.26", "2.28"), ("2.29", "2.29"), ("2.30", "2.30"))
+
+
+@dataclass(frozen=True)
+class WireFamily:
+    """What a capture shows about the NCCL release: the CTS layout (None: no CTS seen) and the
+    byte order of the immediate (None: no message decided it)."""
+    cts: Header | None = None
+    imm_order: str | None = None
+
+    def releases(self) -> tuple[NcclVersion, NcclVersion]:
+        """The oldest and newest release that write this."""
+        lo, hi = OLDEST, NEWEST
+        for h, a, b in CTS_LAYOUTS:
+            if self.cts is h:
+                lo, hi = NcclVersion.parse(a), NcclVersion.parse(b)
+        if self.imm_order == "big":
+            lo = max(lo, NcclVersion(2, 29))
+        elif self.imm_order == "little":
+            hi = min(hi, NcclVersion(2, 28))
+        return lo, hi
+
+    def candidates(self) -> list[str]:
+        """One release per schedule run that the wire allows (the newest of the run that fits),
+        most common first; empty when the facts contradict each other."""
+        lo, hi = self.releases()
+        out = []
+        for a, b in SCHEDULE_RUNS:
+            a, b = NcclVersion.parse(a), NcclVersion.parse(b)
+            if a <= hi and lo <= b:
+                out.append(str(min(b, hi)))
+        return out
+
+    def contradicts(self, v: str | NcclVersion) -> str | None:
+        """Why release ``v`` cannot have written this traffic, or None."""
+        v = version(v)
+        if self.cts is not None and self.cts is not cts_header(v):
+            return (f"CTS entries are {self.cts.size} bytes in the {self.cts.name} layout, but NCCL {v} writes "
+                    f"{cts_header(v).size}-byte {cts_header(v).name} entries")
+        if self.imm_order is not None and self.imm_order != imm_byte_order(v):
+            return f"the immediates are {self.imm_order}-endian, but NCCL {v} writes them {imm_byte_order(v)}-endian"
+        return None
+
+    def describe(self) -> str:
+        lo, hi = self.releases()
+        if lo > hi:
+            return "contradictory (no NCCL release writes this CTS layout with this immediate byte order)"
+        return f"NCCL {lo}" + (f"-{hi}" if hi != lo else "")
+
+
+def imm_order_of(raw_be_u32: int, nbytes: int) -> str | None:
+    """Byte order under which an immediate reads as ``nbytes`` (None: both or neither do)."""
+    raw = raw_be_u32 & 0xFFFFFFFF
+    le = int.from_bytes(raw.to_bytes(4, "big"), "little")
+    if (raw == nbytes) == (le == nbytes):
+        return None
+    return "big" if raw == nbytes else "little"
+
+
+def decode_imm_order(raw_be_u32: int, order: str) -> int:
+    raw = raw_be_u32 & 0xFFFFFFFF
+    return raw if order == "big" else int.from_bytes(raw.to_bytes(4, "big"), "little")

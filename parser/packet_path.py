@@ -9,7 +9,7 @@ from mirrorckpt.parser.reassembly import RdmaMessage, Reassembler
 
 
 class PacketPath:
-    def __init__(self, icrc: bool = True, nccl_version: str = "2.18", protocol: str | None = None,
+    def __init__(self, icrc: bool = True, nccl_version: str | None = None, protocol: str | None = None,
                  psn_window: int = 1024, stream: int = 0):
         self.icrc = icrc
         self.counters = roce.Counters()

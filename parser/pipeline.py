@@ -191,7 +191,7 @@ class JobStream:
 
     def __init__(self, streams, model: JobModel | None = None, ranks: dict[bytes, int] | None = None,
                  channels: dict[ConnKey, int] | None = None, dtype: str | None = None,
-                 nccl_version: str = "2.18", infer_after: int = 20000, collective_window: int | None = None):
+                 nccl_version: str | None = None, infer_after: int = 20000, collective_window: int | None = None):
         self.streams = streams
         self.model, self.ranks, self.channels = model, ranks, channels
         self.dtype, self.nccl_version = dtype, nccl_version

@@ -70,7 +70,7 @@ class SendStream(Protocol):
 
 class MirrorStreams:
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], icrc: bool = True,
-                 nccl_version: str = "2.18", protocol: str | None = None, merge_ns: int = 1_000_000):
+                 nccl_version: str | None = None, protocol: str | None = None, merge_ns: int = 1_000_000):
         self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k)
                       for k in range(len(sources))]
         self.ended: set[int] = set()  # streams with nothing more to come

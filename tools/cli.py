@@ -11,6 +11,8 @@ import click
 COMMANDS = {
     "inspect": ("mirrorckpt.tools.cmd_inspect", "inspect",
                 "Decode a capture: RoCE packets, RDMA messages, NCCL sends."),
+    "doctor": ("mirrorckpt.tools.cmd_doctor", "doctor",
+               "What NCCL traffic captures hold; what to change when the appliance cannot follow it."),
     "replay": ("mirrorckpt.tools.cmd_replay", "replay", "Replay mirror captures through the whole pipeline."),
     "gen": ("mirrorckpt.tools.cmd_gen", "gen", "Generate NCCL ring all-reduce RoCEv2 traffic of a real training job."),
     "restore": ("mirrorckpt.tools.cmd_restore", "restore", "Verify or load a committed checkpoint."),

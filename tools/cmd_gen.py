@@ -38,7 +38,8 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--ranks", default=2, show_default=True, type=click.IntRange(2, 16))
 @click.option("--channels", default=1, show_default=True, type=click.IntRange(1, 32), help="Communicator channels.")
-@click.option("--protocol", default="LL", show_default=True, type=click.Choice(["LL", "LL128", "Simple"]))
+@click.option("--protocol", default="LL", show_default=True, type=click.Choice(["LL", "LL128", "Simple", "auto"]),
+              help="NCCL_PROTO, or auto: per collective by NCCL's tuning model (its default).")
 @click.option("--nccl-version", default="2.18", show_default=True)
 @click.option("--nthreads", type=int, help="maxThreads[RING][protocol] if not NCCL's default (NCCL_NTHREADS).")
 @click.option("--ring-orders", help="Ring order per channel from rank 0, e.g. '0,1,2;0,2,1' (default: 0..R-1).")

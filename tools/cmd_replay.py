@@ -60,7 +60,7 @@ def persist_spec(job, checkpoint_dir):
     return PersistSpec.from_dict(d)
 
 
-def open_stream(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, transport="roce"):
+def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, transport="roce"):
     """The job stream over capture files: NCCL over RoCEv2, or PyTorch DDP over gloo/TCP."""
     if transport == "gloo":
         from mirrorckpt.parser.gloo_job import open_job_stream
@@ -71,7 +71,7 @@ def open_stream(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, 
     return JobStream(streams, dtype=dtype, nccl_version=nccl_version, **kw)
 
 
-def run(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, training=None,
+def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=None,
         persist=None, progress=None, transport="roce"):
     """The main job. ``training``: the replica's TrainingSpec, or a function of the layout; None
     keeps no replica. Returns (job stream, finished collectives, iterations, Appliance or None)."""
@@ -101,7 +101,9 @@ def run(captures, job=None, dtype=None, nccl_version="2.18", icrc=True, training
               help="Job configuration (TOML); without it the job is inferred from the traffic.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "int32"]),
               help="Element type of the all-reduced data (inferred when absent).")
-@click.option("--nccl-version", default="2.18", show_default=True)
+@click.option("--nccl-version", default=None,
+              help="NCCL release (e.g. 2.23) if it must be stated; read from the wire when absent "
+                   "(a stated release the wire contradicts is an error).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
               help="Keep a CPU replica and commit checkpoints here.")
 @click.option("--optimizer", type=click.Choice(["adam", "adamw", "sgd"]), default="adam", show_default=True,
@@ -138,7 +140,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         except ConfigError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
-        nccl_version = job.ring.nccl_version
+        nccl_version = nccl_version or job.ring.nccl_version
         if not captures:  # the job file lists its capture files as mirror sources
             captures = tuple(m.source for m in job.mirrors if not m.source.startswith(("afpacket:", "dpdk:")))
     if not captures:
@@ -154,6 +156,12 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
+    if job is not None and transport == "roce" and (nccl_version is None or job.ring.protocol == "auto"):
+        try:  # what the job file leaves open (release, protocol per collective) is read from the wire
+            job, nccl_version = _complete_from_wire(job, captures, nccl_version, dtype, not no_icrc)
+        except InferenceError as e:
+            click.echo(f"error: cannot reassemble: {e}", err=True)
+            sys.exit(1)
     if keep_replica:
         import mirrorckpt.updater.appliance  # noqa: F401  (torch's import is not replay time)
     t0 = time.perf_counter()
@@ -208,6 +216,19 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         click.echo(f"error: {d}", err=True)
     if damage:
         sys.exit(3)
+
+
+def _complete_from_wire(job, captures, nccl_version, dtype, icrc):
+    """The job file with the NCCL release and the protocol of each collective shape taken from the
+    captures' first sends (inference checks them against the job's own collective sequence)."""
+    import dataclasses
+
+    from mirrorckpt.parser.infer import infer_from_streams
+
+    streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
+    got = infer_from_streams(streams, dtype or job.grad_dtype, nccl_version, JobModel.from_job(job))
+    ring = dataclasses.replace(job.ring, nccl_version=got.model.ring.nccl_version, protocol=got.model.ring.protocol)
+    return dataclasses.replace(job, ring=ring, protocols=dict(got.model.protocols)), ring.nccl_version
 
 
 def _print(report, ars, iterations, summary, secs, nbytes):

@@ -63,7 +63,8 @@ class GenConfig:
     def ring(self) -> RingSpec:
         if self.ring_orders is not None and len(self.ring_orders) != self.channels:
             raise ValueError(f"{len(self.ring_orders)} ring orders given for {self.channels} channels")
-        return RingSpec(nranks=self.ranks, nchannels=self.channels, protocol=nv.protocol(self.protocol),
+        proto = nv.AUTO if self.protocol == nv.AUTO else nv.protocol(self.protocol)
+        return RingSpec(nranks=self.ranks, nchannels=self.channels, protocol=proto,
                         nccl_version=str(nv.version(self.nccl_version)), nthreads=self.nthreads,
                         ring_orders=self.ring_orders)
 

@@ -16,6 +16,7 @@ from mirrorckpt.config.layout import RingSpec
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import ringreduce, schedule
 
+from . import tuning
 from .topology import P2P_CHUNK_BYTES, Topology
 from .wire import Layer, P2pMsg, Wire, Work
 
@@ -103,7 +104,8 @@ class NcclRing:
             raise ValueError(f"the generator simulates 2..16 ranks, not {ring.nranks}")
         self.ring, self.topo, self.wire = ring, topo, wire
         self.orders = ring.orders()
-        self.protocol = nv.protocol(ring.protocol)
+        self.protocol = ring.protocol if ring.protocol == nv.AUTO else nv.protocol(ring.protocol)
+        self.fabric = tuning.Fabric()
         self.version = nv.version(ring.nccl_version)
         self.p2p_fill = p2p_fill
         self.index = 0  # collectives issued (the trainer's record numbers them the same way)
@@ -112,10 +114,17 @@ class NcclRing:
 
     # -- Comm ------------------------------------------------------------------------------------
 
+    def proto(self, kind: str, nbytes: int) -> str:
+        """The collective's protocol: the pinned one, or NCCL's tuning-model choice ("auto")."""
+        if self.protocol != nv.AUTO:
+            return self.protocol
+        return tuning.choose(kind, nbytes, self.ring.nranks, self.ring.nchannels, self.fabric)
+
     def all_gather(self, per_rank: list[np.ndarray], what: str) -> list[np.ndarray]:
         self._check(per_rank, what)
         a = per_rank[0]
-        plan = schedule.allgather_plan(a.size, a.itemsize, self.ring.nranks, self.ring.nchannels, self.protocol,
+        proto = self.proto(nv.ALLGATHER, a.nbytes * self.ring.nranks)
+        plan = schedule.allgather_plan(a.size, a.itemsize, self.ring.nranks, self.ring.nchannels, proto,
                                        self.version, nthreads=self.ring.nthreads)
         src = CopyValues(lambda ch, chunk: per_rank[self.orders[ch][chunk]].reshape(-1))
         self._run(nv.ALLGATHER, what, a, {None: plan}, src)
@@ -125,12 +134,13 @@ class NcclRing:
         if not 0 <= root < self.ring.nranks:
             raise ValueError(f"{what}: broadcast root {root} is outside 0..{self.ring.nranks - 1}")
         flat = np.ascontiguousarray(data).reshape(-1)
+        proto = self.proto(nv.BROADCAST, flat.nbytes)
         plans = {}
         for ch in range(self.ring.nchannels):
             pos = self.ring.ring_index(ch, root)
             if pos not in plans:
                 plans[pos] = schedule.broadcast_plan(flat.size, flat.itemsize, self.ring.nranks,
-                                                     self.ring.nchannels, self.protocol, self.version, root=pos,
+                                                     self.ring.nchannels, proto, self.version, root=pos,
                                                      nthreads=self.ring.nthreads)
         self._run(nv.BROADCAST, what, flat, plans, CopyValues(lambda ch, chunk: flat), root=root)
         return np.array(data, copy=True)
@@ -138,7 +148,8 @@ class NcclRing:
     def all_reduce(self, per_rank: list[np.ndarray], what: str) -> np.ndarray:
         self._check(per_rank, what)
         a = per_rank[0]
-        plan = schedule.allreduce_plan(a.size, a.itemsize, self.ring.nranks, self.ring.nchannels, self.protocol,
+        proto = self.proto(nv.ALLREDUCE, a.nbytes)
+        plan = schedule.allreduce_plan(a.size, a.itemsize, self.ring.nranks, self.ring.nchannels, proto,
                                        self.version, nthreads=self.ring.nthreads)
         vals = AllReduceValues(plan, [np.ascontiguousarray(x).reshape(-1) for x in per_rank], self.orders)
         self._run(nv.ALLREDUCE, what, a, {None: plan}, vals)
@@ -183,8 +194,8 @@ class NcclRing:
         label = {"collective": self.index, "what": what, "kind": kind}
         self.plans.append({"collective": self.index, "what": what, "kind": kind, "dtype": dtype_name(a),
                            "count": int(a.size), "channels": any_plan.nchannels, "nthreads": any_plan.nthreads,
-                           "used_channels": any_plan.channels})
-        self.wire.run(works, Layer(self.protocol, kind), source, label, self._gap(what))
+                           "used_channels": any_plan.channels, "protocol": any_plan.protocol})
+        self.wire.run(works, Layer(any_plan.protocol, kind), source, label, self._gap(what))
         self.index += 1
 
     def _fill(self, plan: schedule.AllReducePlan, result: np.ndarray, what: str) -> None:

@@ -1,0 +1,220 @@
+"""Which channel each ring connection is: from the plan's message sizes at the sends' steps, and
+where several channels fit, from the receive-buffer addresses (NCCL allocates a pair's
+connections in channel order)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+from mirrorckpt.config.layout import RingSpec
+from mirrorckpt.parser import schedule
+from mirrorckpt.parser.collectives import JobModel
+from mirrorckpt.parser.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.nccl_versions import AUTO, SIMPLE
+from mirrorckpt.parser.statemachine import RingStateMachine
+
+
+def channel_candidates(sm: RingStateMachine, conn: ConnKey, sends: list[NcclSend], ring: RingSpec,
+                       ranks: dict[bytes, int]) -> list[int]:
+    """Channels whose plan agrees with every identified send of the connection: an LL/LL128 flag
+    gives the connection step, a CTS index the message number (Simple advances the step counter
+    by two per message, so the two differ)."""
+    a, b = ranks[conn.sender], ranks[conn.receiver]
+    out = []
+    for ch in range(ring.nchannels):
+        if ring.next_rank(ch, a) != b:
+            continue
+        pos = ring.ring_index(ch, a)
+        ok = True
+        for s in sends:
+            if not s.length_known:
+                continue
+            if s.flag is not None:
+                hit = sm.expected(ch, pos, s.flag - 1)
+                size = hit[1].wire_bytes if hit is not None else None
+            elif s.seq is not None:
+                hit = sm.by_message(ch, pos, s.seq - 1)
+                size = hit[1].wire_bytes if hit is not None else None
+            else:
+                continue
+            if size != s.wire_bytes:
+                ok = False
+                break
+        if ok:
+            out.append(ch)
+    return out
+
+
+def resolve_channels(model: JobModel, ranks: dict[bytes, int], conns: dict[ConnKey, list[NcclSend]],
+                     notes: list[str]) -> dict[ConnKey, int] | None:
+    """Ring connection -> channel: by the plan's sizes where they decide, else by the receive
+    buffer addresses (NCCL allocates the connections of a pair in channel order)."""
+    ring = model.ring
+    sm = RingStateMachine(model, ranks, {})
+    pairs = defaultdict(list)
+    for k in conns:
+        pairs[(ranks[k.sender], ranks[k.receiver])].append(k)
+    out = {}
+    for pair, keys in pairs.items():
+        cands = {k: channel_candidates(sm, k, conns[k], ring, ranks) for k in keys}
+        base = {k: _buffer_base(conns[k], model) for k in keys}
+        best = None
+        for perm in itertools.permutations(range(ring.nchannels), len(keys)):
+            if all(ch in cands[k] for k, ch in zip(keys, perm)):
+                # Prefer the assignment that orders the receive buffers like the channels.
+                ordered = sorted(keys, key=lambda k: base[k])
+                score = sum(1 for k, ch in zip(keys, perm) if ordered.index(k) == sorted(perm).index(ch))
+                if best is None or score > best[0]:
+                    best = (score, perm)
+        if best is None:
+            return None
+        ambiguous = sum(len(cands[k]) > 1 for k in keys)
+        if ambiguous and len(keys) > 1:
+            notes.append(f"channels of ranks {pair[0]}->{pair[1]} ordered by receive buffer address")
+        out.update(dict(zip(keys, best[1])))
+    return out
+
+
+def _buffer_base(sends: list[NcclSend], model: JobModel) -> int:
+    for s in sends:  # the flag gives the connection step, hence the slot (a CTS index does not)
+        if s.va and s.flag is not None and s.protocol is not None:
+            return s.va - schedule.recv_slot(s.flag - 1, s.protocol, "allreduce", model.ring.nccl_version).alloc_offset
+    return 1 << 64
+
+
+class ChannelResolver:
+    """Maps ring connections to channels as their sends arrive (a connection may first appear
+    long after the start: small collectives run on fewer channels). A new connection's sends are
+    held, per mirror stream (two streams may carry the same link), until they identify its
+    channel: by the plan's message sizes at their steps (or, for flagless traffic seen without its
+    CTS in a capture that starts with the job, in their order). When several channels fit every
+    send (symmetric chunks), the receive-buffer addresses decide: NCCL allocates a pair's
+    connections in channel order. When those are unknown too, nothing is guessed: the connection
+    is not placed, and its collectives come out incomplete rather than wrong."""
+
+    def __init__(self, model: JobModel, ranks: dict[bytes, int], mapped: dict[ConnKey, int] | None = None,
+                 hold: int = 64):
+        self.model, self.ranks, self.hold = model, ranks, hold
+        self.sm = RingStateMachine(model, ranks, {})
+        self.mapped: dict[ConnKey, int] = dict(mapped or {})
+        self.held: dict[tuple[int, ConnKey], list[NcclSend]] = {}  # (stream, conn) -> sends in order
+        self.rejected: set[ConnKey] = set()
+        self.base: dict[ConnKey, int] = {}  # receive-buffer base of mapped connections
+        self.notes: list[str] = []
+
+    def is_ring(self, conn: ConnKey) -> bool:
+        a, b = self.ranks.get(conn.sender), self.ranks.get(conn.receiver)
+        if a is None or b is None or conn in self.rejected:
+            return False
+        return any(self.model.ring.next_rank(ch, a) == b for ch in range(self.model.ring.nchannels))
+
+    def offer(self, s: NcclSend) -> list[NcclSend]:
+        """The sends now placeable, in arrival order: ``s`` itself once its connection is mapped."""
+        conn = s.connection
+        if conn in self.mapped:
+            return [s]
+        if s.protocol == SIMPLE and self.model.ring.protocol not in (SIMPLE, AUTO) and len(s.data):
+            # Point-to-point traffic between ring ranks: its own connection, never a ring one.
+            self.rejected.add(conn)
+            return self._release(conn) + [s]
+        self.held.setdefault((s.stream, conn), []).append(s)
+        return self._decide((s.stream, conn), final=False)
+
+    def flush(self) -> list[NcclSend]:
+        out = []
+        for key in list(self.held):
+            if key in self.held:
+                out += self._decide(key, final=True)
+        return out
+
+    def _release(self, conn: ConnKey) -> list[NcclSend]:
+        out = []
+        for key in [k for k in self.held if k[1] == conn]:
+            out += self.held.pop(key)
+        return out
+
+    def _by_order(self, conn: ConnKey, held: list[NcclSend]) -> list[int]:
+        """Channels whose first messages have the sizes of the connection's first sends."""
+        a, b = self.ranks[conn.sender], self.ranks[conn.receiver]
+        out = []
+        for ch in range(self.model.ring.nchannels):
+            if self.model.ring.next_rank(ch, a) != b:
+                continue
+            pos = self.model.ring.ring_index(ch, a)
+            ok = True
+            for m, s in enumerate(held):
+                hit = self.sm.by_message(ch, pos, m)
+                if hit is None or (s.length_known and hit[1].wire_bytes != s.wire_bytes):
+                    ok = False
+                    break
+            if ok:
+                out.append(ch)
+        return out
+
+    def _pair(self, conn: ConnKey) -> list[ConnKey]:
+        keys = list(self.mapped) + [k[1] for k in self.held]
+        return list(dict.fromkeys(k for k in keys if (k.sender, k.receiver) == (conn.sender, conn.receiver)))
+
+    def _base(self, conn: ConnKey, cands: list[int]) -> int | None:
+        """Receive-buffer base of a connection from any stream's held sends, or None."""
+        if conn in self.base:
+            return self.base[conn]
+        a = self.ranks[conn.sender]
+        for (_, k), sends in self.held.items():
+            if k != conn:
+                continue
+            for i, s in enumerate(sends):
+                if s.va is None or s.protocol is None:
+                    continue
+                t = s.step if s.flag is not None else None
+                if t is None and self.model.from_start and cands:
+                    # Flagless: the message number is its place in this stream's order; the
+                    # candidate channels have the same plan here, so any gives the step.
+                    ch = cands[0]
+                    hit = self.sm.by_message(ch, self.model.ring.ring_index(ch, a), i)
+                    t = hit[2] if hit is not None else None
+                if t is not None:
+                    slot = schedule.recv_slot(t, s.protocol, "allreduce", self.model.ring.nccl_version)
+                    return s.va - slot.alloc_offset
+        return None
+
+    def _decide(self, key: tuple[int, ConnKey], final: bool) -> list[NcclSend]:
+        conn = key[1]
+        held = self.held[key]
+        stepped = any(s.step is not None and s.length_known for s in held)
+        by_order = not stepped and self.model.from_start and len(held) >= min(self.hold, 8)
+        if not (stepped or by_order or final):
+            return []  # nothing identifying yet (empty steps, or flagless sends still few)
+        taken = {self.mapped[k] for k in self._pair(conn) if k in self.mapped}
+        if stepped:
+            cands = channel_candidates(self.sm, conn, held, self.model.ring, self.ranks)
+        else:
+            cands = self._by_order(conn, held)
+        cands = [c for c in cands if c not in taken]
+        if not cands:
+            self.rejected.add(conn)
+            self.notes.append(f"connection {conn} fits no free channel of the configured ring: not placed")
+            return self._release(conn)  # handed back as traffic outside the ring
+        if len(cands) > 1 and not (final or len(held) >= self.hold):
+            return []
+        ch = cands[0]
+        if len(cands) > 1:
+            pair = self._pair(conn)
+            bases = {k: self._base(k, cands) for k in pair}
+            if any(v is None for v in bases.values()):
+                self.rejected.add(conn)
+                self.notes.append(f"connection {conn}: channels {cands} fit its sizes and its receive buffer "
+                                  "address is unknown: not placed (its collectives stay incomplete)")
+                return self._release(conn)
+            order = sorted(pair, key=lambda k: bases[k])
+            free = sorted(set(cands) | taken)
+            pos = order.index(conn)
+            ch = free[pos] if pos < len(free) and free[pos] in cands else cands[0]
+            self.notes.append(f"connection {conn}: channel {ch} taken from its receive buffer address "
+                              f"(channels {cands} fit its sizes)")
+        self.mapped[conn] = ch
+        b = self._base(conn, [ch])
+        if b is not None:
+            self.base[conn] = b
+        return self._release(conn)

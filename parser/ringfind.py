@@ -1,0 +1,142 @@
+"""The ring from the traffic: which address is which rank, and the ring order.
+
+Edges come from the data connections (sender -> receiver) and from the CTS posts (a receiver
+posts to its upstream neighbour, so the egress of rank r shows the link into r even when the
+upstream rank's egress is not mirrored). A CTS tag names the data sender's rank. Walking the
+edges from rank 0 gives each address its ring position; with two adjacent ranks' egress the walk
+sees every link but the one between the last two ranks, which closes the ring. Global ranks the
+tags do not give are taken to equal the ring position (NCCL's usual single-ring order): the
+reassembly depends only on positions, so this choice can relabel ranks, never misplace data.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from mirrorckpt.config.layout import address_text
+from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.parser.errors import InferenceError
+from mirrorckpt.parser.nccl import ConnKey, NcclDecoder, NcclSend
+
+
+def sequences(sends: list[NcclSend]) -> dict[ConnKey, dict[int, NcclSend]]:
+    """Per connection its sends by message number (the CTS index - 1 where the CTS was seen, else
+    the place in arrival order), from the stream that carries the most of them."""
+    per = defaultdict(list)
+    for s in sends:
+        per[(s.stream, s.connection)].append(s)
+    best: dict[ConnKey, list[NcclSend]] = {}
+    for (_, conn), lst in per.items():
+        if len(lst) > len(best.get(conn, ())):
+            best[conn] = lst
+    out = {}
+    for conn, lst in best.items():
+        d, m = {}, -1
+        for s in lst:
+            m = s.seq - 1 if s.seq is not None else m + 1
+            d.setdefault(m, s)
+        out[conn] = d
+    return out
+
+
+def _ringlike(seq: dict[int, NcclSend]) -> bool:
+    """LL/LL128 sends only travel on ring (collective) connections. A Simple-only connection is
+    one too unless it looks point-to-point: its CTS posts announce other sizes than a collective's
+    step or slice (doc 4.3), or two messages in a row land at one address (a ring message takes
+    the next slot of the connection's buffer; point-to-point sends reuse a shared buffer)."""
+    sends = [seq[m] for m in sorted(seq)]
+    if any(s.protocol in (nv.LL, nv.LL128) for s in sends):
+        return True
+    ring_sizes = {nv.cts_size(p, k, "2.18") for p in nv.PROTOCOLS for k in (nv.ALLREDUCE, nv.BROADCAST)}
+    sizes = {s.cts.size for s in sends if s.cts is not None}
+    if sizes and not sizes <= ring_sizes:
+        return False
+    vas = [s.va for s in sends if s.va is not None]
+    return all(a != b for a, b in zip(vas, vas[1:]))
+
+
+def find_ring(seqs: dict[ConnKey, dict[int, NcclSend]], decoders: list[NcclDecoder]):
+    """(address -> rank, ring order from rank 0, ring connections, notes)."""
+    notes: list[str] = []
+    tags: dict[bytes, int] = {}
+    edges: dict[bytes, dict[bytes, int]] = defaultdict(lambda: defaultdict(int))  # a -> b -> weight
+    for dec in decoders:
+        for key, c in dec.conns.items():
+            if c.cts:
+                t = {e.tag for e in c.cts.values()}
+                if len(t) == 1:
+                    tags.setdefault(key.sender, t.pop())
+                edges[key.sender][key.receiver] += 1
+    ring = {k: v for k, v in seqs.items() if _ringlike(v)}
+    strong = {k for k, v in ring.items() if any(s.protocol in (nv.LL, nv.LL128) for s in v.values())}
+    for k in ring:
+        edges[k.sender][k.receiver] += 100 if k in strong else 10
+    if not ring:
+        raise InferenceError("no collective (ring) traffic among the sends: nothing to infer the ring from")
+    by_rank: dict[int, list[bytes]] = defaultdict(list)
+    for a, r in tags.items():
+        by_rank[r].append(a)
+    if any(len(v) > 1 for v in by_rank.values()):
+        raise InferenceError(f"CTS tags give one rank to several addresses: "
+                             f"{ {r: [address_text(a) for a in v] for r, v in by_rank.items()} }")
+    nxt = {}
+    for a, bs in edges.items():
+        best = max(bs.values())
+        top = [b for b, w in bs.items() if w == best]
+        if len(top) > 1 or any(w >= 100 for b, w in bs.items() if b not in top):
+            raise InferenceError(f"{address_text(a)} sends ring traffic to "
+                                 f"{', '.join(address_text(b) for b in bs)}: channels use different ring orders; "
+                                 "give them in the configuration")
+        nxt[a] = top[0]
+    addrs = set(edges) | {b for bs in edges.values() for b in bs}
+    zero = by_rank.get(0, [None])[0]
+    if zero is None:
+        zero = _rank0_without_tags(ring, addrs, notes)
+    order = [zero]
+    while nxt.get(order[-1]) is not None and nxt[order[-1]] not in order:
+        order.append(nxt[order[-1]])
+    closed = nxt.get(order[-1]) == zero
+    if not closed:
+        prev = {b: a for a, b in nxt.items()}
+        back = []
+        a = prev.get(zero)
+        while a is not None and a not in order and a not in back:
+            back.append(a)
+            a = prev.get(a)
+        unseen = addrs - set(order) - set(back)
+        if unseen or not back:
+            missing = ", ".join(address_text(a) for a in sorted(unseen)) or "the rank upstream of rank 0"
+            raise InferenceError(f"the ring order is not visible: the walk from rank 0 ({address_text(zero)}) stops at "
+                                 f"{address_text(order[-1])}, and {missing} cannot be placed; mirror the egress of two "
+                                 "adjacent ranks, or give [ring] addresses and orders in the configuration")
+        notes.append(f"ring closed between {address_text(order[-1])} and {address_text(back[-1])}: "
+                     "that link is not mirrored")
+        order += list(reversed(back))
+    R = len(order)
+    ranks = {a: tags[a] for a in order if a in tags}
+    if sorted(ranks.values()) != sorted(set(ranks.values())) or any(r >= R for r in ranks.values()):
+        raise InferenceError(f"CTS tags {sorted(ranks.values())} do not fit a ring of {R} addresses")
+    free = [r for r in range(R) if r not in ranks.values()]
+    guessed = [a for a in order if a not in ranks]
+    for a in guessed:  # in ring order: rank = position where the tags allow it
+        pos = order.index(a)
+        r = pos if pos in free else free[0]
+        free.remove(r)
+        ranks[a] = r
+    if len(guessed) > 1 or (guessed and R > 2):
+        notes.append(f"ranks of {', '.join(address_text(a) for a in guessed)} taken from their ring positions (no CTS "
+                     "from their receivers seen); data placement depends only on the positions")
+    conns = {k: v for k, v in ring.items() if k.sender in ranks and k.receiver in ranks
+             and nxt.get(k.sender) == k.receiver}
+    return ranks, [ranks[a] for a in order], conns, notes
+
+
+def _rank0_without_tags(ring, addrs, notes) -> bytes:
+    """Two ranks, no CTS: rank 0 sent the start-up broadcasts, so its connection carries more steps."""
+    if len(addrs) != 2:
+        raise InferenceError("rank 0 is unknown: no CTS posts (their tags name the sender's rank) are in the "
+                             "mirrored traffic; mirror a receiver's egress, or give [ring] addresses")
+    steps = {a: max((s.flag or 0 for k, v in ring.items() if k.sender == a for s in v.values()), default=0)
+             for a in addrs}
+    notes.append("no CTS seen: rank 0 taken to be the address that sent the start-up broadcasts")
+    return max(sorted(addrs), key=lambda a: steps[a])
