@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from ..config.layout import JobLayout, RingSpec
+from ..config.training import TrainingSpec
 from . import wire
 from .wire import SchemaError, UnknownMessageType
 
 HELLO = "HELLO"  # handshake: role and nonce
 AUTH = "AUTH"  # handshake: proof of the secret over both nonces and roles
-REGISTER = "REGISTER"  # job layout, ring, training spec, initial state tensors
-STEP_META = "STEP_META"  # what the wire does not carry: lr, loss scale, rng states, data position
+REGISTER = "REGISTER"  # job layout, ring, training recipe, initial state (tensors, groups, schedule)
+STEP_META = "STEP_META"  # what the wire does not carry: lr, loss scale, rng, data position, plateau state
 FINGERPRINT = "FINGERPRINT"  # per-tensor u64 fingerprints (updater.fingerprint) at a step
 FALLBACK_REQUEST = "FALLBACK_REQUEST"  # appliance asks for a GoCkpt multi-step checkpoint
 GOCKPT_PART = "GOCKPT_PART"  # part i of k: state slices plus gradients of the parts already sent
@@ -93,6 +94,8 @@ def _check_register(b: dict) -> str | None:
     err = _layout_error("layout", JobLayout, b["layout"])
     if err is None and b.get("ring") is not None:
         err = _layout_error("ring", RingSpec, b["ring"])
+    if err is None:
+        err = _layout_error("training", TrainingSpec, b["training"])
     return err
 
 
@@ -108,10 +111,12 @@ REGISTRY: dict[str, Spec] = {
     HELLO: Spec(ANY, {"role": F("role"), "nonce": F("hex32")}),
     AUTH: Spec(ANY, {"proof": F("hex32")}),
     REGISTER: Spec(CLIENT, {"job": F("str"), "step": F("int"), "layout": F("dict"),
-                            "ring": F("dict", required=False, nullable=True), "training": F("dict")},
+                            "ring": F("dict", required=False, nullable=True), "training": F("dict"),
+                            "state_meta": F("dict", required=False)},
                    tensors="any", check=_check_register),
     STEP_META: Spec(CLIENT, {"step": F("int"), "lr": F("num"), "loss_scale": F("num", nullable=True),
-                             "data_position": F("json", required=False)}, tensors="uint8"),
+                             "data_position": F("json", required=False),
+                             "lr_scheduler": F("str", required=False)}, tensors="uint8"),
     FINGERPRINT: Spec(CLIENT, {"step": F("int"), "fingerprints": F("u64map")}),
     FALLBACK_REQUEST: Spec(SERVER, {"reason": F("str"), "step": F("int"), "parts": F("int")},
                            check=_check_parts),

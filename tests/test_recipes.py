@@ -142,8 +142,8 @@ class Ref:
                 pos += p.numel()
         self.opt.step()
         if self.plateau:
-            for v in it.meta.get("metrics", []):
-                self.sched.step(v)
+            self.sched.step(LOSSES[it.index])
+            it.meta = {"lr_scheduler": self.sched.state_dict()}  # what the trainer reports
         else:
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
@@ -154,7 +154,7 @@ class Ref:
 
 def iteration(i: int, rng) -> ReducedIteration:
     bufs = [(rng.standard_normal(LAYOUT.bucket_count(b)) * 0.1).astype(np.float32) for b in LAYOUT.bucket_list(i)]
-    return ReducedIteration(index=i, buckets=bufs, meta={"metrics": [LOSSES[i]]})
+    return ReducedIteration(index=i, buckets=bufs)
 
 
 def hyper(opt) -> list[dict]:

@@ -73,13 +73,36 @@ def build_scheduler(spec: LRScheduleSpec, optimizer: torch.optim.Optimizer):
 
 
 def step_scheduler(scheduler, spec: LRScheduleSpec, meta: dict | None) -> None:
-    """The trainer's scheduler step(s) after one iteration: once for a step-driven schedule; for
-    ReduceLROnPlateau once per metric the trainer reported with the step (none: no step)."""
+    """The trainer's scheduler step after one iteration. ReduceLROnPlateau steps on a metric the
+    wire does not carry, whenever the training loop chooses: the trainer reports its state after
+    each iteration (``plateau_state``) and the replica takes it, with the lrs it set."""
     if not spec.needs_metrics:
         scheduler.step()
         return
-    for v in (meta or {}).get("metrics") or []:
-        scheduler.step(float(v))
+    st = (meta or {}).get("lr_scheduler")
+    if st is not None:
+        scheduler.load_state_dict(st)
+        for g, lr in zip(scheduler.optimizer.param_groups, st["_last_lr"]):
+            g["lr"] = lr
+
+
+def plateau_state(d, groups: int) -> dict:
+    """A reported ReduceLROnPlateau state, checked: ValueError unless it fits ``groups`` groups."""
+    import math
+
+    def finite(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(d, dict):
+        raise ValueError("the plateau scheduler state must be an object")
+    lrs, mins = d.get("_last_lr"), d.get("min_lrs")
+    for name, v in (("_last_lr", lrs), ("min_lrs", mins)):
+        if not (isinstance(v, list) and len(v) == groups and all(finite(x) and x >= 0 for x in v)):
+            raise ValueError(f"plateau state: {name} must be {groups} finite numbers >= 0")
+    for k in ("factor", "eps", "threshold", "last_epoch", "patience", "cooldown", "cooldown_counter",
+              "num_bad_epochs"):
+        if not finite(d.get(k)):
+            raise ValueError(f"plateau state: {k} must be a finite number")
+    return d
 
 
 def fresh_state(spec: OptimizerSpec, param: torch.Tensor) -> dict:
