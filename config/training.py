@@ -1,28 +1,36 @@
-"""What the trainer's optimizer step is made of: optimizer, LR schedule, clipping, fp16 loss scaling,
-and how the appliance persists the replica.
+"""What the trainer's optimizer step is made of: optimizer and its param groups, LR schedule,
+clipping, fp16 loss scaling, and how the appliance persists the replica.
 
 Plain dataclasses that round-trip through dicts (JSON, TOML, control-plane headers). Construction
 validates and names the offending field; nothing here imports torch except the LR-schedule check,
 which reads the scheduler's own signature so the accepted arguments cannot drift from torch's.
+Functions a scheduler calls (LambdaLR's ``lr_lambda``, CyclicLR's ``scale_fn``) are named by an
+importable path ``"package.module:function"``; only the updater resolves them.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 GRAD_DTYPES = ("float32", "bfloat16", "float16")
 
-# torch.optim.lr_scheduler classes that are fully described by keyword arguments. Left out:
-# LambdaLR/MultiplicativeLR (callables), SequentialLR/ChainedScheduler (other schedulers),
-# ReduceLROnPlateau (needs a metric the wire does not carry).
+# torch.optim.lr_scheduler classes the replica rebuilds. Callables are importable paths,
+# SequentialLR/ChainedScheduler take a list of scheduler specs, ReduceLROnPlateau steps on the
+# metric the trainer reports with each step.
 SCHEDULERS = (
     "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR", "PolynomialLR",
     "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "CyclicLR", "OneCycleLR",
+    "LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau",
 )
-_SCHEDULER_ARGS_REFUSED = ("optimizer", "lr_lambda", "scale_fn", "verbose")
+_SCHEDULER_ARGS_REFUSED = ("optimizer", "verbose", "last_epoch")
+CALLABLE_ARGS = ("lr_lambda", "scale_fn")  # given as importable paths
+_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+# Hyper-parameters a param group may set for itself (torch's per-group keys)
+GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad", "maximize")
 
 
 class SpecError(ValueError):
@@ -99,6 +107,45 @@ class OptimizerSpec:
     def from_dict(d: dict) -> OptimizerSpec:
         return _from_dict(OptimizerSpec, d, "optimizer")
 
+    def with_options(self, options: dict, where: str = "param group") -> OptimizerSpec:
+        """This spec with a param group's own hyper-parameters."""
+        bad = sorted(set(options) - set(GROUP_OPTIONS))
+        _need(not bad, where, f"unknown option(s) {', '.join(bad)} (a group may set {', '.join(GROUP_OPTIONS)})")
+        d = self.to_dict()
+        d.update(options)
+        try:
+            return OptimizerSpec.from_dict(d)
+        except SpecError as e:
+            raise SpecError(f"{where}: {e}") from None
+
+
+@dataclass
+class ParamGroupSpec:
+    """One optimizer param group: its parameters (layout names, in the optimizer's order) and the
+    hyper-parameters it sets itself (the rest come from the OptimizerSpec)."""
+
+    params: list[str]
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        w = "param_groups"
+        _need(isinstance(self.params, (list, tuple)) and all(isinstance(n, str) for n in self.params), w,
+              "params must be a list of parameter names")
+        self.params = list(self.params)
+        _need(len(set(self.params)) == len(self.params), w, "a group lists a parameter twice")
+        _need(isinstance(self.options, dict), w, "options must be a table/dict")
+        self.options = dict(self.options)
+        if "betas" in self.options and isinstance(self.options["betas"], (list, tuple)):
+            self.options["betas"] = [float(b) if isinstance(b, (int, float)) and not isinstance(b, bool) else b
+                                     for b in self.options["betas"]]
+
+    def to_dict(self) -> dict:
+        return {"params": list(self.params), "options": dict(self.options)}
+
+    @staticmethod
+    def from_dict(d: dict) -> ParamGroupSpec:
+        return _from_dict(ParamGroupSpec, d, "param_groups")
+
 
 @dataclass
 class LRScheduleSpec:
@@ -112,6 +159,7 @@ class LRScheduleSpec:
             return
         _need(self.name in SCHEDULERS, w, f"name must be 'none' or one of {', '.join(SCHEDULERS)}, got {self.name!r}")
         _need(isinstance(self.kwargs, dict), w, f"kwargs must be a table/dict, got {type(self.kwargs).__name__}")
+        self.kwargs = dict(self.kwargs)
         refused = sorted(set(self.kwargs) & set(_SCHEDULER_ARGS_REFUSED))
         _need(not refused, w, f"{self.name}: argument(s) {', '.join(refused)} cannot be given in a config")
         import torch.optim.lr_scheduler as lrs  # only here: the signature is torch's, not a copy
@@ -124,10 +172,41 @@ class LRScheduleSpec:
         missing = [p for p in accepted if sig.parameters[p].default is inspect.Parameter.empty
                    and sig.parameters[p].kind is not inspect.Parameter.VAR_KEYWORD and p not in self.kwargs]
         _need(not missing, w, f"{self.name} needs argument(s) {', '.join(missing)}")
+        for arg in CALLABLE_ARGS:
+            v = self.kwargs.get(arg)
+            if v is None:
+                continue
+            paths = v if isinstance(v, list) else [v]
+            _need(all(isinstance(p, str) and _PATH.fullmatch(p) for p in paths) and paths, w,
+                  f"{self.name}: {arg} must name a function by its importable path 'package.module:function' "
+                  f"(or a list of them), got {v!r:.80}")
+        if "schedulers" in self.kwargs:
+            subs = self.kwargs["schedulers"]
+            _need(isinstance(subs, list) and subs, w, f"{self.name}: schedulers must be a non-empty list of schedules")
+            subs = [s if isinstance(s, LRScheduleSpec) else LRScheduleSpec.from_dict(s) for s in subs]
+            _need(all(s.enabled and not s.needs_metrics and "schedulers" not in s.kwargs for s in subs), w,
+                  f"{self.name}: each scheduler must be a step-driven schedule (not none, "
+                  f"ReduceLROnPlateau, or another chain)")
+            self.kwargs["schedulers"] = [s.to_dict() for s in subs]
 
     @property
     def enabled(self) -> bool:
         return self.name != "none"
+
+    @property
+    def needs_metrics(self) -> bool:
+        """Stepped with the metric the trainer passes (the trainer reports it with its steps)."""
+        return self.name == "ReduceLROnPlateau"
+
+    def callable_paths(self) -> list[str]:
+        """Every importable path this schedule names, nested schedules included."""
+        out = []
+        for arg in CALLABLE_ARGS:
+            v = self.kwargs.get(arg)
+            out += [] if v is None else (v if isinstance(v, list) else [v])
+        for sub in self.kwargs.get("schedulers", []):
+            out += LRScheduleSpec.from_dict(sub).callable_paths()
+        return out
 
     def to_dict(self) -> dict:
         return {"name": self.name, "kwargs": dict(self.kwargs)}
@@ -225,9 +304,20 @@ class TrainingSpec:
     loss_scale: LossScaleSpec | None = None  # fp16 only; defaults to LossScaleSpec() for fp16
     persist: PersistSpec | None = None
     grad_dtype: str = "float32"  # gradient dtype on the wire; bf16/fp16 mean fp32 master copies
+    # None: one group holding every parameter; else every layout parameter in exactly one group
+    param_groups: list[ParamGroupSpec] | None = None
 
     def __post_init__(self):
         w = "training"
+        if self.param_groups is not None:
+            _need(isinstance(self.param_groups, list) and self.param_groups, w,
+                  "param_groups must be a non-empty list")
+            self.param_groups = [g if isinstance(g, ParamGroupSpec) else ParamGroupSpec.from_dict(g)
+                                 for g in self.param_groups]
+            names = [n for g in self.param_groups for n in g.params]
+            _need(len(set(names)) == len(names), w, "a parameter is listed in two param groups")
+            for i, g in enumerate(self.param_groups):
+                self.optimizer.with_options(g.options, f"param_groups[{i}]")
         _need(self.grad_dtype in GRAD_DTYPES, w,
               f"grad_dtype must be one of {', '.join(GRAD_DTYPES)}, got {self.grad_dtype!r}")
         if self.grad_dtype == "float16":
@@ -244,8 +334,20 @@ class TrainingSpec:
         is per-parameter and nothing couples the buckets (no global-norm clipping, no fp16 inf check)."""
         return self.optimizer.name in OPTIMIZERS and self.clip is None and self.grad_dtype != "float16"
 
+    def groups(self, names: list[str]) -> list[tuple[list[str], OptimizerSpec]]:
+        """(parameter names, that group's OptimizerSpec) of each param group, for the layout's
+        parameter ``names``; raises SpecError unless every name sits in exactly one group."""
+        if self.param_groups is None:
+            return [(list(names), self.optimizer)]
+        listed = [n for g in self.param_groups for n in g.params]
+        missing, extra = sorted(set(names) - set(listed)), sorted(set(listed) - set(names))
+        _need(not missing and not extra, "param_groups",
+              f"groups must hold exactly the layout's parameters: missing {missing[:3]}, unknown {extra[:3]}")
+        return [(list(g.params), self.optimizer.with_options(g.options, f"param_groups[{i}]"))
+                for i, g in enumerate(self.param_groups)]
+
     def to_dict(self) -> dict:
-        return {
+        d = {
             "optimizer": self.optimizer.to_dict(),
             "lr_schedule": self.lr_schedule.to_dict(),
             "clip": self.clip.to_dict() if self.clip else None,
@@ -253,12 +355,15 @@ class TrainingSpec:
             "persist": self.persist.to_dict() if self.persist else None,
             "grad_dtype": self.grad_dtype,
         }
+        if self.param_groups is not None:
+            d["param_groups"] = [g.to_dict() for g in self.param_groups]
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> TrainingSpec:
         if not isinstance(d, dict):
             raise SpecError(f"training: expected a table/dict, got {type(d).__name__}")
-        known = {"optimizer", "lr_schedule", "clip", "loss_scale", "persist", "grad_dtype"}
+        known = {"optimizer", "lr_schedule", "clip", "loss_scale", "persist", "grad_dtype", "param_groups"}
         unknown = sorted(set(d) - known)
         _need(not unknown, "training", f"unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
 
@@ -273,4 +378,5 @@ class TrainingSpec:
             loss_scale=sub("loss_scale", LossScaleSpec),
             persist=sub("persist", PersistSpec),
             grad_dtype=d.get("grad_dtype", "float32"),
+            param_groups=d.get("param_groups"),
         )

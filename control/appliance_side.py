@@ -19,7 +19,10 @@ messages (handlers, from connection threads). Content is validated before anythi
 * RESTORE_REQUEST: the replica's state from memory, else the latest committed checkpoint on disk.
 
 Each trigger (incomplete iteration, drift, no state) asks for exactly one fallback; a fallback
-not finished within ``fallback_timeout`` is asked again (bounded).
+not finished within ``fallback_timeout`` or whose rebuild does not verify is asked again, at most
+``max_attempts`` times in all. Then the plane gives up: ``stats.fallback_error`` says why (the
+error state: logged once, counted in ``fallbacks_abandoned``), the replica stays stale and nothing
+is asked again until the trainer registers anew (a new trainer session may answer).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from ..config.layout import JobLayout, RingSpec
 from ..config.training import PersistSpec, TrainingSpec
 from ..parser.iteration import InitialWeights, ReducedIteration
 from ..updater.appliance import Appliance
-from ..updater.dcp_keys import dumps
+from ..updater.dcp_keys import ReplicaState, dumps, loads
+from ..updater.optim import build_optimizer, plateau_state
 from ..updater.replica import Replica, ReplicaStale
 from . import gockpt
 from . import messages as m
@@ -61,7 +65,9 @@ class Fallback:
 class PlaneStats:
     fallbacks_requested: int = 0
     fallbacks_done: int = 0
-    fallbacks_failed: int = 0  # rebuild did not verify, or timed out
+    fallbacks_failed: int = 0  # attempts whose rebuild did not verify, or timed out
+    fallbacks_abandoned: int = 0  # fallbacks given up after max_attempts
+    fallback_error: str | None = None  # set while given up: why there is no consistent replica
     drift_events: int = 0
     fingerprints_checked: int = 0
     fingerprints_missed: int = 0  # arrived for a step the replica had already passed
@@ -76,7 +82,7 @@ class AppliancePlane:
                  layout: JobLayout | None = None, ring: RingSpec | None = None, persist: PersistSpec | None = None,
                  parts: int = 7, fingerprint_every: int = 10, fallback_timeout: float = 60.0,
                  max_attempts: int = 3, max_meta_lag: int = 8, max_buffered: int = 256, on_iteration=None,
-                 server_options: dict | None = None):
+                 server_options: dict | None = None, lambda_modules: tuple[str, ...] = ()):
         self.training, self.layout, self.ring = training, layout, ring
         self.persist = persist
         self.parts = parts
@@ -84,6 +90,8 @@ class AppliancePlane:
         self.fallback_timeout, self.max_attempts = fallback_timeout, max_attempts
         self.max_meta_lag = max_meta_lag
         self.on_iteration = on_iteration
+        # modules a registered schedule may name functions from (resolving one imports and calls it)
+        self.lambda_modules = tuple(lambda_modules)
         self.lock = threading.RLock()
         self.app: Appliance | None = None
         self.stats = PlaneStats()
@@ -137,11 +145,18 @@ class AppliancePlane:
     def _on_stale(self, e: ReplicaStale) -> None:
         self.request_fallback(f"iteration {e.iteration} could not be reassembled")
 
-    def request_fallback(self, reason: str) -> bool:
-        """Ask the trainer for a GoCkpt checkpoint; False if one is already under way."""
+    def request_fallback(self, reason: str, renew: bool = False) -> bool:
+        """Ask the trainer for a GoCkpt checkpoint; False if one is already under way, or if the
+        plane gave up and ``renew`` (a new registration) does not lift that."""
         with self.lock:
             if self.fallback is not None:
                 return False
+            if self.stats.fallback_error is not None:
+                if not renew:
+                    return False
+                log.warning("retrying after the abandoned fallback (%s): the trainer registered again",
+                            self.stats.fallback_error)
+                self.stats.fallback_error = None
             self.fallback = Fallback(reason, time.monotonic())
             self.stats.fallbacks_requested += 1
             self._event("fallback_requested", reason)
@@ -163,12 +178,23 @@ class AppliancePlane:
             if f is None or time.monotonic() - f.requested < self.fallback_timeout:
                 return
             self.stats.fallbacks_failed += 1
-            if f.attempt >= self.max_attempts:
-                log.error("fallback (%s) gave no consistent state after %d attempts; still waiting "
-                          "for the trainer", f.reason, f.attempt)
-            f.attempt += 1
-            f.requested, f.rebuild = time.monotonic(), None
-            self._push_request()
+            self._retry(f, f"no complete checkpoint within {self.fallback_timeout:g} s")
+
+    def _retry(self, f: Fallback, why: str) -> None:
+        """Ask again, or give up after ``max_attempts`` (the lock is held)."""
+        if f.attempt >= self.max_attempts:
+            self.fallback = None
+            self.stats.fallbacks_abandoned += 1
+            self.stats.fallback_error = (f"fallback ({f.reason}) abandoned after {f.attempt} attempt(s); "
+                                         f"last: {why}")
+            self._event("fallback_abandoned", {"reason": f.reason, "attempts": f.attempt, "last": why})
+            log.error("%s; the replica stays stale and no fallback is asked until the trainer registers "
+                      "again", self.stats.fallback_error)
+            return
+        f.attempt += 1
+        f.requested, f.rebuild = time.monotonic(), None
+        log.warning("fallback attempt %d failed (%s); asking again", f.attempt - 1, why)
+        self._push_request()
 
     # ------------------------------------------------------------------ mirror iterations
     def initial_weights(self, w: InitialWeights) -> None:
@@ -268,6 +294,13 @@ class AppliancePlane:
                 raise Refused(_differs("layout", self.layout.to_dict(), layout.to_dict()))
             if self.training is not None and training.to_dict() != self.training.to_dict():
                 raise Refused(_differs("training", self.training.to_dict(), training.to_dict()))
+            if self.training is None:
+                foreign = [p for p in training.lr_schedule.callable_paths()
+                           if p.partition(":")[0] not in self.lambda_modules]
+                if foreign:
+                    allowed = ", ".join(self.lambda_modules) or "none"
+                    raise Refused(f"the schedule names function {foreign[0]!r}; this appliance imports scheduler "
+                                  f"functions only from its lambda_modules ({allowed})")
             if self.ring is not None and ring is not None and not _same_ring(self.ring, ring):
                 raise Refused("ring does not match the configured ring "
                               f"({self.ring.nranks} ranks, {self.ring.protocol}, {self.ring.nchannels} channels)")
@@ -275,7 +308,7 @@ class AppliancePlane:
             if msg.tensors:
                 if b["step"] != 0:
                     raise Refused("REGISTER carries an initial state only at step 0")
-                state = _initial_params(layout, msg.tensors)
+                state = _initial_state(layout, training, msg.tensors, b.get("state_meta"))
             self.layout, self.training = layout, training
             self.ring = self.ring or ring
             self.trainer_attached = True
@@ -291,7 +324,8 @@ class AppliancePlane:
             self._event("registered", {"step": b["step"], "state": False})
             if r is None or r.stale is not None:
                 if self.fallback is None:
-                    self.request_fallback("no consistent replica for this job (appliance start or restart)")
+                    self.request_fallback("no consistent replica for this job (appliance start or restart)",
+                                          renew=True)
                 else:
                     self._push_request()  # the trainer may not have heard it
             return m.make(m.ACK, info={"step": r.iterations_done if r is not None else None})
@@ -309,6 +343,12 @@ class AppliancePlane:
             self.poll()
             r = self.replica
             meta = {"rng": rng, "data_position": msg.body.get("data_position")}
+            if "lr_scheduler" in msg.body and self.training is not None and self.training.lr_schedule.needs_metrics:
+                try:
+                    groups = len(self.training.groups([p.name for p in self.layout.params]))
+                    meta["lr_scheduler"] = plateau_state(loads(msg.body["lr_scheduler"]), groups)
+                except Exception as e:  # noqa: BLE001 - whatever hostile text provokes
+                    raise Refused(f"STEP_META lr_scheduler: {type(e).__name__}: {str(e)[:120]}") from None
             if r is not None and step <= r.iterations_done:
                 if step == r.iterations_done and r.stale is None and not self._waiting:
                     r.rng = {k: v for k, v in rng.items()}  # late metadata of the current step
@@ -375,11 +415,9 @@ class AppliancePlane:
                 self.stats.fallbacks_failed += 1
                 f.rebuild = None
                 log.error("GoCkpt rebuild to step %d does not match the trainer's fingerprints (%d tensors, "
-                          "first %s); asking again", rb.final_step, len(diff), diff[0])
+                          "first %s)", rb.final_step, len(diff), diff[0])
                 self._event("fallback_unverified", {"step": rb.final_step, "tensors": diff[:8]})
-                f.attempt += 1
-                f.requested = time.monotonic()
-                self._push_request()
+                self._retry(f, f"rebuild to step {rb.final_step} differs from the trainer in {diff[0]}")
                 return
             self._install(rep, rb)
         return
@@ -449,6 +487,27 @@ def _same_ring(a: RingSpec, b: RingSpec) -> bool:
     return (a.nranks, a.nchannels, a.protocol) == (b.nranks, b.nchannels, b.protocol)
 
 
+def _initial_state(layout: JobLayout, training: TrainingSpec, tensors: dict, meta: dict | None):
+    """The registered state at step 0: the weights, and when the trainer sent them its param
+    groups and scheduler state as constructed (exact whatever the schedule's arguments)."""
+    params = _initial_params(layout, tensors)
+    if not meta:
+        return params
+    names = [p.name for p in layout.params]
+    try:
+        groups = training.groups(names)
+        own = build_optimizer(training.optimizer, [torch.zeros(1)], [([torch.zeros(1)], gs) for _, gs in groups])
+        merged = gockpt.merged_groups(own.param_groups, loads(meta["param_groups"]), [n for n, _ in groups])
+        sched = meta.get("lr_scheduler")
+        sched = loads(sched) if sched is not None else None
+    except Exception as e:  # noqa: BLE001 - whatever a hostile state_meta provokes
+        raise Refused(f"state_meta does not fit the training spec: {type(e).__name__}: {str(e)[:200]}") from None
+    if (sched is None) == training.lr_schedule.enabled or (sched is not None and not isinstance(sched, dict)):
+        raise Refused("state_meta must hold the scheduler state exactly when the training spec has a schedule")
+    return ReplicaState(params=params, optim={"state": {}, "param_groups": merged}, lr_scheduler=sched,
+                        training=training.to_dict(), layout=layout.to_dict())
+
+
 def _initial_params(layout: JobLayout, tensors: dict) -> dict[str, torch.Tensor]:
     want = {gockpt.param_key(p.name): tuple(p.shape) for p in layout.params}
     extra, missing = sorted(set(tensors) - set(want)), sorted(set(want) - set(tensors))
@@ -461,7 +520,7 @@ def _initial_params(layout: JobLayout, tensors: dict) -> dict[str, torch.Tensor]
             raise Refused(f"{k}: {t.dtype} {tuple(t.shape)}, the layout says float32 {shape}")
         if not bool(torch.isfinite(t).all()):
             raise Refused(f"{k}: initial parameters hold inf or nan")
-        out[k[2:]] = t.clone()
+        out[k[2:]] = t  # a view of the message's own payload buffer: no copy needed
     return out
 
 
@@ -483,9 +542,9 @@ def restore_message(state, source: str) -> m.Message:
             if isinstance(v, torch.Tensor):
                 tensors[gockpt.state_key(n, k)] = v
     tensors.update({gockpt.rng_key(k): v for k, v in (state.rng or {}).items()})
-    group = {k: v for k, v in state.optim["param_groups"][0].items() if k != "params"}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in state.optim["param_groups"]]
     meta = {"iterations_done": int(state.iterations_done), "step": int(state.step), "source": source,
-            "param_group": dumps(group, "param_group"),
+            "param_groups": dumps(groups, "param_groups"),
             "lr_scheduler": dumps(state.lr_scheduler, "lr_scheduler") if state.lr_scheduler is not None else None,
             "loss_scale": state.loss_scale, "data_position": state.data_position}
     return m.make(m.RESTORE_STATE, tensors, step=int(state.iterations_done), layout=state.layout or {}, meta=meta)

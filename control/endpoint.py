@@ -99,12 +99,14 @@ class ControlServer:
                  *, roles=("trainer",), max_frame: int = wire.MAX_FRAME,
                  preauth_max_frame: int = wire.PREAUTH_MAX_FRAME, read_timeout: float = 10.0,
                  idle_timeout: float | None = 120.0, handshake_timeout: float = 10.0,
-                 max_connections: int = 16, ssl_context: ssl.SSLContext | None = None):
+                 max_connections: int = 16, ssl_context: ssl.SSLContext | None = None,
+                 stream_frame: int = wire.STREAM_FRAME, max_message: int = wire.MAX_MESSAGE):
         self.host, self.port = host, port
         self.secret = auth.normalize_secret(secret)
         self.handlers = _check_handlers(handlers, m.CLIENT)
         self.roles = frozenset(roles)
         self.max_frame, self.preauth_max_frame = max_frame, preauth_max_frame
+        self.stream_frame, self.max_message = stream_frame, max_message
         self.read_timeout, self.idle_timeout = read_timeout, idle_timeout
         self.handshake_timeout = handshake_timeout
         self.max_connections = max_connections
@@ -214,7 +216,8 @@ class ControlServer:
                 sock = self._tls(sock)
             chan = Channel(sock, m.SERVER, max_frame=self.max_frame,
                            preauth_max_frame=self.preauth_max_frame,
-                           stall_timeout=self.read_timeout, stop=self._stop)
+                           stall_timeout=self.read_timeout, stop=self._stop,
+                           stream_frame=self.stream_frame, max_message=self.max_message)
             with self._lock:
                 self._conns.add(chan)
             chan.set_deadline(self.handshake_timeout)
@@ -288,7 +291,8 @@ class ControlClient:
                  ping_interval: float = 10.0, backoff_initial: float = 0.05,
                  backoff_max: float = 5.0, max_queue: int = 256, block_timeout: float = 30.0,
                  max_frame: int = wire.MAX_FRAME, ssl_context: ssl.SSLContext | None = None,
-                 server_hostname: str | None = None,
+                 server_hostname: str | None = None, stream_frame: int = wire.STREAM_FRAME,
+                 max_message: int = wire.MAX_MESSAGE,
                  on_connect: Callable[[ControlClient], list] | None = None):
         if role == auth.APPLIANCE_ROLE or not m.ROLE.fullmatch(role):
             raise ValueError(f"invalid trainer role {role!r}")
@@ -300,6 +304,7 @@ class ControlClient:
         self.idle_timeout, self.ping_interval = idle_timeout, ping_interval
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.max_frame = max_frame
+        self.stream_frame, self.max_message = stream_frame, max_message
         self.ssl_context, self.server_hostname = ssl_context, server_hostname
         self.on_connect = on_connect
         self.outbox = Outbox(max_queue, block_timeout)
@@ -335,15 +340,16 @@ class ControlClient:
 
     def send(self, msg: m.Message, timeout: float | None = None) -> bool:
         """Queue ``msg``; False when the queue policy dropped it (STEP_META). See ``Outbox.put``.
-        A message too large for one frame is refused here (ValueError), not after queueing."""
+        A message above ``max_message`` is refused here (ValueError), not after queueing; one
+        above ``stream_frame`` goes in several frames."""
         self._check_size(msg)
         return self.outbox.put(msg, timeout)
 
     def _check_size(self, msg: m.Message) -> None:
         bound = wire.payload_bound(msg.tensors)
-        if bound + 4096 > self.max_frame:  # the exact check (header included) runs when sealing
-            raise ValueError(f"{msg.type} with {bound} payload bytes may exceed the {self.max_frame}-byte "
-                             f"frame limit; split it into more parts")
+        if bound > self.max_message:  # the exact check runs when sending
+            raise ValueError(f"{msg.type} with {bound} payload bytes may exceed the {self.max_message}-byte "
+                             f"message limit")
 
     def request(self, msg: m.Message, timeout: float = 10.0) -> m.Message:
         """Send ``msg`` and wait for the reply; ERROR replies raise ``RemoteError``."""
@@ -385,7 +391,7 @@ class ControlClient:
             if self.ssl_context is not None:
                 sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname or self.host)
             chan = Channel(sock, m.CLIENT, max_frame=self.max_frame, stall_timeout=self.read_timeout,
-                           stop=self._stop)
+                           stop=self._stop, stream_frame=self.stream_frame, max_message=self.max_message)
             chan.set_deadline(self.connect_timeout)
             auth.client_handshake(chan, self.secret, self.role)
             chan.set_deadline(None)

@@ -26,8 +26,11 @@ Message content (names of the tensors of GOCKPT_PART j):
     g:<name>           gradient of iteration N+j for every parameter of parts 0..j
     rng:<name>         RNG states (last part only, uint8)
 
-and ``slices = {"params": [names of part j], "lr": lr of iteration N+j, "tail": {...} (last
-part only)}``.
+and ``slices = {"params": [names of part j], "hparams": [...], "tail": {...} (last part only)}``
+where ``hparams`` holds, per param group, the hyper-parameters step N+j ran with (lr, betas,
+momentum, weight decay...: whatever the scheduler moves, recorded per step and replayed, so the
+rebuild needs no scheduler of its own). The tail carries every group and the scheduler state of
+S_{N+k}.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config.layout import JobLayout
-from ..config.training import TrainingSpec
+from ..config.training import GROUP_OPTIONS, TrainingSpec
 from ..updater.dcp_keys import ReplicaState, loads, rng_tensor
 from ..updater.optim import build_optimizer, state_keys
 
@@ -252,6 +255,40 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+_FLAGS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+
+
+def merged_groups(own: list[dict], given, names: list[list[str]]) -> list[dict]:
+    """The trainer's param groups (without params) checked against ours and made ours: its
+    hyper-parameters and scheduler keys (initial_lr, max_momentum...) with our implementation
+    flags, ``params`` as names. Raises PartError on anything malformed."""
+    if not isinstance(given, list) or len(given) != len(own):
+        raise PartError(f"{len(own)} param group(s) expected")
+    out = []
+    for mine, g, ns in zip(own, given, names):
+        if not isinstance(g, dict) or "params" in g:
+            raise PartError("a param group must be an object without 'params'")
+        d = {k: v for k, v in mine.items() if k != "params"}
+        for k, v in g.items():
+            if k in _FLAGS or not isinstance(k, str):
+                continue
+            if isinstance(d.get(k), bool) or isinstance(v, bool):
+                if d.get(k, v) is not v:
+                    raise PartError(f"param group {k} is {v}, the replica's is {d.get(k)}")
+            elif isinstance(v, (list, tuple)):
+                if not v or not all(map(_finite, v)):
+                    raise PartError(f"param group {k} must hold finite numbers")
+                v = tuple(v) if k == "betas" else list(v)
+            elif not (v is None or _finite(v)):
+                raise PartError(f"param group {k} must be a finite number")
+            if k in GROUP_OPTIONS and (v is None or (_finite(v) and v < 0)):
+                raise PartError(f"param group {k} must be a number >= 0")
+            d[k] = v
+        d["params"] = list(ns)
+        out.append(d)
+    return out
+
+
 class Rebuild:
     """The appliance's half: parts arrive in order, each is stepped with the gradients that come
     after it, and after the last one the state is one consistent version S_{N+k}.
@@ -267,8 +304,12 @@ class Rebuild:
         self.names = [p.name for p in layout.params]
         self.shapes = [tuple(p.shape) for p in layout.params]
         self.params = [torch.zeros(s, dtype=torch.float32) for s in self.shapes]
-        self.optimizer = build_optimizer(training.optimizer, self.params)
-        self.keys = set(state_keys(training.optimizer))
+        groups = training.groups(self.names)  # ValueError (a PartError's base) if they do not fit
+        index = {n: i for i, n in enumerate(self.names)}
+        self.group_names = [list(names) for names, _ in groups]
+        self.optimizer = build_optimizer(training.optimizer, self.params,
+                                         [([self.params[index[n]] for n in names], gs) for names, gs in groups])
+        self.keys = {index[n]: set(state_keys(gs)) for names, gs in groups for n in names}
         self.start: int | None = None  # N, from part 0
         self.received = 0
         self.tail: dict | None = None
@@ -296,7 +337,7 @@ class Rebuild:
         self._expect(isinstance(slices, dict), "slices must be an object")
         mine = [self.names[i] for i in self.plan[index]]
         self._expect(slices.get("params") == mine, f"part {index} lists parameters other than the split's")
-        self._expect(_finite(slices.get("lr")) and slices["lr"] >= 0, "lr must be a finite number >= 0")
+        self._check_hparams(slices.get("hparams"))
         last = index == self.parts - 1
         self._expect(last == ("tail" in slices), "the tail comes with the last part only")
         want: dict[str, tuple] = {}
@@ -306,10 +347,10 @@ class Rebuild:
             for i in self.plan[j]:
                 want[grad_key(self.names[i])] = self.shapes[i]
         for i in self.plan[index]:
-            n = self.names[i]
-            have = {k for k in self.keys if state_key(n, k) in tensors}
-            self._expect(not have or have == self.keys,
-                         f"{n}: optimizer state {sorted(have)} is neither complete {sorted(self.keys)} nor empty")
+            n, keys = self.names[i], self.keys[i]
+            have = {k for k in keys if state_key(n, k) in tensors}
+            self._expect(not have or have == keys,
+                         f"{n}: optimizer state {sorted(have)} is neither complete {sorted(keys)} nor empty")
             for k in have:
                 want[state_key(n, k)] = () if k == "step" else self.shapes[i]
         rng = {k for k in tensors if k.startswith("rng:")}
@@ -326,6 +367,24 @@ class Rebuild:
         if last:
             self._check_tail(slices["tail"], step)
 
+    def _check_hparams(self, hp) -> None:
+        """Per group, the hyper-parameters of the step: known keys with finite values only."""
+        groups = self.optimizer.param_groups
+        self._expect(isinstance(hp, list) and len(hp) == len(groups),
+                     f"hparams must list the hyper-parameters of each of the {len(groups)} param group(s)")
+        for g, d in zip(groups, hp):
+            self._expect(isinstance(d, dict) and _finite(d.get("lr")) and d["lr"] >= 0,
+                         "each group's hparams need a finite lr >= 0")
+            for k, v in d.items():
+                self._expect(k in GROUP_OPTIONS and k in g, f"hparams: {k!r} is not a hyper-parameter of the group")
+                if isinstance(g[k], bool):  # flags pick the algorithm and its state: never moved
+                    self._expect(v is g[k], f"hparams: {k} must stay {g[k]}")
+                elif isinstance(g[k], tuple):
+                    self._expect(isinstance(v, list) and len(v) == len(g[k]) and all(map(_finite, v)),
+                                 f"hparams: {k} must be {len(g[k])} finite numbers")
+                else:
+                    self._expect(_finite(v) and v >= 0, f"hparams: {k} must be a finite number >= 0")
+
     def _check_tail(self, tail, step: int) -> None:
         self._expect(isinstance(tail, dict), "tail must be an object")
         start = self.start if self.start is not None else step - (self.parts - 1)
@@ -335,8 +394,10 @@ class Rebuild:
         st = tail.get("step")
         self._expect(isinstance(st, int) and not isinstance(st, bool) and 0 <= st <= want,
                      "tail step must be an integer <= iterations_done")
-        pg = _decoded(tail.get("param_group"), "param_group")
-        self._expect(isinstance(pg, dict) and _finite(pg.get("lr")), "tail needs the param group with a finite lr")
+        pg = _decoded(tail.get("param_groups"), "param_groups")
+        self._expect(isinstance(pg, list) and len(pg) == len(self.group_names)
+                     and all(isinstance(g, dict) and "params" not in g and _finite(g.get("lr")) for g in pg),
+                     f"tail needs the {len(self.group_names)} param group(s), each with a finite lr")
         sched = tail.get("lr_scheduler")
         self._expect((sched is None) == (not self.training.lr_schedule.enabled),
                      "scheduler state present exactly when the training spec has a schedule")
@@ -352,13 +413,14 @@ class Rebuild:
         for i in self.plan[index]:
             n, p = self.names[i], self.params[i]
             p.copy_(tensors[param_key(n)])
-            st = {k: tensors[state_key(n, k)].clone() for k in self.keys if state_key(n, k) in tensors}
+            st = {k: tensors[state_key(n, k)].clone() for k in self.keys[i] if state_key(n, k) in tensors}
             if st:
                 self.optimizer.state[p] = st
         stepped = [i for j in range(index + 1) for i in self.plan[j]]
         for i in stepped:
             self.params[i].grad = tensors[grad_key(self.names[i])]
-        self.optimizer.param_groups[0]["lr"] = float(slices["lr"])
+        for g, hp in zip(self.optimizer.param_groups, slices["hparams"]):
+            g.update({k: tuple(v) if isinstance(v, list) else v for k, v in hp.items()})
         try:
             self.optimizer.step()  # parameters without .grad are skipped, as in the trainer
         finally:
@@ -374,10 +436,8 @@ class Rebuild:
         if not self.complete:
             raise PartError(f"rebuild incomplete: {self.received} of {self.parts} parts")
         t = self.tail
-        group = dict(_decoded(t["param_group"], "param_group"))
-        group["params"] = list(self.names)
-        if "betas" in group and isinstance(group["betas"], list):
-            group["betas"] = tuple(group["betas"])
+        groups = merged_groups(self.optimizer.param_groups, _decoded(t["param_groups"], "param_groups"),
+                               self.group_names)
         ostate = {}
         for n, p in zip(self.names, self.params):
             s = self.optimizer.state.get(p)
@@ -385,7 +445,7 @@ class Rebuild:
                 ostate[n] = dict(s)
         return ReplicaState(
             params=dict(zip(self.names, self.params)),
-            optim={"state": ostate, "param_groups": [group]},
+            optim={"state": ostate, "param_groups": groups},
             iterations_done=int(t["iterations_done"]),
             step=int(t["step"]),
             lr_scheduler=_decoded(t["lr_scheduler"], "lr_scheduler") if t.get("lr_scheduler") is not None else None,

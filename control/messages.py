@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from ..config.layout import JobLayout, RingSpec
+from ..config.training import TrainingSpec
 from . import wire
 from .wire import SchemaError, UnknownMessageType
 
 HELLO = "HELLO"  # handshake: role and nonce
 AUTH = "AUTH"  # handshake: proof of the secret over both nonces and roles
-REGISTER = "REGISTER"  # job layout, ring, training spec, initial state tensors
-STEP_META = "STEP_META"  # what the wire does not carry: lr, loss scale, rng states, data position
+REGISTER = "REGISTER"  # job layout, ring, training recipe, initial state (tensors, groups, schedule)
+STEP_META = "STEP_META"  # what the wire does not carry: lr, loss scale, rng, data position, plateau state
 FINGERPRINT = "FINGERPRINT"  # per-tensor u64 fingerprints (updater.fingerprint) at a step
 FALLBACK_REQUEST = "FALLBACK_REQUEST"  # appliance asks for a GoCkpt multi-step checkpoint
 GOCKPT_PART = "GOCKPT_PART"  # part i of k: state slices plus gradients of the parts already sent
@@ -93,6 +94,8 @@ def _check_register(b: dict) -> str | None:
     err = _layout_error("layout", JobLayout, b["layout"])
     if err is None and b.get("ring") is not None:
         err = _layout_error("ring", RingSpec, b["ring"])
+    if err is None:
+        err = _layout_error("training", TrainingSpec, b["training"])
     return err
 
 
@@ -108,10 +111,12 @@ REGISTRY: dict[str, Spec] = {
     HELLO: Spec(ANY, {"role": F("role"), "nonce": F("hex32")}),
     AUTH: Spec(ANY, {"proof": F("hex32")}),
     REGISTER: Spec(CLIENT, {"job": F("str"), "step": F("int"), "layout": F("dict"),
-                            "ring": F("dict", required=False, nullable=True), "training": F("dict")},
+                            "ring": F("dict", required=False, nullable=True), "training": F("dict"),
+                            "state_meta": F("dict", required=False)},
                    tensors="any", check=_check_register),
     STEP_META: Spec(CLIENT, {"step": F("int"), "lr": F("num"), "loss_scale": F("num", nullable=True),
-                             "data_position": F("json", required=False)}, tensors="uint8"),
+                             "data_position": F("json", required=False),
+                             "lr_scheduler": F("str", required=False)}, tensors="uint8"),
     FINGERPRINT: Spec(CLIENT, {"step": F("int"), "fingerprints": F("u64map")}),
     FALLBACK_REQUEST: Spec(SERVER, {"reason": F("str"), "step": F("int"), "parts": F("int")},
                            check=_check_parts),
@@ -199,24 +204,50 @@ def fingerprints(step: int, named: dict[str, torch.Tensor]) -> Message:
     return make(FINGERPRINT, step=step, fingerprints={n: fingerprint(t) for n, t in named.items()})
 
 
-def encode(msg: Message, seq: int) -> tuple[bytes, list, int]:
-    """(header bytes, payload pieces, payload length) of ``msg`` sent as number ``seq``."""
+def encode_payload(msg: Message) -> tuple[list[dict], list, int]:
+    """(tensor table, payload pieces, payload length) of ``msg``, checked against its schema."""
     table, pieces, n = wire.encode_tensors(msg.tensors)
     validate(msg.type, msg.body, {e["name"]: e["dtype"] for e in table})
+    return table, pieces, n
+
+
+def encode_header(msg: Message, seq: int, table: list[dict], stream: int | None = None) -> bytes:
+    """The header of ``msg`` sent as number ``seq``; ``stream``: payload bytes of a stream head."""
     header = {"v": wire.VERSION, "type": msg.type, "seq": seq, "body": msg.body, "tensors": table}
     if msg.rid is not None:
         header["rid"] = msg.rid
     if msg.re is not None:
         header["re"] = msg.re
-    return wire.dumps_header(header), pieces, n
+    if stream is not None:
+        header["stream"] = stream
+    return wire.dumps_header(header)
+
+
+def encode(msg: Message, seq: int) -> tuple[bytes, list, int]:
+    """(header bytes, payload pieces, payload length) of ``msg`` sent as number ``seq``."""
+    table, pieces, n = encode_payload(msg)
+    return encode_header(msg, seq, table), pieces, n
+
+
+def check_header(raw_header: bytes, payload_len: int, sender: str | None = None) -> dict:
+    """Parse a frame's header and check it against the registry (nothing of the payload is read)."""
+    h = wire.parse_header(raw_header, payload_len)
+    validate(h["type"], h["body"], {e["name"]: e["dtype"] for e in h["tensors"]}, sender)
+    return h
+
+
+def from_header(h: dict, payload) -> Message:
+    """The message of a checked header whose payload (numpy uint8) is complete."""
+    return Message(h["type"], h["body"], wire.decode_tensors(h["tensors"], payload),
+                   rid=h.get("rid"), re=h.get("re"), seq=h["seq"])
 
 
 def from_frame(raw: wire.RawFrame, sender: str | None = None) -> Message:
     """Parse and check a frame's header, then rebuild its tensors (only after all checks)."""
-    h = wire.parse_header(raw.header, raw.payload.size)
-    validate(h["type"], h["body"], {e["name"]: e["dtype"] for e in h["tensors"]}, sender)
-    return Message(h["type"], h["body"], wire.decode_tensors(h["tensors"], raw.payload),
-                   rid=h.get("rid"), re=h.get("re"), seq=h["seq"])
+    h = check_header(raw.header, raw.payload.size, sender)
+    if "stream" in h:
+        raise wire.MalformedFrame("a stream head cannot be read as a frame of its own")
+    return from_header(h, raw.payload)
 
 
 def parse(data: bytes, max_frame: int = wire.MAX_FRAME, sender: str | None = None) -> Message:

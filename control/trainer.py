@@ -23,6 +23,7 @@ calls them with ``restore=``.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import queue
@@ -35,8 +36,9 @@ import torch.distributed as dist
 
 from ..config.ddp import reducer_params
 from ..config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec
-from ..config.training import LRScheduleSpec, OptimizerSpec, TrainingSpec
+from ..config.training import GROUP_OPTIONS, LRScheduleSpec, OptimizerSpec, ParamGroupSpec, TrainingSpec
 from ..updater.dcp_keys import dumps, loads
+from ..updater.optim import resolve
 from . import gockpt
 from . import messages as m
 from .endpoint import ControlClient
@@ -78,38 +80,148 @@ def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_or
                      first_buckets=[BucketSpec(tuple(b)) for b in first], grad_dtype=dtype)
 
 
-def training_spec(optimizer: torch.optim.Optimizer, scheduler=None, grad_dtype: str = "float32") -> TrainingSpec:
-    """The TrainingSpec of a torch optimizer (and scheduler): what the replica rebuilds."""
+def _num(v):
+    return float(v.item()) if isinstance(v, torch.Tensor) else v
+
+
+def _options(g: dict, name: str, scheduler) -> dict:
+    """A torch param group's hyper-parameters as OptimizerSpec fields, with the values schedulers
+    move taken at their start (``initial_lr``; a cycled momentum at its maximum, which is where
+    OneCycleLR/CyclicLR start it), so the spec is the same at whatever step it is read."""
+    out = {"lr": float(_num(g.get("initial_lr", g["lr"]))), "weight_decay": float(_num(g["weight_decay"])),
+           "maximize": bool(g.get("maximize", False))}
+    cycled = "max_momentum" in g and getattr(scheduler, "cycle_momentum", False)
+    if name == "sgd":
+        out.update(momentum=float(g["max_momentum"] if cycled else g["momentum"]),
+                   dampening=float(g["dampening"]), nesterov=bool(g["nesterov"]))
+    else:
+        b1, b2 = (float(_num(b)) for b in g["betas"])
+        out.update(betas=(float(g["max_momentum"]) if cycled else b1, b2), eps=float(g["eps"]),
+                   amsgrad=bool(g["amsgrad"]))
+    return out
+
+
+def training_spec(optimizer: torch.optim.Optimizer, scheduler=None, grad_dtype: str = "float32",
+                  names: dict[int, str] | None = None) -> TrainingSpec:
+    """The TrainingSpec of a torch optimizer (and scheduler): what the replica rebuilds.
+    ``names`` (id of each optimizer parameter -> layout name) is needed for several groups."""
     name = _OPTIMIZER_NAMES.get(type(optimizer))
     if name is None:
         raise ValueError(f"optimizer {type(optimizer).__name__} is not one the replica reproduces (Adam, AdamW, SGD)")
-    g = optimizer.param_groups[0]
-    kw = dict(name=name, lr=float(g["lr"]) if not isinstance(g["lr"], torch.Tensor) else float(g["lr"].item()),
-              weight_decay=float(g["weight_decay"]), maximize=bool(g.get("maximize", False)),
-              foreach=bool(g.get("foreach") or False), fused=bool(g.get("fused") or False))
-    if name == "sgd":
-        kw.update(momentum=float(g["momentum"]), dampening=float(g["dampening"]), nesterov=bool(g["nesterov"]))
-    else:
-        kw.update(betas=tuple(float(b) for b in g["betas"]), eps=float(g["eps"]), amsgrad=bool(g["amsgrad"]))
-    if scheduler is not None:
-        kw["lr"] = float(g.get("initial_lr", kw["lr"]))
-    return TrainingSpec(optimizer=OptimizerSpec(**kw), lr_schedule=schedule_spec(scheduler), grad_dtype=grad_dtype)
+    groups = optimizer.param_groups
+    base = _options(groups[0], name, scheduler)
+    g0 = groups[0]
+    opt = OptimizerSpec(name=name, foreach=bool(g0.get("foreach") or False), fused=bool(g0.get("fused") or False),
+                        **base)
+    param_groups = None
+    if len(groups) > 1:
+        if names is None:
+            raise ValueError("several param groups: the parameters' names are needed")
+        param_groups = []
+        for g in groups:
+            if bool(g.get("foreach") or False) != opt.foreach or bool(g.get("fused") or False) != opt.fused:
+                raise ValueError("param groups with different foreach/fused settings are not reproduced")
+            own = _options(g, name, scheduler)
+            param_groups.append(ParamGroupSpec([names[id(p)] for p in g["params"]],
+                                               {k: v for k, v in own.items() if v != base[k]}))
+    return TrainingSpec(optimizer=opt, lr_schedule=schedule_spec(scheduler), grad_dtype=grad_dtype,
+                        param_groups=param_groups)
 
 
-def schedule_spec(scheduler) -> LRScheduleSpec:
-    """A scheduler's constructor arguments read back from its attributes (torch keeps them)."""
-    if scheduler is None:
-        return LRScheduleSpec()
+def _path(fn) -> str:
+    """The importable path of a function the appliance must call too (LambdaLR's lambdas)."""
+    path = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', None)}"
+    try:
+        same = resolve(path) is fn
+    except ValueError:
+        same = False
+    if not same:
+        raise ValueError(f"scheduler function {fn!r} is not a module-level function the appliance can import "
+                         f"(lambdas, closures and bound methods cannot be named); define it at module level")
+    return path
+
+
+def _one_or_list(values: list):
+    return values[0] if len(set(map(repr, values))) == 1 else list(values)
+
+
+def _scheduler_kwargs(scheduler) -> dict:
+    """Constructor arguments read back from a scheduler. Values the constructor only turns into
+    state (OneCycleLR's pct_start, CyclicLR's step sizes) are recovered as well as floats allow;
+    the replica then loads the scheduler's state_dict, which holds them exactly."""
     cls = type(scheduler).__name__
-    sig = inspect.signature(type(scheduler).__init__)
+    groups = scheduler.optimizer.param_groups if hasattr(scheduler, "optimizer") else []
+    if cls in ("SequentialLR", "ChainedScheduler"):
+        kw = {"schedulers": [schedule_spec(s).to_dict() for s in scheduler._schedulers]}
+        if cls == "SequentialLR":
+            kw["milestones"] = list(scheduler._milestones)
+        return kw
+    if cls in ("LambdaLR", "MultiplicativeLR"):
+        return {"lr_lambda": _one_or_list([_path(f) for f in scheduler.lr_lambdas])}
+    if cls == "OneCycleLR":
+        ph = scheduler._schedule_phases
+        g = groups[0]
+        return {"max_lr": _one_or_list([g["max_lr"] for g in groups]), "total_steps": scheduler.total_steps,
+                "pct_start": (ph[0]["end_step"] + 1) / scheduler.total_steps,
+                "anneal_strategy": getattr(scheduler, "_anneal_func_type", "cos"),
+                "cycle_momentum": scheduler.cycle_momentum,
+                "base_momentum": _one_or_list([g.get("base_momentum", 0.85) for g in groups]),
+                "max_momentum": _one_or_list([g.get("max_momentum", 0.95) for g in groups]),
+                "div_factor": g["max_lr"] / g["initial_lr"], "final_div_factor": g["initial_lr"] / g["min_lr"],
+                "three_phase": len(ph) == 3}
+    if cls == "CyclicLR":
+        up = scheduler.total_size * scheduler.step_ratio
+        kw = {"base_lr": _one_or_list(list(scheduler.base_lrs)), "max_lr": _one_or_list(list(scheduler.max_lrs)),
+              "step_size_up": up, "step_size_down": scheduler.total_size - up, "mode": scheduler.mode,
+              "gamma": scheduler.gamma, "scale_mode": scheduler.scale_mode,
+              "cycle_momentum": scheduler.cycle_momentum}
+        if scheduler.cycle_momentum:
+            kw.update(base_momentum=_one_or_list(list(scheduler.base_momentums)),
+                      max_momentum=_one_or_list(list(scheduler.max_momentums)))
+        if getattr(scheduler, "_scale_fn_custom", None) is not None:
+            kw["scale_fn"] = _path(scheduler._scale_fn_custom)
+        return kw
+    if cls == "ReduceLROnPlateau":
+        return {"mode": scheduler.mode, "factor": scheduler.factor, "patience": scheduler.patience,
+                "threshold": scheduler.threshold, "threshold_mode": scheduler.threshold_mode,
+                "cooldown": scheduler.cooldown, "min_lr": _one_or_list(list(scheduler.min_lrs)),
+                "eps": scheduler.eps}
     kwargs = {}
-    for p in sig.parameters:
+    for p in inspect.signature(type(scheduler).__init__).parameters:
         if p in ("self", "optimizer", "last_epoch", "verbose"):
             continue
         if hasattr(scheduler, p):
             v = getattr(scheduler, p)
-            kwargs[p] = list(v) if isinstance(v, (tuple, set)) else v
-    return LRScheduleSpec(name=cls, kwargs=kwargs)
+            kwargs[p] = sorted(v.elements()) if isinstance(v, collections.Counter) else (
+                list(v) if isinstance(v, (tuple, set)) else v)
+    return kwargs
+
+
+def schedule_spec(scheduler) -> LRScheduleSpec:
+    """A scheduler's constructor arguments read back from it (see ``_scheduler_kwargs``)."""
+    if scheduler is None:
+        return LRScheduleSpec()
+    return LRScheduleSpec(name=type(scheduler).__name__, kwargs=_scheduler_kwargs(scheduler))
+
+
+def hyper_parameters(optimizer) -> list[dict]:
+    """Each param group's hyper-parameters as the step about to run uses them (JSON numbers):
+    everything a scheduler may move between steps (lr, betas, momentum, weight decay...)."""
+    out = []
+    for g in optimizer.param_groups:
+        d = {}
+        for k in GROUP_OPTIONS:
+            if k in g:
+                v = g[k]
+                d[k] = [float(_num(x)) for x in v] if isinstance(v, (tuple, list)) else (
+                    v if isinstance(v, bool) else float(_num(v)))
+        out.append(d)
+    return out
+
+
+def group_dicts(optimizer) -> list[dict]:
+    """The param groups without their parameters (what the replica's groups must hold)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 def rng_states() -> dict[str, torch.Tensor]:
@@ -179,7 +291,10 @@ class TrainerLink:
         self.model_params = [p for _, p in named]
         self.masters = self._masters(optimizer)
         self.grad_dtype = _DTYPE_NAMES[self.model_params[0].dtype]
-        self.training = training or training_spec(optimizer, scheduler, self.grad_dtype)
+        self.training = training or training_spec(optimizer, scheduler, self.grad_dtype,
+                                                  {id(p): n for n, p in zip(self.names, self.masters)})
+        self._plateau = self.training.lr_schedule.needs_metrics and scheduler is not None
+        self._held_meta = None  # STEP_META waiting for the plateau scheduler's step
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.leader = self.rank == leader
         self.iterations_done = 0
@@ -208,15 +323,13 @@ class TrainerLink:
             self.client.start()
 
     def _masters(self, optimizer) -> list[torch.Tensor]:
-        if len(optimizer.param_groups) != 1:
-            raise ValueError("the replica keeps one optimizer param group; the optimizer has "
-                             f"{len(optimizer.param_groups)}")
-        opt = list(optimizer.param_groups[0]["params"])
+        opt = [p for g in optimizer.param_groups for p in g["params"]]
         if len(opt) != len(self.model_params):
             raise ValueError(f"optimizer holds {len(opt)} parameters, the model {len(self.model_params)}")
         if {id(p) for p in opt} == {id(p) for p in self.model_params}:
             return list(self.model_params)  # fp32: the optimizer steps the model's own parameters
-        return opt  # fp32 masters of a low-precision model, in model order
+        return opt  # fp32 masters of a low-precision model: its groups, concatenated, in model order
+
 
     # ---------------------------------------------------------------- messages
     def _emit(self, build, copy: gockpt.Copy | None = None) -> None:
@@ -238,11 +351,16 @@ class TrainerLink:
                 log.error("control message not sent: %s: %s", type(e).__name__, e)
 
     def _register_msg(self, with_state: bool) -> m.Message:
-        tensors = {}
-        if with_state:
+        tensors, extra = {}, {}
+        if with_state:  # the initial state: weights, and the groups and schedule as constructed
             tensors = {gockpt.param_key(n): p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.masters)}
+            extra["state_meta"] = {
+                "param_groups": dumps(group_dicts(self.optimizer), "param_groups"),
+                "lr_scheduler": (dumps(self.scheduler.state_dict(), "lr_scheduler")
+                                 if self.scheduler is not None else None)}
         return m.make(m.REGISTER, tensors, job=self.job, step=self.iterations_done, layout=self.layout.to_dict(),
-                      ring=self.ring.to_dict() if self.ring is not None else None, training=self.training.to_dict())
+                      ring=self.ring.to_dict() if self.ring is not None else None, training=self.training.to_dict(),
+                      **extra)
 
     def _on_connect(self, client) -> list:
         # A reconnection (or an appliance restart): register again, without state; the appliance
@@ -265,6 +383,7 @@ class TrainerLink:
         if self.leader and self.client is not None:
             if self.layout is None:
                 self._first_register()
+            self._release_meta()
             if self._fp_pending is not None:
                 step, c = self._fp_pending
                 self._fp_pending = None
@@ -294,15 +413,14 @@ class TrainerLink:
         self.stats.steps += 1
         if self.leader and self.client is not None:
             t = self.iterations_done
-            lr = optimizer.param_groups[0]["lr"]
+            hp = hyper_parameters(optimizer)  # what step t used: the scheduler moves them only after
             self._boundary = {"rng": {k: v.clone() for k, v in rng_states().items()},
                               "data_position": self.data.state_dict() if self.data is not None else None,
-                              "lr": float(lr)}
-            meta = self._boundary
-            scale = float(self.scaler.get_scale()) if self.scaler is not None else None
-            self._emit(lambda _t: m.make(m.STEP_META, {gockpt.rng_key(k): v for k, v in meta["rng"].items()},
-                                         step=t, lr=meta["lr"], loss_scale=scale,
-                                         data_position=meta["data_position"]))
+                              "lr": hp[0]["lr"], "hparams": hp}
+            self._held_meta = (t, self._boundary,
+                               float(self.scaler.get_scale()) if self.scaler is not None else None)
+            if not self._plateau:
+                self._release_meta()
             run = self._run
             if run is not None:
                 self._post_fallback(run, t)
@@ -318,6 +436,18 @@ class TrainerLink:
             if self._run is None and self.fingerprint_every and t % self.fingerprint_every == 0:
                 self._fp_pending = (t, self.copier.run(self._fingerprints))
         self.stats.hook_seconds += time.perf_counter() - t0
+
+    def _release_meta(self) -> None:
+        """Send the held STEP_META; with ReduceLROnPlateau at the next optimizer step (or close),
+        when the loop has stepped the scheduler on its metric, with the scheduler's state."""
+        held, self._held_meta = self._held_meta, None
+        if held is None:
+            return
+        t, meta, scale = held
+        extra = {"lr_scheduler": dumps(self.scheduler.state_dict(), "lr_scheduler")} if self._plateau else {}
+        self._emit(lambda _t: m.make(m.STEP_META, {gockpt.rng_key(k): v for k, v in meta["rng"].items()},
+                                     step=t, lr=meta["lr"], loss_scale=scale,
+                                     data_position=meta["data_position"], **extra))
 
     def _fingerprints(self) -> dict[str, int]:
         return gockpt.state_fingerprints(self.names, self.masters, self.optimizer)
@@ -364,23 +494,23 @@ class TrainerLink:
         t0 = time.perf_counter()
         j = t - 1 - run.start  # the step just taken was N+j
         self.copier.fence(run.grad_copy)
-        state, grads, lr = run.state_copy, run.grad_copy, self._boundary["lr"]
+        state, grads, hp = run.state_copy, run.grad_copy, self._boundary["hparams"]
         if j < run.parts - 1:
-            self._emit(self._part_builder(run, j, state, grads, lr, None), _Both(state, grads))
+            self._emit(self._part_builder(run, j, state, grads, hp, None), _Both(state, grads))
             run.state_copy = self.copier.copy(self._part_state(j + 1, run.plan))
         else:
-            run.held = (j, state, grads, lr)
+            run.held = (j, state, grads, hp)
             run.fingerprint = self.copier.run(self._fingerprints)
         run.stall += time.perf_counter() - t0
 
-    def _part_builder(self, run: FallbackRun, j: int, state, grads, lr: float, tail: dict | None):
+    def _part_builder(self, run: FallbackRun, j: int, state, grads, hparams: list, tail: dict | None):
         names = [self.names[i] for i in run.plan[j]]
         start, parts = run.start, run.parts
 
         def build(both):
             st, gr = both
             tensors = {**st, **gr}
-            slices = {"params": names, "lr": lr}
+            slices = {"params": names, "hparams": hparams}
             if tail is not None:
                 slices["tail"] = tail["body"]
                 tensors.update({gockpt.rng_key(k): v for k, v in tail["rng"].items()})
@@ -390,9 +520,8 @@ class TrainerLink:
         return build
 
     def _tail(self) -> dict:
-        g = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
         body = {"iterations_done": self.iterations_done, "step": self.iterations_done,
-                "param_group": dumps(g, "param_group"),
+                "param_groups": dumps(group_dicts(self.optimizer), "param_groups"),
                 "lr_scheduler": (dumps(self.scheduler.state_dict(), "lr_scheduler")
                                  if self.scheduler is not None else None),
                 "loss_scale": ({"scale": float(self.scaler.get_scale()),
@@ -402,8 +531,8 @@ class TrainerLink:
         return {"body": body, "rng": self._boundary.get("rng", {})}
 
     def _finish_fallback(self, run: FallbackRun) -> None:
-        j, state, grads, lr = run.held
-        self._emit(self._part_builder(run, j, state, grads, lr, self._tail()), _Both(state, grads))
+        j, state, grads, hp = run.held
+        self._emit(self._part_builder(run, j, state, grads, hp, self._tail()), _Both(state, grads))
         fps = run.fingerprint
         final = run.start + run.parts
         self._emit(lambda f: m.make(m.GOCKPT_DONE, step=final, parts=run.parts, fingerprints=f), fps)
@@ -426,6 +555,8 @@ class TrainerLink:
         return self.client is None or self.client.flush(max(0.0, end - time.monotonic()))
 
     def close(self, flush_timeout: float = 30.0) -> None:
+        if self.leader and self.client is not None:
+            self._release_meta()
         run = self._run
         if run is not None and self.leader:
             if run.held is not None:  # only the tail is missing: the state at close is S_{N+k}
@@ -471,7 +602,7 @@ class Restored:
 
 
 @torch.no_grad()
-def _load(module, optimizer, scheduler, params: dict, ostate: dict, group: dict, sched_state) -> None:
+def _load(module, optimizer, scheduler, params: dict, ostate: dict, groups: list[dict], sched_state) -> None:
     named = reducer_params(module)
     names = [n for n, _ in named]
     if sorted(params) != sorted(names):
@@ -481,16 +612,25 @@ def _load(module, optimizer, scheduler, params: dict, ostate: dict, group: dict,
         if tuple(src.shape) != tuple(p.shape):
             raise ValueError(f"{n}: restored shape {tuple(src.shape)}, model has {tuple(p.shape)}")
         p.copy_(src)
-    opt_params = list(optimizer.param_groups[0]["params"])
-    masters = [p for _, p in named] if {id(p) for p in opt_params} == {id(p) for _, p in named} else opt_params
-    for (n, _), mp in zip(named, masters):
-        if mp is not dict(named)[n]:
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    by_id = {id(p) for p in opt_params}
+    masters = [p for _, p in named] if by_id == {id(p) for _, p in named} else opt_params
+    for (n, p), mp in zip(named, masters):
+        if mp is not p:
             mp.copy_(params[n])
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"restored state has {len(groups)} param groups, the optimizer {len(optimizer.param_groups)}")
     index = {id(p): i for i, p in enumerate(opt_params)}
     state = {index[id(mp)]: dict(ostate[n]) for n, mp in zip(names, masters) if n in ostate}
-    g = dict(group)
-    g["params"] = list(range(len(opt_params)))
-    optimizer.load_state_dict({"state": state, "param_groups": [g]})
+    out, k = [], 0
+    for g, mine in zip(groups, optimizer.param_groups):
+        g = dict(g)
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+        g["params"] = list(range(k, k + len(mine["params"])))
+        k += len(mine["params"])
+        out.append(g)
+    optimizer.load_state_dict({"state": state, "param_groups": out})
     if scheduler is not None:
         if sched_state is None:
             raise ValueError("the restored state has no scheduler state, but a scheduler was given")
@@ -520,11 +660,9 @@ def restore_from_appliance(model, optimizer, *, appliance: tuple[str, int], secr
             ostate.setdefault(n, {})[key] = v.clone()
         elif kind == "rng":
             rng[rest] = v.clone()
-    group = loads(meta["param_group"])
-    if "betas" in group:
-        group["betas"] = tuple(group["betas"])
+    groups = loads(meta["param_groups"])
     sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
-    _load(module, optimizer, scheduler, params, ostate, group, sched)
+    _load(module, optimizer, scheduler, params, ostate, groups, sched)
     set_rng_states(rng)
     dp = meta.get("data_position")
     if data is not None and dp is not None:

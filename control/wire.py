@@ -8,9 +8,17 @@ A frame on the wire (all integers big-endian):
     payload       raw tensor bytes, described by the header's tensor table
     tag           HMAC-SHA256 of the frame (32 bytes once the session is authenticated, else none)
 
-The header is ``{"v", "type", "seq", "body", "tensors", ["rid"], ["re"]}``; ``tensors`` lists
-``{"name", "dtype", "shape", "offset", "nbytes"}`` with offsets relative to the payload start.
+The header is ``{"v", "type", "seq", "body", "tensors", ["rid"], ["re"], ["stream"]}``; ``tensors``
+lists ``{"name", "dtype", "shape", "offset", "nbytes"}`` with offsets relative to the payload start.
 Tensor bytes are little-endian as stored; bfloat16 travels as its raw 16-bit patterns.
+
+Streaming: a message whose payload is larger than the sender's frame size goes as a head frame
+(the full header with ``"stream": payload bytes`` and no payload of its own) followed by MORE
+frames ``{"v", "type": "MORE", "seq", "off"}`` whose payloads are consecutive byte ranges of the
+message payload. Every frame has its own sequence number and tag; the receiver allocates the
+payload once from the authenticated head and reads each MORE payload straight into its place, so
+a state of any size needs its own bytes plus one frame header, on both sides. Other messages may
+come between the frames of a stream; only one stream per direction is open at a time.
 
 Nothing here trusts the peer: the length prefix is checked before anything is allocated, and every
 malformed input raises a ``ProtocolError`` subclass naming the reason. Never pickle, never
@@ -32,7 +40,10 @@ import numpy as np
 import torch
 
 VERSION = 1
-MAX_FRAME = 1 << 30  # default limit once authenticated: room for GoCkpt tensor parts
+MAX_FRAME = 1 << 30  # default limit of one frame once authenticated: a guard against garbage
+STREAM_FRAME = 64 << 20  # payload bytes per frame above which a message is streamed
+MAX_MESSAGE = 1 << 40  # default limit of a streamed message's payload (checked before allocating)
+MORE = "MORE"  # continuation frame of a streamed message (not a message type of its own)
 PREAUTH_MAX_FRAME = 4096  # before authentication only small handshake frames are accepted
 MAX_HEADER = 16 << 20  # a header is metadata; a REGISTER of 100k tensors still fits
 ALIGN = 64  # tensor offsets in the payload are padded to this, so decoded views are aligned
@@ -229,8 +240,10 @@ def _read_exact(source, n: int, started: bool) -> bytearray:
     return buf
 
 
-def read_frame(source, max_frame: int, tag_len: int) -> RawFrame:
-    """Read one frame; sizes are checked against ``max_frame`` before any buffer is allocated."""
+def read_frame(source, max_frame: int, tag_len: int, place=None) -> RawFrame:
+    """Read one frame; sizes are checked against ``max_frame`` before any buffer is allocated.
+    ``place(header, payload_len)`` may return the uint8 view the payload is read into (a MORE
+    frame's place in its message), or None for a buffer of its own."""
     (length,) = _U32.unpack(_read_exact(source, 4, started=False))
     if length > max_frame:
         raise FrameTooLarge(f"length prefix {length} exceeds the limit of {max_frame} bytes")
@@ -243,7 +256,10 @@ def read_frame(source, max_frame: int, tag_len: int) -> RawFrame:
     if hlen == 0 or hlen > length - 4 - tag_len:
         raise MalformedFrame(f"header length {hlen} does not fit a frame of {length} bytes")
     header = bytes(_read_exact(source, hlen, started=True))
-    payload = aligned_buffer(length - 4 - hlen - tag_len)
+    plen = length - 4 - hlen - tag_len
+    payload = place(header, plen) if place is not None else None
+    if payload is None:
+        payload = aligned_buffer(plen)
     if payload.size:
         source.read_into(memoryview(payload), started=True)
     tag = bytes(_read_exact(source, tag_len, started=True))
@@ -297,7 +313,8 @@ def is_int(v, lo: int = 0, hi: int = _INT_MAX) -> bool:
 
 
 _HEADER_KEYS = {"v", "type", "seq", "body", "tensors"}
-_OPTIONAL_KEYS = {"rid", "re"}
+_OPTIONAL_KEYS = {"rid", "re", "stream"}
+_MORE_KEYS = {"v", "type", "seq", "off"}
 _ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes"}
 
 
@@ -327,8 +344,46 @@ def parse_header(raw: bytes, payload_len: int) -> dict:
         raise BadHeader("header field 'body' must be an object")
     if not isinstance(h["tensors"], list):
         raise BadHeader("header field 'tensors' must be a list")
+    if "stream" in h:
+        if payload_len:
+            raise MalformedFrame(f"a stream head carries no payload, got {payload_len} bytes")
+        payload_len = h["stream"]  # the table describes the whole streamed payload
     check_table(h["tensors"], payload_len)
     return h
+
+
+def more_header(seq: int, off: int) -> bytes:
+    return dumps_header({"v": VERSION, "type": MORE, "seq": seq, "off": off})
+
+
+def parse_more(raw: bytes) -> tuple[int, int] | None:
+    """(seq, offset) of a MORE frame's header; None for any other frame's header. MORE headers
+    are tiny: a longer header is never one (and is parsed once, by ``parse_header``)."""
+    if len(raw) > 96 or b'"MORE"' not in raw:
+        return None
+    h = loads_json(raw)
+    if not isinstance(h, dict) or h.get("type") != MORE:
+        return None
+    if h.keys() != _MORE_KEYS or h["v"] != VERSION or not is_int(h["seq"]) or not is_int(h["off"]):
+        raise BadHeader(f"MORE header must be exactly {{v: {VERSION}, type, seq, off}} with integer values")
+    return h["seq"], h["off"]
+
+
+def chunks(pieces: list, limit: int):
+    """(offset, views, nbytes) of consecutive payload ranges of at most ``limit`` bytes; the
+    views are slices of ``pieces`` (nothing is copied)."""
+    off, cur, n = 0, [], 0
+    for p in pieces:
+        view = memoryview(p).cast("B")
+        while len(view):
+            take = min(len(view), limit - n)
+            cur.append(view[:take])
+            view, n = view[take:], n + take
+            if n == limit:
+                yield off, cur, n
+                off, cur, n = off + n, [], 0
+    if n:
+        yield off, cur, n
 
 
 def check_table(table: list, payload_len: int) -> None:

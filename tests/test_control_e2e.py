@@ -273,7 +273,8 @@ def test_gockpt_parts_with_wrong_content_are_refused(plane, caplog):
         (dict(good, **{"p:b": torch.zeros(4)}), dict(step=5, index=0, parts=2), "unexpected"),
     ]
     for k, (tensors, body, text) in enumerate(bad_cases):
-        c.send(m.make(m.GOCKPT_PART, tensors, slices={"params": ["w"], "lr": 0.1}, rid=10 + k, **body))
+        slices = {"params": ["w"], "hparams": [{"lr": 0.1}]}
+        c.send(m.make(m.GOCKPT_PART, tensors, slices=slices, rid=10 + k, **body))
         reply = c.recv()
         assert reply.type == m.ERROR and text in reply.body["reason"], (text, reply.body)
     c.send(m.make(m.GOCKPT_DONE, step=7, parts=2, fingerprints={"model.w": 1}, rid=30))

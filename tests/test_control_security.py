@@ -449,11 +449,13 @@ def test_oversized_messages_are_refused_at_the_call(log):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cli = ControlClient("127.0.0.1", port, SECRET, max_frame=1 << 20)  # not started: no network
-    with pytest.raises(ValueError, match="split it"):
-        cli.send(m.make(m.GOCKPT_PART, {"w": torch.zeros(1 << 18)}, step=1, index=0, parts=1))
+    # not started: no network. Above the frame limit a message is streamed; only the message
+    # limit refuses it.
+    cli = ControlClient("127.0.0.1", port, SECRET, max_frame=1 << 20, max_message=2 << 20)
+    with pytest.raises(ValueError, match="message limit"):
+        cli.send(m.make(m.GOCKPT_PART, {"w": torch.zeros(1 << 19)}, step=1, index=0, parts=1))
     assert len(cli.outbox) == 0
-    assert cli.send(m.make(m.GOCKPT_PART, {"w": torch.zeros(1 << 16)}, step=1, index=0, parts=1))
+    assert cli.send(m.make(m.GOCKPT_PART, {"w": torch.zeros(1 << 18)}, step=1, index=0, parts=1))
     # the exact check when a frame is sealed, header included
     a, b = socket.socketpair()
     chan = Channel(a, m.CLIENT, preauth_max_frame=200)

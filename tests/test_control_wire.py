@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 import threading
@@ -55,9 +56,11 @@ def every_message() -> list[m.Message]:
         m.make(m.HELLO, role="trainer", nonce="ab" * 32),
         m.make(m.AUTH, proof="0f" * 32),
         m.make(m.REGISTER, t, job="job-1", step=0, layout=lay, ring=RingSpec(nranks=4).to_dict(),
-               training={"optimizer": "adamw", "lr": 1e-3, "betas": [0.9, 0.999]}),
+               training={"optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.999]}},
+               state_meta={"param_groups": "[]", "lr_scheduler": None}),
         m.make(m.STEP_META, {"rng/cpu": torch.get_rng_state(), "rng/cuda0": torch.zeros(16, dtype=torch.uint8)},
-               step=5, lr=0.01, loss_scale=65536.0, data_position={"epoch": 1, "sample": 640}),
+               step=5, lr=0.01, loss_scale=65536.0, data_position={"epoch": 1, "sample": 640},
+               lr_scheduler='{"best": 2.5}'),
         m.fingerprints(5, {"w": t["f32"], "b": t["bf16"]}),
         m.make(m.FALLBACK_REQUEST, reason="bucket 2 incomplete at iteration 6", step=7, parts=3),
         m.make(m.GOCKPT_PART, t, step=8, index=1, parts=3, slices={"w": [0, 6]}),
@@ -403,3 +406,145 @@ def test_outbox_blocked_put_resumes_when_the_writer_takes():
     box.put(part(1))  # returns once the other thread made room
     t.join(10)
     assert taken[0].body["index"] == 0 and len(box) == 1
+
+
+# ---------------------------------------------------------------------------- streaming
+
+KB64 = 64 << 10
+
+
+def streaming_pair(**kw):
+    a, b = socket.socketpair()
+    cli, srv = Channel(a, m.CLIENT, stall_timeout=5, **kw), Channel(b, m.SERVER, stall_timeout=5, **kw)
+    t = threading.Thread(target=auth.server_handshake, args=(srv, SECRET, {"trainer"}))
+    t.start()
+    auth.client_handshake(cli, SECRET, "trainer")
+    t.join(10)
+    return cli, srv
+
+
+def big_state(nbytes: int) -> dict:
+    """Tensors of odd sizes and several dtypes totalling about ``nbytes``."""
+    g = torch.Generator().manual_seed(3)
+    out, i = {}, 0
+    while sum(v.numel() * v.element_size() for v in out.values()) < nbytes:
+        n = 10_007 * (i % 7 + 1) + i
+        out[f"t{i}"] = torch.randn(n, generator=g) if i % 3 else torch.randn(n, generator=g).bfloat16()
+        i += 1
+    return out
+
+
+def split_frames(data: bytes) -> list[bytes]:
+    out, pos = [], 0
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        out.append(data[pos:pos + 4 + n])
+        pos += 4 + n
+    return out
+
+
+def test_a_state_larger_than_the_frame_limit_streams_in_bounded_frames():
+    """A 6 MB state through channels whose frame limit is 1 MiB, in 64 KiB frames: every frame
+    is bounded, the message arrives bit-exact, its tensors are views of one preallocated payload,
+    and small messages sent meanwhile from another thread arrive intact."""
+    cli, srv = streaming_pair(max_frame=1 << 20, stream_frame=KB64)
+    try:
+        state = big_state(6 << 20)
+        msg = m.make(m.GOCKPT_PART, state, step=4, index=0, parts=1, slices={"params": ["x"]})
+        _, _, n = m.encode_payload(msg)
+        assert n > cli.max_frame
+        pings = [m.make(m.PING, rid=i + 1) for i in range(20)]
+        big = threading.Thread(target=cli.send, args=(msg,))
+        small = threading.Thread(target=lambda: [cli.send(p) for p in pings])
+        big.start()
+        small.start()
+        got = [srv.recv() for _ in range(21)]
+        big.join(10)
+        small.join(10)
+        assert [g.rid for g in got if g.type == m.PING] == list(range(1, 21))
+        (part,) = [g for g in got if g.type == m.GOCKPT_PART]
+        assert_same(msg, part)
+        assert srv.frames_received == 2 + 1 + math.ceil(n / KB64) + 20  # handshake, head, MORE, pings
+        ptrs = sorted(t.data_ptr() for t in part.tensors.values())
+        assert ptrs[-1] - ptrs[0] < n  # one buffer, filled in place
+    finally:
+        cli.close()
+        srv.close()
+
+
+def test_streaming_memory_is_the_state_plus_a_window():
+    """Sender and receiver together allocate (numpy and Python) about the payload once: the
+    receiver's buffer. No copy of the state, no per-frame buffer."""
+    import tracemalloc
+
+    cli, srv = streaming_pair(stream_frame=KB64)
+    try:
+        msg = m.make(m.GOCKPT_PART, big_state(8 << 20), step=4, index=0, parts=1)
+        _, _, n = m.encode_payload(msg)
+        tracemalloc.start()
+        t = threading.Thread(target=cli.send, args=(msg,))
+        t.start()
+        got = srv.recv()
+        t.join(10)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert_same(msg, got)
+        assert n <= peak < n + (1 << 20), (n, peak)
+    finally:
+        cli.close()
+        srv.close()
+
+
+def stream_frames(nbytes=300_000, **kw) -> tuple[Channel, Channel, list[bytes]]:
+    cli, srv = streaming_pair(stream_frame=KB64, **kw)
+    msg = m.make(m.GOCKPT_PART, {"x": torch.randn(nbytes // 4)}, step=1, index=0, parts=1)
+    return cli, srv, split_frames(cli.seal_bytes(msg))
+
+
+def _flip_more(frames):
+    f = bytearray(frames[2])
+    f[-100] ^= 1
+    frames[2] = bytes(f)
+
+
+@pytest.mark.parametrize("edit, err, text", [
+    (_flip_more, wire.BadMac, "does not verify"),
+    (lambda f: f.pop(2), wire.MalformedFrame, "expects offset"),
+    (lambda f: f.pop(0), wire.MalformedFrame, "without a stream"),
+    (lambda f: f.insert(2, f[1]), wire.MalformedFrame, "expects offset"),
+    (lambda f: f.insert(1, f[0]), wire.SequenceError, "replayed"),
+])
+def test_broken_streams_are_refused_and_never_delivered(edit, err, text):
+    cli, srv, frames = stream_frames()
+    try:
+        assert len(frames) == 1 + math.ceil(300_000 / KB64)
+        edit(frames)
+
+        def write():
+            try:
+                for f in frames:
+                    cli.send_raw(f)
+                cli.send(m.make(m.PING))
+            except (wire.ProtocolError, wire.ConnectionClosed):
+                pass  # the receiver hung up
+        t = threading.Thread(target=write)
+        t.start()
+        with pytest.raises(err, match=text):
+            srv.recv()
+    finally:
+        srv.close()
+        t.join(10)
+        cli.close()
+
+
+def test_a_stream_above_the_message_limit_is_refused_before_allocating():
+    cli, srv, frames = stream_frames()
+    srv.max_message = 200_000
+    try:
+        cli.send_raw(frames[0])
+        with pytest.raises(wire.FrameTooLarge, match="exceeds the limit of 200000"):
+            srv.recv()
+        assert srv.stream_progress() is None
+    finally:
+        cli.close()
+        srv.close()

@@ -16,6 +16,7 @@ import torch
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.control import gockpt
+from mirrorckpt.control import trainer as trainer_mod
 from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.control.trainer import attach
 from mirrorckpt.tools.testbed.harness import Shard, build_model, digest
@@ -159,7 +160,7 @@ def part0():
     t = {"p:a": torch.randn(4, 3, generator=g), "o:a:step": torch.tensor(5.0),
          "o:a:exp_avg": torch.randn(4, 3, generator=g), "o:a:exp_avg_sq": torch.rand(4, 3, generator=g),
          "g:a": torch.randn(4, 3, generator=g)}
-    return t, {"params": ["a"], "lr": 0.1}
+    return t, {"params": ["a"], "hparams": [{"lr": 0.1, "betas": [0.9, 0.999]}]}
 
 
 @pytest.mark.parametrize("mutate, text", [
@@ -169,7 +170,11 @@ def part0():
     (lambda t, s: t.__setitem__("g:b", torch.zeros(5)), "unexpected"),
     (lambda t, s: t.pop("o:a:exp_avg"), "neither complete"),
     (lambda t, s: s.__setitem__("params", ["b"]), "other than the split"),
-    (lambda t, s: s.__setitem__("lr", -1.0), "lr"),
+    (lambda t, s: s.__setitem__("hparams", [{"lr": -1.0}]), "lr"),
+    (lambda t, s: s.__setitem__("hparams", [{"lr": 0.1}, {"lr": 0.1}]), "each of the 1 param group"),
+    (lambda t, s: s.__setitem__("hparams", [{"lr": 0.1, "betas": [0.9]}]), "betas must be 2 finite"),
+    (lambda t, s: s.__setitem__("hparams", [{"lr": 0.1, "amsgrad": True}]), "amsgrad must stay False"),
+    (lambda t, s: s.__setitem__("hparams", [{"lr": 0.1, "foreach": True}]), "not a hyper-parameter"),
     (lambda t, s: s.__setitem__("tail", {}), "tail comes with the last part"),
 ])
 def test_malformed_parts_change_nothing(mutate, text):
@@ -194,7 +199,7 @@ def test_parts_out_of_order_or_at_the_wrong_step_are_refused():
     rb.add_part(10, 0, 2, s, t)
     snap = [p.clone() for p in rb.params]
     t1 = {"p:b": torch.zeros(5), "g:a": torch.zeros(4, 3), "g:b": torch.zeros(5)}
-    s1 = {"params": ["b"], "lr": 0.1, "tail": {}}
+    s1 = {"params": ["b"], "hparams": [{"lr": 0.1}], "tail": {}}
     with pytest.raises(gockpt.PartError, match="holds step 12, expected 11"):
         rb.add_part(12, 1, 2, s1, t1)
     assert rb.received == 1 and all(torch.equal(a, b) for a, b in zip(snap, rb.params))
@@ -223,3 +228,156 @@ def test_cuda_copier_matches_host_copies():
     x.add_(1)  # queued after the copy on the training stream
     assert torch.equal(c.result(job)["x"], (x - 1).cpu())
     assert gockpt.torch_fingerprint(x) == fingerprint(x.cpu())
+
+
+# ------------------------------------------------------------------------ recipes
+
+def warmup(epoch: int) -> float:
+    return min(1.0, (epoch + 1) / 5)
+
+
+def decay(epoch: int) -> float:
+    return 0.97 ** epoch
+
+
+def make_recipe(model, name):
+    """Real recipes: weight decay on weights only (two groups), schedulers that move lr, betas or
+    momentum every step."""
+    lrs = torch.optim.lr_scheduler
+    w = [p for p in model.parameters() if p.dim() == 2]
+    b = [p for p in model.parameters() if p.dim() == 1]
+    groups = [{"params": w, "weight_decay": 0.1}, {"params": b, "weight_decay": 0.0}]
+    if name == "cyclic-momentum":
+        opt = torch.optim.SGD(groups, lr=0.01, momentum=0.9, foreach=False)
+        return opt, lrs.CyclicLR(opt, base_lr=0.01, max_lr=0.05, step_size_up=3, cycle_momentum=True)
+    opt = torch.optim.AdamW(groups, lr=1e-3, foreach=False)
+    if name == "onecycle":
+        return opt, lrs.OneCycleLR(opt, max_lr=[1e-2, 2e-2], total_steps=300)
+    if name == "lambda":
+        return opt, lrs.LambdaLR(opt, [warmup, decay])
+    if name == "sequential":
+        return opt, lrs.SequentialLR(opt, [lrs.LinearLR(opt, 0.1, total_iters=4), lrs.CosineAnnealingLR(opt, 20)],
+                                     milestones=[4])
+    if name == "plateau":
+        return opt, lrs.ReduceLROnPlateau(opt, patience=0, factor=0.7)
+    raise AssertionError(name)
+
+
+class RecipeJob(Job):
+    def __init__(self, plane, parts, recipe):
+        torch.manual_seed(0)
+        self.model = build_model(DIMS, 3)
+        self.opt, self.sched = make_recipe(self.model, recipe)
+        self.plateau = recipe == "plateau"
+        self.shard = Shard(DIMS, 3, 0)
+        self.link = attach(self.model, self.opt, appliance=("127.0.0.1", plane.port), secret=SECRET,
+                           scheduler=self.sched, data=self.shard, parts=parts, fingerprint_every=4,
+                           connect_timeout=10)
+        self.digests, self.hyper, self.sched_states = {}, {}, {}
+
+    def step(self) -> None:
+        x, y = self.shard.next()
+        self.opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.sched.step(float(loss)) if self.plateau else self.sched.step()
+        t = self.link.iterations_done
+        self.digests[t] = digest(self.link, self.model, self.opt, self.sched, self.shard)
+        self.hyper[t] = trainer_mod.group_dicts(self.opt)
+        self.sched_states[t] = self.sched.state_dict()
+
+
+def recipe_plane(**kw):
+    return AppliancePlane(SECRET, parts=3, fingerprint_every=4, fallback_timeout=60,
+                          lambda_modules=(__name__,), **kw).start()
+
+
+def groups_of(opt):
+    return [{k: v for k, v in g.items() if k not in ("params", "foreach", "fused")} for g in opt.param_groups]
+
+
+@pytest.mark.parametrize("recipe", ["onecycle", "cyclic-momentum", "lambda", "sequential", "plateau"])
+def test_fallback_replays_every_scheduled_hyper_parameter_bit_exact(recipe):
+    """Two param groups, parts that mix them, and a schedule that moves lr, beta1 or momentum
+    every step: the rebuild steps each part with the hyper-parameters of its own step, verifies
+    against the trainer's fingerprints, and ends with both groups and the scheduler equal."""
+    plane = recipe_plane()
+    job = RecipeJob(plane, 3, recipe)
+    try:
+        r = run_fallback(plane, job)
+        t = r.iterations_done
+        assert replica_digest(r) == job.digests[t]
+        want = [{k: v for k, v in g.items() if k not in ("foreach", "fused")} for g in job.hyper[t]]
+        assert groups_of(r.optimizer) == want
+        assert r.scheduler.state_dict() == job.sched_states[t]
+        assert len(r.optimizer.param_groups) == 2 and r.optimizer.param_groups[1]["weight_decay"] == 0.0
+        if recipe == "onecycle":  # beta1 moved during the fallback's steps
+            betas = {job.hyper[s][0]["betas"][0] for s in range(t - 3, t + 1)}
+            assert len(betas) == 4
+    finally:
+        job.link.close()
+        plane.stop()
+
+
+def test_registered_recipe_is_followed_from_step_0(tmp_path):
+    """REGISTER carries the recipe and the initial groups and schedule: the appliance's replica
+    starts equal to the trainer's, both groups included."""
+    plane = recipe_plane()
+    job = RecipeJob(plane, 3, "onecycle")
+    try:
+        at0 = groups_of(job.opt), job.sched.state_dict()
+        job.step()
+        assert wait_for(lambda: plane.replica is not None)
+        tr = plane.training
+        assert [g.options for g in tr.param_groups] == [{}, {"lr": 2e-2 / 25, "weight_decay": 0.0}]
+        assert tr.lr_schedule.name == "OneCycleLR"
+        r = plane.replica
+        assert r.iterations_done == 0 and (groups_of(r.optimizer), r.scheduler.state_dict()) == at0
+    finally:
+        job.link.close()
+        plane.stop()
+
+
+def test_a_lambda_from_a_module_not_allowed_is_refused():
+    plane = AppliancePlane(SECRET, parts=3, fingerprint_every=4).start()
+    job = RecipeJob(plane, 3, "lambda")
+    try:
+        job.step()
+        time.sleep(1.0)
+        assert plane.replica is None and plane.training is None
+    finally:
+        job.link.close()
+        plane.stop()
+
+
+def test_retries_are_bounded_and_end_in_a_clear_error_state(monkeypatch, caplog):
+    """A trainer that reports only the lr of each step (not the cycled beta1) gives rebuilds that
+    never verify: after max_attempts the plane gives up once, says why, and stops asking."""
+    monkeypatch.setattr(trainer_mod, "hyper_parameters",
+                        lambda opt: [{"lr": float(g["lr"])} for g in opt.param_groups])
+    plane = recipe_plane(max_attempts=2)
+    job = RecipeJob(plane, 2, "onecycle")
+    try:
+        job.step()
+        assert wait_for(lambda: plane.replica is not None)
+        job.step()
+        assert plane.request_fallback("test")
+        for _ in range(80):
+            job.step()
+            time.sleep(0.01)
+            if plane.stats.fallbacks_abandoned:
+                break
+        st = plane.stats
+        assert st.fallbacks_abandoned == 1 and st.fallbacks_done == 0 and st.fallbacks_failed == 2, st
+        assert "abandoned after 2 attempt(s)" in st.fallback_error and "differs from the trainer" in st.fallback_error
+        assert [k for k, _ in st.events].count("fallback_unverified") == 2
+        assert plane.fallback is None
+        assert not plane.request_fallback("again")  # no asking forever
+        for _ in range(10):
+            job.step()
+        assert st.fallbacks_requested == 1 and plane.fallback is None
+        assert any("abandoned after 2 attempt(s)" in r.message for r in caplog.records if r.levelname == "ERROR")
+    finally:
+        job.link.close()
+        plane.stop()

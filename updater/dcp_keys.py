@@ -7,7 +7,7 @@ parameter FQNs are the layout's names):
     model.<name>                          fp32 master parameter
     optim.state.<name>.<key>              optimizer state (adam/adamw: step, exp_avg, exp_avg_sq
                                           [, max_exp_avg_sq]; sgd: momentum_buffer)
-    optim.param_groups.0.<hyperparameter> one param group, "params" lists the names
+    optim.param_groups.<g>.<hyperparameter> every param group g, "params" lists its names
 
 Extra keys, ignored by a trainer that loads only {"model", "optim"}:
 
@@ -214,13 +214,15 @@ def unflatten(flat: dict[str, object], paths: dict[str, tuple]) -> dict:
 
 def required_keys(layout: dict, training: dict) -> list[str]:
     """Flat keys every committed checkpoint of this layout/training must hold."""
-    from ..config.training import OptimizerSpec
+    from ..config.training import TrainingSpec
     from .optim import state_keys
 
     names = [p["name"] for p in layout.get("params", [])]
     keys = [f"extra.{k}" for k in ("format", "iterations_done", "step", "layout", "training")]
     keys += [f"model.{n}" for n in names]
-    keys += ["optim.param_groups.0.params", "optim.param_groups.0.lr"]
-    skeys = state_keys(OptimizerSpec.from_dict(training["optimizer"])) if training.get("optimizer") else ()
-    keys += [f"optim.state.{n}.{k}" for n in names for k in skeys]
+    if not training.get("optimizer"):
+        return keys + ["optim.param_groups.0.params", "optim.param_groups.0.lr"]
+    for g, (gnames, spec) in enumerate(TrainingSpec.from_dict(training).groups(names)):
+        keys += [f"optim.param_groups.{g}.params", f"optim.param_groups.{g}.lr"]
+        keys += [f"optim.state.{n}.{k}" for n in gnames for k in state_keys(spec)]
     return keys

@@ -1,11 +1,14 @@
-"""The torch pieces of the trainer's step, built from a TrainingSpec: the real torch.optim class, its
-LR scheduler, and fp16 dynamic loss scaling with GradScaler's arithmetic."""
+"""The torch pieces of the trainer's step, built from a TrainingSpec: the real torch.optim class
+with its param groups, its LR scheduler, and fp16 dynamic loss scaling with GradScaler's
+arithmetic."""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from ..config.training import LossScaleSpec, LRScheduleSpec, OptimizerSpec
+from ..config.training import CALLABLE_ARGS, LossScaleSpec, LRScheduleSpec, OptimizerSpec
 
 
 def state_keys(spec: OptimizerSpec) -> tuple[str, ...]:
@@ -15,20 +18,91 @@ def state_keys(spec: OptimizerSpec) -> tuple[str, ...]:
     return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if spec.amsgrad else ())
 
 
-def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    common = dict(lr=spec.lr, weight_decay=spec.weight_decay, maximize=spec.maximize,
-                  foreach=spec.foreach, fused=spec.fused)
+def group_options(spec: OptimizerSpec) -> dict:
+    """A param group's hyper-parameters as torch names them."""
+    out = dict(lr=spec.lr, weight_decay=spec.weight_decay, maximize=spec.maximize)
     if spec.name == "sgd":
-        return torch.optim.SGD(params, momentum=spec.momentum, dampening=spec.dampening,
-                               nesterov=spec.nesterov, **common)
+        out.update(momentum=spec.momentum, dampening=spec.dampening, nesterov=spec.nesterov)
+    else:
+        out.update(betas=tuple(spec.betas), eps=spec.eps, amsgrad=spec.amsgrad)
+    return out
+
+
+def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor],
+                    groups: list[tuple[list[torch.Tensor], OptimizerSpec]] | None = None) -> torch.optim.Optimizer:
+    """The torch optimizer over ``params`` (one group), or over ``groups`` (tensors and each
+    group's spec, in the trainer's group order)."""
+    if groups is None:
+        groups = [(params, spec)]
+    torch_groups = [{"params": list(ps), **group_options(gs)} for ps, gs in groups]
+    common = dict(foreach=spec.foreach, fused=spec.fused, **group_options(spec))
+    if spec.name == "sgd":
+        return torch.optim.SGD(torch_groups, **common)
     cls = torch.optim.Adam if spec.name == "adam" else torch.optim.AdamW
-    return cls(params, betas=tuple(spec.betas), eps=spec.eps, amsgrad=spec.amsgrad, **common)
+    return cls(torch_groups, **common)
+
+
+def resolve(path: str):
+    """The function an importable path ``package.module:qualified.name`` names."""
+    module, _, qual = path.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{path}: cannot be resolved here ({type(e).__name__}: {e})") from None
+    if not callable(obj):
+        raise ValueError(f"{path}: names a {type(obj).__name__}, not a function")
+    return obj
 
 
 def build_scheduler(spec: LRScheduleSpec, optimizer: torch.optim.Optimizer):
     if not spec.enabled:
         return None
-    return getattr(torch.optim.lr_scheduler, spec.name)(optimizer, **spec.kwargs)
+    kwargs = dict(spec.kwargs)
+    for arg in CALLABLE_ARGS:
+        v = kwargs.get(arg)
+        if v is not None:
+            kwargs[arg] = [resolve(p) for p in v] if isinstance(v, list) else resolve(v)
+    if "schedulers" in kwargs:  # built in order on the same optimizer, as the trainer did
+        kwargs["schedulers"] = [build_scheduler(LRScheduleSpec.from_dict(d), optimizer) for d in kwargs["schedulers"]]
+        if spec.name == "ChainedScheduler":
+            kwargs["optimizer"] = optimizer
+            return torch.optim.lr_scheduler.ChainedScheduler(**kwargs)
+    return getattr(torch.optim.lr_scheduler, spec.name)(optimizer, **kwargs)
+
+
+def step_scheduler(scheduler, spec: LRScheduleSpec, meta: dict | None) -> None:
+    """The trainer's scheduler step after one iteration. ReduceLROnPlateau steps on a metric the
+    wire does not carry, whenever the training loop chooses: the trainer reports its state after
+    each iteration (``plateau_state``) and the replica takes it, with the lrs it set."""
+    if not spec.needs_metrics:
+        scheduler.step()
+        return
+    st = (meta or {}).get("lr_scheduler")
+    if st is not None:
+        scheduler.load_state_dict(st)
+        for g, lr in zip(scheduler.optimizer.param_groups, st["_last_lr"]):
+            g["lr"] = lr
+
+
+def plateau_state(d, groups: int) -> dict:
+    """A reported ReduceLROnPlateau state, checked: ValueError unless it fits ``groups`` groups."""
+    import math
+
+    def finite(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(d, dict):
+        raise ValueError("the plateau scheduler state must be an object")
+    lrs, mins = d.get("_last_lr"), d.get("min_lrs")
+    for name, v in (("_last_lr", lrs), ("min_lrs", mins)):
+        if not (isinstance(v, list) and len(v) == groups and all(finite(x) and x >= 0 for x in v)):
+            raise ValueError(f"plateau state: {name} must be {groups} finite numbers >= 0")
+    for k in ("factor", "eps", "threshold", "last_epoch", "patience", "cooldown", "cooldown_counter",
+              "num_bad_epochs"):
+        if not finite(d.get(k)):
+            raise ValueError(f"plateau state: {k} must be a finite number")
+    return d
 
 
 def fresh_state(spec: OptimizerSpec, param: torch.Tensor) -> dict:

@@ -20,7 +20,7 @@ from ..config.training import TrainingSpec
 from ..parser.iteration import ReducedIteration
 from . import fingerprint as fp
 from .dcp_keys import ReplicaState, rng_tensor, to_checkpoint
-from .optim import LossScaler, build_optimizer, build_scheduler, fresh_state
+from .optim import LossScaler, build_optimizer, build_scheduler, fresh_state, step_scheduler
 
 MASTER_DTYPES = ("float32", "bfloat16", "float16")  # model dtypes; the masters are always fp32
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,7 +130,16 @@ class Replica:
         return self.iterations_done - 1
 
     def _fresh_optimizer(self):
-        self.optimizer = build_optimizer(self.training.optimizer, self.params)
+        try:
+            groups = self.training.groups(self.names)
+        except ValueError as e:
+            raise LayoutMismatch(str(e)) from None
+        index = {n: i for i, n in enumerate(self.names)}
+        self._order = [index[n] for names, _ in groups for n in names]  # optimizer position -> layout index
+        self._group_names = [list(names) for names, _ in groups]
+        self._specs = {index[n]: gs for names, gs in groups for n in names}  # layout index -> its group's spec
+        self.optimizer = build_optimizer(self.training.optimizer, self.params,
+                                         [([self.params[index[n]] for n in names], gs) for names, gs in groups])
         self.scheduler = build_scheduler(self.training.lr_schedule, self.optimizer)
         self.scaler = LossScaler(self.training.loss_scale) if self.training.loss_scale else None
 
@@ -195,13 +204,21 @@ class Replica:
             groups, st = optim["param_groups"], optim.get("state", {})
         except (KeyError, TypeError):
             raise LayoutMismatch("optimizer state needs 'param_groups' and 'state'") from None
-        if len(groups) != 1:
-            raise LayoutMismatch(f"optimizer state has {len(groups)} param groups; the replica keeps one")
+        if len(groups) != len(self._group_names):
+            raise LayoutMismatch(f"optimizer state has {len(groups)} param groups; the training spec "
+                                 f"{len(self._group_names)}")
         index = {n: i for i, n in enumerate(self.names)}
-        gnames = list(groups[0].get("params", []))
-        if sorted(gnames) != sorted(self.names):
-            bad = sorted(set(gnames) ^ set(self.names))[:5]
-            raise LayoutMismatch(f"optimizer param group does not list the layout's parameters (differs in {bad})")
+        pos = {self.names[i]: k for k, i in enumerate(self._order)}
+        out_groups = []
+        for g, want in zip(groups, self._group_names):
+            gnames = list(g.get("params", []))
+            if sorted(gnames) != sorted(want):
+                bad = sorted(set(gnames) ^ set(want))[:5]
+                raise LayoutMismatch(f"optimizer param group does not list the parameters of the training "
+                                     f"spec's group (differs in {bad})")
+            group = {k: v for k, v in g.items() if k != "params"}
+            group["params"] = [pos[n] for n in want]  # torch pairs them with our group's order
+            out_groups.append(group)
         unknown = [n for n in st if n not in index]
         if unknown:
             raise LayoutMismatch(f"optimizer state for unknown parameter(s) {unknown[:5]}")
@@ -210,25 +227,23 @@ class Replica:
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != self.layout.params[index[n]].shape:
                     raise LayoutMismatch(f"optimizer state {n}.{k}: shape {tuple(v.shape)}, layout says "
                                          f"{self.layout.params[index[n]].shape}")
-        group = {k: v for k, v in groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self.names)))
-        return {"state": {index[n]: dict(s) for n, s in st.items()}, "param_groups": [group]}
+        return {"state": {pos[n]: dict(s) for n, s in st.items()}, "param_groups": out_groups}
 
     def state(self) -> ReplicaState:
         """The current state by reference (no copies)."""
         if self._pending is not None:
             raise RuntimeError(f"iteration {self._pending.iteration} is half applied (bucket by bucket); "
                                "the state is consistent only between iterations")
-        spec = self.training.optimizer
         sd = self.optimizer.state_dict()
+        pos = {i: k for k, i in enumerate(self._order)}
         ostate = {}
         for i, (n, p) in enumerate(zip(self.names, self.params)):
-            s = sd["state"].get(i)
-            ostate[n] = dict(s) if s else fresh_state(spec, p)
+            s = sd["state"].get(pos[i])
+            ostate[n] = dict(s) if s else fresh_state(self._specs[i], p)
         groups = []
         for g in sd["param_groups"]:
             g = dict(g)
-            g["params"] = [self.names[i] for i in g["params"]]
+            g["params"] = [self.names[self._order[k]] for k in g["params"]]
             groups.append(g)
         return ReplicaState(
             params=dict(zip(self.names, self.params)),
@@ -340,7 +355,7 @@ class Replica:
         if stepped:
             self.step += 1
         if self.scheduler is not None and (stepped or self.scaler.spec.scheduler_step_on_skip):
-            self.scheduler.step()
+            step_scheduler(self.scheduler, self.training.lr_schedule, meta)
         self.iterations_done = index + 1
         rng = (meta or {}).get("rng")
         if isinstance(rng, dict):
