@@ -28,6 +28,7 @@ is asked again until the trainer registers anew (a new trainer session may answe
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -67,6 +68,8 @@ class PlaneStats:
     fallbacks_done: int = 0
     fallbacks_failed: int = 0  # attempts whose rebuild did not verify, or timed out
     fallbacks_abandoned: int = 0  # fallbacks given up after max_attempts
+    rearms: int = 0  # the job restarted (a new run id registered)
+    dropped_other_run: int = 0  # iterations of a run that had ended
     fallback_error: str | None = None  # set while given up: why there is no consistent replica
     drift_events: int = 0
     fingerprints_checked: int = 0
@@ -104,6 +107,15 @@ class AppliancePlane:
         self._trainer_fps: dict[int, dict] = {}
         self._own_fps: collections.OrderedDict[int, dict] = collections.OrderedDict()
         self._meta_missing_at: int | None = None
+        # Re-arm: a REGISTER with a new run id is the job restarted (new communicator). Its
+        # iterations are counted on the wire from 0 again: ``wire_base`` is the step it resumed
+        # from, ``run`` counts the restarts (iterations of an older run are dropped) and
+        # ``on_rearm(run)`` tells the parser's driver to start over on the new connections.
+        self.run_id: str | None = None
+        self.run = 0
+        self.wire_base = 0
+        self.on_rearm = None
+        self.on_commit = None  # handed to the appliance (committed checkpoint paths)
         if layout is not None and training is not None:
             self._make_app()
         handlers = {m.REGISTER: self._on_register, m.STEP_META: self._on_step_meta,
@@ -139,6 +151,7 @@ class AppliancePlane:
     def _make_app(self, replica: Replica | None = None) -> None:
         self.app = Appliance(self.layout, self.training, self.persist, replica=replica,
                              on_stale=self._on_stale, on_iteration=self.on_iteration)
+        self.app.on_commit = self.on_commit
         self.registered.set()
 
     # ------------------------------------------------------------------ fallback trigger
@@ -209,6 +222,11 @@ class AppliancePlane:
     def apply(self, it: ReducedIteration) -> None:
         """One iteration from the parser (any thread)."""
         with self.lock:
+            if it.run != self.run:
+                self.stats.dropped_other_run += 1
+                return  # the wire of a run that ended (its tail, flushed after the restart)
+            if self.wire_base:
+                it = dataclasses.replace(it, index=it.index + self.wire_base)
             self.poll()
             r = self.replica
             if self.app is None:
@@ -310,11 +328,17 @@ class AppliancePlane:
                     raise Refused("REGISTER carries an initial state only at step 0")
                 state = _initial_state(layout, training, msg.tensors, b.get("state_meta"))
             self.layout, self.training = layout, training
-            self.ring = self.ring or ring
+            self.ring = ring or self.ring  # a restarted job may run on other addresses
             self.trainer_attached = True
             if self.app is None:
                 self._make_app()
+            run_id = b.get("run")
+            if run_id is not None and self.run_id is not None and run_id != self.run_id:
+                self._rearm(b["step"], state is not None)
+            self.run_id = run_id if run_id is not None else self.run_id
             r = self.replica
+            if r is not None and state is not None and r.iterations_done != 0:
+                r = self.app.replica = None  # the job started over from its initial state
             if r is None and state is not None:
                 self.app.replica = Replica(layout, training, state)
                 self._event("registered", {"step": 0, "state": True})
@@ -329,6 +353,32 @@ class AppliancePlane:
                 else:
                     self._push_request()  # the trainer may not have heard it
             return m.make(m.ACK, info={"step": r.iterations_done if r is not None else None})
+
+    def _rearm(self, step: int, with_state: bool) -> None:
+        """The job restarted from ``step`` (lock held): forget the old run's wire and metadata, go
+        on from the replica when it holds that very step, else from the state registered with it,
+        else ask for a fallback (the REGISTER handler does)."""
+        self.run += 1
+        self.wire_base = step
+        self.fallback = None
+        self._waiting.clear()
+        self._buffer.clear()
+        self._metas.clear()
+        self._trainer_fps.clear()
+        self._own_fps.clear()
+        self._meta_missing_at = None
+        r = self.replica
+        kept = r is not None and r.committable and r.iterations_done == step and not with_state
+        if kept:
+            r.stale = None
+        elif r is not None and not with_state:
+            r.stale = ReplicaStale(r.step, r.iterations_done, {}, state_good=r.committable)
+        self.stats.rearms += 1
+        self._event("rearmed", {"step": step, "run": self.run, "replica": "kept" if kept else "needs a resync"})
+        log.warning("the job restarted from step %d (run %d): following its new communicator%s", step, self.run,
+                    ", from the replica as it is" if kept else "; the replica needs a resync")
+        if self.on_rearm is not None:
+            self.on_rearm(self.run)
 
     def _on_step_meta(self, msg: m.Message, peer) -> None:
         step = msg.body["step"]
@@ -449,7 +499,7 @@ class AppliancePlane:
         with self.lock:
             r = self.replica
             source, state = None, None
-            if r is not None and r.stale is None and self._meta_missing_at != r.iterations_done and \
+            if r is not None and r.committable and self._meta_missing_at != r.iterations_done and \
                     (want is None or want == r.iterations_done):
                 st = r.state()
                 source = "memory"

@@ -112,7 +112,9 @@ REGISTRY: dict[str, Spec] = {
     AUTH: Spec(ANY, {"proof": F("hex32")}),
     REGISTER: Spec(CLIENT, {"job": F("str"), "step": F("int"), "layout": F("dict"),
                             "ring": F("dict", required=False, nullable=True), "training": F("dict"),
-                            "state_meta": F("dict", required=False)},
+                            "state_meta": F("dict", required=False),
+                            # one id per trainer start: a new one is a restarted job (new communicator)
+                            "run": F("str", required=False)},
                    tensors="any", check=_check_register),
     STEP_META: Spec(CLIENT, {"step": F("int"), "lr": F("num"), "loss_scale": F("num", nullable=True),
                              "data_position": F("json", required=False),

@@ -27,6 +27,7 @@ import collections
 import inspect
 import logging
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -285,6 +286,9 @@ class TrainerLink:
         self.module = unwrap(ddp_model)
         self.scheduler, self.scaler, self.data = scheduler, scaler, data
         self.ring, self.job, self.default_parts = ring, job, parts
+        # This start of the job: a restart (new communicator) registers with another id, a
+        # reconnection with the same one.
+        self.run = secrets.token_hex(8)
         self.fingerprint_every = fingerprint_every
         named = reducer_params(self.module)
         self.names = [n for n, _ in named]
@@ -358,7 +362,8 @@ class TrainerLink:
                 "param_groups": dumps(group_dicts(self.optimizer), "param_groups"),
                 "lr_scheduler": (dumps(self.scheduler.state_dict(), "lr_scheduler")
                                  if self.scheduler is not None else None)}
-        return m.make(m.REGISTER, tensors, job=self.job, step=self.iterations_done, layout=self.layout.to_dict(),
+        return m.make(m.REGISTER, tensors, job=self.job, step=self.iterations_done, run=self.run,
+                      layout=self.layout.to_dict(),
                       ring=self.ring.to_dict() if self.ring is not None else None, training=self.training.to_dict(),
                       **extra)
 

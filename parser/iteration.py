@@ -18,6 +18,8 @@ class ReducedIteration:
     holes: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     # what the wire does not carry, when the trainer sent it (lr, loss scale, rng states, data position)
     meta: dict = field(default_factory=dict)
+    # which run of the job's communicator it came from (the daemon counts restarts; 0: the first)
+    run: int = 0
 
 
 

@@ -163,6 +163,7 @@ class QueueStreams:
         # the wire went quiet (end of the job, a pause).
         self.idle_seconds = idle_seconds
         self.stalled: set[int] = set()
+        self.restart = threading.Event()  # end this pass: the job restarted on new connections
         self.counters: dict[int, dict] = {}
         self.decoders: list = []  # CTS tags live in the workers; serve takes ranks from the config
 
@@ -182,7 +183,7 @@ class QueueStreams:
     def __iter__(self):
         self.started = time.monotonic()
         unsettled = None  # time of the newest send since the wire last went quiet
-        while len(self.finished) < self.nports:
+        while len(self.finished) < self.nports and not self.restart.is_set():
             if unsettled is not None and time.monotonic() - unsettled >= self.idle_seconds:
                 unsettled = None
                 yield WIRE_IDLE
@@ -218,8 +219,8 @@ class _UpdaterQueue:
     """The parser thread's sink: items go to the updater thread over a bounded queue (a full
     queue blocks the parser: back-pressure)."""
 
-    def __init__(self, q: queue.Queue, metrics):
-        self.q, self.metrics = q, metrics
+    def __init__(self, q: queue.Queue, metrics, run: int = 0):
+        self.q, self.metrics, self.run = q, metrics, run  # run: which start of the job this stream follows
 
     def initial_weights(self, w) -> None:
         self.q.put(w)
@@ -228,6 +229,7 @@ class _UpdaterQueue:
         self.q.put(b)
 
     def apply(self, it) -> None:
+        it.run = self.run
         self.metrics.iterations.labels("complete" if it.complete else "incomplete").inc()
         self.metrics.wire_iteration.set(it.index)
         self.q.put(it)
@@ -249,7 +251,8 @@ class Daemon:
         self.stop_capture = self.ctx.Event()
         self.stopping = threading.Event()
         self.workers: list = []
-        self.appliance = None
+        self._appliance = None
+        self.streams = None
         self.error: BaseException | None = None
 
     def start_workers(self) -> None:
@@ -270,6 +273,15 @@ class Daemon:
         self.stopping.set()
         self.stop_capture.set()
 
+    @property
+    def appliance(self):
+        return self.control.app if self.control is not None else self._appliance
+
+    def _on_rearm(self, run: int) -> None:
+        """The job restarted (control plane thread): the parser starts over on the new connections."""
+        if self.streams is not None:
+            self.streams.restart.set()
+
     def _parser(self) -> None:
         from mirrorckpt.parser.pipeline import JobStream
         from mirrorckpt.updater.appliance import drive
@@ -277,13 +289,20 @@ class Daemon:
         streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping)
         self.streams = streams
         try:
-            model = self._job_model()
-            if model is None:
-                return
-            js = JobStream(streams, model=model, ranks=self.job.ring.ranks_by_address(),
-                           nccl_version=self.job.ring.nccl_version, infer_after=2000)
-            self.jobstream = js
-            drive(js, _UpdaterQueue(self.iters_q, self.metrics))
+            while not self.stopping.is_set():
+                run = self.control.run if self.control is not None else 0
+                model = self._job_model()
+                if model is None:
+                    return
+                ring = self.control.ring if self.control is not None and self.control.ring else self.job.ring
+                js = JobStream(streams, model=model, ranks=ring.ranks_by_address(),
+                               nccl_version=self.job.ring.nccl_version, infer_after=2000)
+                self.jobstream = js
+                drive(js, _UpdaterQueue(self.iters_q, self.metrics, run))
+                if not streams.restart.is_set():
+                    return  # every capture source ended
+                streams.restart.clear()
+                log.info("parser restarted for the job's new communicator", extra={"run": run + 1})
         except BaseException as e:  # a parser failure stops the daemon with the reason logged
             self.error = e
             log.exception("parser stopped")
@@ -324,7 +343,7 @@ class Daemon:
         if self.control is not None:
             m.fallbacks.inc(self.control.stats.fallbacks_requested - self._fallbacks_seen)
             self._fallbacks_seen = self.control.stats.fallbacks_requested
-        r = self.appliance.replica
+        r = self.appliance.replica if self.appliance is not None else None
         if r is not None:
             m.replica_step.set(r.step)
             m.replica_iteration.set(r.iteration)
@@ -349,20 +368,17 @@ class Daemon:
 
         self._fallbacks_seen = 0
         if self.control is not None:
+            # the plane owns the appliance (created when the layout is known; resyncs replace its
+            # replica); it tells the parser when the job restarted on a new communicator
+            self.control.on_commit = self._on_commit
+            self.control.on_rearm = self._on_rearm
+            if self.control.app is not None:
+                self.control.app.on_commit = self._on_commit
             self.control.start()
-            self.appliance = self.control.app  # the plane owns the appliance: resyncs replace its replica
             log.info("control plane listening", extra={"port": self.control.port})
         else:
-            self.appliance = Appliance(self.job.layout, self.training, self.persist, on_stale=self._on_stale)
-        if self.appliance.persister is not None:
-            p = self.appliance.persister
-            user = p.on_commit
-
-            def committed(path):
-                user(path)
-                self._on_commit(path)
-
-            p.on_commit = committed
+            self._appliance = Appliance(self.job.layout, self.training, self.persist, on_stale=self._on_stale)
+            self._appliance.on_commit = self._on_commit
         self.start_workers()
         parser = threading.Thread(target=self._parser, name="parser", daemon=True)
         updater = threading.Thread(target=self._updater, name="updater", daemon=True)
@@ -374,9 +390,12 @@ class Daemon:
             w.join(timeout=10)
         if self.control is not None:
             self.control.server.stop()
-        summary = self.appliance.close()
-        log.info("appliance stopped", extra=summary.to_dict())
-        failed = getattr(self, "streams", None) is not None and self.streams.finished and all(
+        if self.appliance is not None:
+            summary = self.appliance.close()
+            log.info("appliance stopped", extra=summary.to_dict())
+        else:
+            log.warning("appliance stopped before any trainer registered the job: no replica, nothing committed")
+        failed = self.streams is not None and self.streams.finished and all(
             d is not None for d in self.streams.finished.values())
         if failed:
             log.error("every capture source failed", extra={"sources": self.streams.finished})

@@ -84,12 +84,15 @@ class Appliance:
         self.replica = replica
         self.on_stale = on_stale
         self.on_iteration = on_iteration  # progress callback (iteration index, replica)
+        self.on_commit = None  # called with each committed checkpoint's path (the persister's thread)
         self.summary = Summary()
         self.persister = Persister(persist, on_commit=self._committed) if persist is not None else None
         self._t0 = time.perf_counter()
 
     def _committed(self, path) -> None:
         self.summary.checkpoints.append(str(path))
+        if self.on_commit is not None:
+            self.on_commit(path)
 
     def initial_weights(self, w: InitialWeights) -> None:
         """Creates the replica from DDP's initial-weight broadcast (ignored once there is one)."""
