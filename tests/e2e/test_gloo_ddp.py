@@ -70,7 +70,7 @@ def run(tmp_path_factory) -> Run:
     for tool in ("tcpdump", "tc", "ip"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is not installed (tools/install-system-deps.sh)")
-    from mirrorckpt.tools import gloo_harness as h
+    from mirrorckpt.tools.testbed import gloo_harness as h
 
     out = tmp_path_factory.mktemp("gloo_ddp")
     topo = h.gloo_topology(3, {0: [(1, "both")], 1: [(0, "egress"), (1, "egress")], 2: [(1, "both")]})
