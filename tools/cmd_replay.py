@@ -19,6 +19,7 @@ from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser.infer import InferenceError
 from mirrorckpt.parser.pipeline import JobStream
+from mirrorckpt.parser.roce import SLOW_ICRC
 from mirrorckpt.parser.streams import MirrorStreams
 
 DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
@@ -144,6 +145,8 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
 
     if keep_replica:
         import mirrorckpt.tools.appliance  # noqa: F401  (torch's import is not replay time)
+    if SLOW_ICRC and not no_icrc and transport == "roce":
+        click.echo(f"warning: {SLOW_ICRC}", err=True)
     t0 = time.perf_counter()
     shown = {"n": 0}
 
