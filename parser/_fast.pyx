@@ -158,6 +158,12 @@ DEF K_NKEYS = 39
 
 cdef uint8_t[256] HAS_RETH, HAS_IMM, HAS_AETH, HAS_DETH
 
+# The ICRC reads every payload byte once, from memory the walk has not touched. Frames longer than
+# this (PMTU 2048/4096) are prefetched one frame ahead: the ICRC of cold Simple frames ran at twice
+# the speed with it; at PMTU 1024 (frames of ~1.1 KB) the hardware prefetcher keeps up and the extra
+# prefetches cost a few percent.
+DEF PREFETCH_ABOVE = 2048
+
 # Frame classes counted by decode (index into the `classes` output).
 CLASSES = ("roce", "truncated", "not_ethernet", "arp", "lldp", "llc_stp", "ptp_l2", "ethertype_other",
            "ipv4_fragment", "tcp", "ip_other", "udp_ptp_event", "udp_ptp_general", "udp_other",
@@ -219,8 +225,13 @@ cdef extern from * nogil:
         default: v = 0; for (int i = 0; i < n; i++) v = (v << 8) | p[i]; return v;
         }
     }
+    /* Every 64-byte line of [p, p + n) towards the cache; never faults. */
+    static inline void mck_prefetch(const uint8_t *p, int64_t n) {
+        for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 3);
+    }
     """
     uint64_t mck_be(const uint8_t *p, int n)
+    void mck_prefetch(const uint8_t *p, int64_t n)
 
 
 cdef inline uint64_t be(const uint8_t *p, int n) noexcept nogil:
@@ -237,7 +248,7 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
                   int64_t[::1] classes, int64_t[::1] other_etype):
     """Decodes every frame; writes one row per RoCEv2 packet. Returns (packets, other ethertypes)."""
     cdef Py_ssize_t n = offset.shape[0], f
-    cdef int64_t r = 0, no = 0
+    cdef int64_t r = 0, no = 0, nbytes = data.shape[0]
     cdef int64_t base, end, l3, l4, hl, ip_end, etype, proto, ulen, udp_end, bth, h, icrc_at, po, pl, k
     cdef int64_t dport, op
     cdef const uint8_t *p
@@ -254,6 +265,9 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
             base = offset[f]
             end = base + caplen[f]
             p = &data[0]
+            if check_icrc and f + 1 < n and caplen[f + 1] > PREFETCH_ABOVE \
+                    and offset[f + 1] + caplen[f + 1] <= nbytes:
+                mck_prefetch(p + offset[f + 1], caplen[f + 1])
             if caplen[f] < K[K_ETH_SIZE]:
                 classes[M_SHORT_ETH] += 1
                 continue
