@@ -2,7 +2,8 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# The build links ISA-L for the ICRC when libisal-dev is there: installing it later rebuilds.
+STAMP := $(VENV)/.installed$(if $(wildcard /usr/include/isa-l/crc.h),-isal)
 
 .PHONY: demo test lint system-deps pcaps bench clean
 

@@ -143,7 +143,7 @@ def run_one(target_bytes: int, base: Path) -> dict:
     t_cp = memcpy_seconds(big)
     sc = scapy_rate(big)
     return {
-        "frames": n, "bytes": nbytes,
+        "frames": n, "bytes": nbytes, "icrc_backend": roce.ICRC_BACKEND,
         "ours_icrc_GBps": nbytes / t_on / 1e9, "ours_icrc_Mpps": n / t_on / 1e6,
         "ours_noicrc_GBps": nbytes / t_off / 1e9, "ours_noicrc_Mpps": n / t_off / 1e6,
         "memcpy_GBps": nbytes / t_cp / 1e9,

@@ -101,6 +101,14 @@ class RocePackets:
         return RocePackets(**{k: np.concatenate([getattr(p, k) for p in parts]) for k in keys})
 
 
+# The CRC-32 the compiled ICRC check was built with: "isa-l", or "zlib" when setup.py did not find
+# ISA-L (libisal-dev); zlib's costs most of the packet path's time on long payloads (BENCHMARKS.md).
+ICRC_BACKEND: str = _fast.ICRC_BACKEND
+SLOW_ICRC: str | None = None if ICRC_BACKEND == "isa-l" else (
+    f"the ICRC check runs on {ICRC_BACKEND}'s crc32, several times slower than ISA-L's: install libisal-dev "
+    "(tools/install-system-deps.sh) and rebuild (python setup.py build_ext --inplace --force)")
+
+
 # Field offsets and EtherTypes for the compiled frame walk, in its K_* order, taken from the header tables.
 _fast.configure(
     [ETH["type"].offset, ETH.size, VLAN["type"].offset, VLAN.size,

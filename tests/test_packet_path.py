@@ -6,6 +6,9 @@ wrap) and check that only the bytes of the packets touched change.
 
 from __future__ import annotations
 
+import zlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 from common import FLOWCHECK, flowcheck_captures
@@ -198,3 +201,81 @@ def test_truncated_frames_are_counted_not_decoded(base):
     assert c.truncated_frames == 1
     key, pos = _owner(ref, fr[i])
     assert got[key].holes == [(pos * 1024, 1024)]
+
+
+def _icrc_reference(ip: bytes, v6: bool) -> int:
+    """The ICRC from the annex's text, through Python's zlib: masked IP/UDP/BTH, then the rest."""
+    hl = 40 if v6 else (ip[0] & 15) * 4
+    m = bytearray(ip)
+    for i in ((0, 1, 2, 3, 7) if v6 else (1, 8, 10, 11)):
+        m[i] = 0xFF
+    if v6:
+        m[0] = ip[0] | 0x0F  # keep the version nibble
+    m[hl + 6] = m[hl + 7] = m[hl + 8 + 4] = 0xFF  # UDP checksum, BTH resv8a
+    return zlib.crc32(b"\xff" * 8 + bytes(m))
+
+
+def test_icrc_equals_an_independent_crc32():
+    """Whatever CRC-32 the build links (roce.ICRC_BACKEND), it is the annex's ICRC: random IPv4 (with
+    and without options) and IPv6 packets, payloads of 0 to 9000 bytes, every length mod 16."""
+    rng = np.random.default_rng(16)
+    lens = np.concatenate([np.arange(0, 64), rng.integers(64, 9001, 200)])
+    bufs, ip_off, ip_hlen, v6s, icrc_off, want = [], [], [], [], [], []
+    at = 0
+    for k, n in enumerate(lens.tolist()):
+        v6 = k % 3 == 0
+        hl = 40 if v6 else 4 * int(rng.integers(5, 16))
+        ip = bytearray(rng.integers(0, 256, hl + 8 + 12 + n, dtype=np.uint8).tobytes())
+        if not v6:
+            ip[0] = 0x40 | (hl // 4)
+        pre = int(rng.integers(0, 20))  # unaligned starts
+        bufs.append(bytes(pre) + bytes(ip) + bytes(4))
+        ip_off.append(at + pre)
+        ip_hlen.append(hl)
+        v6s.append(v6)
+        icrc_off.append(at + pre + len(ip))
+        want.append(_icrc_reference(bytes(ip), v6))
+        at += len(bufs[-1])
+    data = np.frombuffer(b"".join(bufs), np.uint8).copy()
+    got = np.zeros(len(lens), np.uint32)
+    i64 = lambda v: np.array(v, np.int64)  # noqa: E731
+    _fast.icrc(data, i64(ip_off), i64(ip_hlen), np.array(v6s, np.uint8), i64(icrc_off), got)
+    assert got.tolist() == want
+    for k, w in enumerate(want):  # the check reads the stored ICRC little-endian
+        data[icrc_off[k]:icrc_off[k] + 4] = np.frombuffer(w.to_bytes(4, "little"), np.uint8)
+    data[icrc_off[5] - 1] ^= 1
+    ok = np.zeros(len(lens), np.uint8)
+    _fast.icrc_check(data, i64(ip_off), i64(ip_hlen), np.array(v6s, np.uint8), i64(icrc_off), ok)
+    assert ok.tolist() == [k != 5 for k in range(len(lens))]
+
+
+def test_icrc_uses_isal_where_it_is_installed():
+    """setup.py links ISA-L when libisal-dev is there (tools/install-system-deps.sh installs it); a
+    build that missed it must be rebuilt, not pass silently at a fraction of the speed."""
+    import os
+
+    installed = Path("/usr/include/isa-l/crc.h").is_file() and os.environ.get("MIRRORCKPT_ICRC") != "zlib"
+    assert roce.ICRC_BACKEND == ("isa-l" if installed else "zlib")
+    assert (roce.SLOW_ICRC is None) == (roce.ICRC_BACKEND == "isa-l")
+
+
+def test_replay_and_serve_say_when_the_icrc_is_slow(monkeypatch, tmp_path):
+    """A build on zlib's crc32 is told at start-up: replay (unless --no-icrc) and serve."""
+    import logging
+
+    from click.testing import CliRunner
+    from mirrorckpt.tools import cmd_replay
+    from mirrorckpt.tools.cli import main
+
+    monkeypatch.setattr(cmd_replay, "SLOW_ICRC", "the ICRC is slow here")
+    for extra, warned in (([], True), (["--no-icrc"], False)):
+        res = CliRunner().invoke(main, ["replay", "--json", str(CAPTURE), *extra])
+        assert res.exit_code == 0 and ("warning: the ICRC is slow here" in res.stderr) == warned
+    monkeypatch.setattr(roce, "SLOW_ICRC", "the ICRC is slow here")
+    bad = tmp_path / "job.toml"
+    bad.write_text("[ring]\n")  # the warning comes before the configuration is read
+    log = logging.getLogger("mirrorckpt")
+    monkeypatch.setattr(log, "handlers", list(log.handlers))  # serve sets up its own; undone after
+    monkeypatch.setattr(log, "propagate", log.propagate)
+    res = CliRunner().invoke(main, ["serve", "--config", str(bad)])
+    assert res.exit_code == 2 and '"the ICRC is slow here"' in res.stderr

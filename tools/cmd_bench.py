@@ -93,7 +93,8 @@ def _render_packet_path(name, r) -> list[str]:
     for wl, x in r.items():
         size = f"{wl} ({x['bytes'] / 1e9:.2f} GB, {x['frames']:,} frames)"
         lines += [
-            f"| {size} | mirrorckpt, ICRC checked | {_f(x['ours_icrc_GBps'])} | {_f(x['ours_icrc_Mpps'])} | "
+            f"| {size} | mirrorckpt, ICRC checked ({x.get('icrc_backend', 'zlib')}) | {_f(x['ours_icrc_GBps'])} | "
+            f"{_f(x['ours_icrc_Mpps'])} | "
             f"{x['ratio_vs_scapy_icrc']:.0f}x scapy (packets/s) |",
             f"| | mirrorckpt, ICRC off | {_f(x['ours_noicrc_GBps'])} | {_f(x['ours_noicrc_Mpps'])} | "
             f"{100 * x['ratio_vs_memcpy_noicrc']:.0f}% of memcpy |",

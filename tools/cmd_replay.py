@@ -22,6 +22,7 @@ from mirrorckpt.parser.concat import CollectiveResult
 from mirrorckpt.parser.infer import InferenceError
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.pipeline import JobStream
+from mirrorckpt.parser.roce import SLOW_ICRC
 from mirrorckpt.parser.streams import MirrorStreams
 
 DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
@@ -164,6 +165,8 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
             sys.exit(1)
     if keep_replica:
         import mirrorckpt.updater.appliance  # noqa: F401  (torch's import is not replay time)
+    if SLOW_ICRC and not no_icrc and transport == "roce":
+        click.echo(f"warning: {SLOW_ICRC}", err=True)
     t0 = time.perf_counter()
     shown = {"n": 0}
 

@@ -36,11 +36,14 @@ def serve(config_path, pace, log_level):
     """Run the appliance: capture the mirror ports, keep the replica, commit checkpoints."""
     from mirrorckpt.config.jobfile import ConfigError, load_job
     from mirrorckpt.config.training import PersistSpec, SpecError, TrainingSpec
+    from mirrorckpt.parser.roce import SLOW_ICRC
     from mirrorckpt.tools.metrics import Metrics
     from mirrorckpt.tools.serve import Daemon, setup_logging
 
     setup_logging(getattr(logging, log_level.upper()))
     log = logging.getLogger("mirrorckpt.serve")
+    if SLOW_ICRC:
+        log.warning(SLOW_ICRC)
     try:
         job = load_job(config_path)
         if job.kind == "ddp" and job.layout is None and not job.control.get("listen"):
