@@ -66,7 +66,9 @@ def restore(checkpoint_dir: str, do_verify: bool, newest: bool, as_json: bool) -
             click.echo(f"checkpoint  {report.path}")
         if sel is not None:
             click.echo(f"chosen      {sel.reason}")
-            if sel.short and sel.path is not None:
+            if sel.pointer_torn and sel.path is not None:
+                click.echo(f"NOT PROVEN  `latest` is unreadable: step {sel.step} is the newest intact one here")
+            elif sel.short and sel.path is not None:
                 click.echo(f"NOT NEWEST  step {sel.newest} is named in this root but cannot be given; "
                            f"step {sel.step} is the newest intact one")
         if report is not None:

@@ -391,9 +391,11 @@ class Persister:
             self.stats.last_committed = str(path)
             if self.on_commit is not None:
                 self.on_commit(path)
-        except Exception as e:
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
             self.stats.failed += 1
-            self.stats.last_error = f"{type(e).__name__}: {e}"
+            self.stats.last_error = f"{type(e).__name__}: {_first_line(e)}{_free_space(self.root)}"
             log.error("checkpoint write failed: %s", self.stats.last_error)
 
     def _verify(self, seq: int | None, info: dict) -> None:
@@ -464,3 +466,18 @@ class Persister:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [x for x in str(e).splitlines() if x.strip()]
+    return lines[-1] if len(lines) > 1 and "Traceback" in str(e) else (lines[0] if lines else "")
+
+
+def _free_space(root: Path) -> str:
+    """The filesystem's free space, when low: DCP reports a full disk as a torn zip record."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f" ({free} bytes free on the filesystem: full?)" if free < (64 << 20) else ""

@@ -186,6 +186,7 @@ class Selection:
     problems: list[str] = field(default_factory=list)  # damage: a torn/dangling pointer, a bad directory
     notes: list[str] = field(default_factory=list)  # no damage: passed-over unverified ones, quarantine
     newest: int | None = None  # the highest step the root names (a step directory or `latest`)
+    pointer_torn: bool = False  # `latest` unreadable: the newest step may be unknown
     report: Report | None = None  # the chosen checkpoint's check
 
     @property
@@ -195,7 +196,8 @@ class Selection:
     @property
     def short(self) -> bool:
         """A newer checkpoint than the one given exists or was named, and is damaged or missing."""
-        return self.path is None or (self.newest is not None and self.step < self.newest and bool(self.problems))
+        return self.path is None or self.pointer_torn or \
+            (self.newest is not None and self.step < self.newest and bool(self.problems))
 
 
 def _pointer(root: Path, sel: Selection, have_dirs: bool) -> int | None:
@@ -208,11 +210,13 @@ def _pointer(root: Path, sel: Selection, have_dirs: bool) -> int | None:
         return None
     except OSError as e:
         sel.problems.append(f"{p}: unreadable: {e.strerror}")
+        sel.pointer_torn = True
         return None
     name = raw.decode("utf-8", "replace").strip()
     step = parse_step(name)
     if step is None:
         sel.problems.append(f"{p}: torn or not a pointer ({raw[:40]!r})")
+        sel.pointer_torn = True
     elif not (root / name).is_dir():
         sel.problems.append(f"{p} names {name}, which does not exist (dangling pointer)")
     return step
