@@ -253,3 +253,31 @@ def test_full_disk_during_commit_keeps_the_previous_checkpoint(tmp_path):
         assert res.exit_code == 0, res.output
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)  # lazy: even if a test failure left a file open
+
+
+def test_a_quarantine_cut_short_is_hidden_at_once_and_finished_on_start(tmp_path, monkeypatch):
+    from mirrorckpt.updater.persist import recover
+
+    root = tmp_path / "root"
+    job_a_root(root, steps=5, keep=5)
+    real, moved = os.rename, []
+
+    def killed_after_one(a, b):
+        if moved:
+            raise OSError("killed")
+        moved.append(a)
+        real(a, b)
+
+    monkeypatch.setattr(ckptdir.os, "rename", killed_after_one)
+    with pytest.raises(OSError, match="killed"):
+        ckptdir.quarantine(root, 2, "drift at step 6")
+    monkeypatch.undo()
+    assert (root / "latest").read_text() == "step-00000005\n" and (root / "step-00000004").is_dir()
+    assert [s for s, _ in ckptdir.committed(root)] == [1, 2]  # the journal hides what it lists
+    assert ckptdir.latest(root) == root / "step-00000002" and read_state(root).iterations_done == 2
+    recover(root)  # a restarted appliance finishes it
+    assert [s for s, _ in ckptdir.quarantined(root)] == [3, 4, 5] and not (root / "quarantine.pending").exists()
+    assert (root / "latest").read_text() == "step-00000002\n"
+    log = [json.loads(x) for x in (root / "quarantine" / "log.jsonl").read_text().splitlines()]
+    assert log == [{"after": 2, "steps": ["step-00000003", "step-00000004", "step-00000005"],
+                    "reason": "drift at step 6"}]
