@@ -281,3 +281,33 @@ def test_a_quarantine_cut_short_is_hidden_at_once_and_finished_on_start(tmp_path
     log = [json.loads(x) for x in (root / "quarantine" / "log.jsonl").read_text().splitlines()]
     assert log == [{"after": 2, "steps": ["step-00000003", "step-00000004", "step-00000005"],
                     "reason": "drift at step 6"}]
+
+
+def test_persistence_outcomes_are_exported_and_shown_by_status(tmp_path):
+    from mirrorckpt.tools.cmd_status import render
+    from mirrorckpt.tools.metrics import Metrics
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def shown(metrics):
+        out: dict = {}
+        for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+            for s in fam.samples:
+                out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+        return render(out)
+
+    job_a_root(tmp_path / "other")
+    per = Persister(PersistSpec(str(tmp_path / "other"), memory_budget_bytes=1000))
+    metrics = Metrics()
+    metrics.follow_persister(lambda: per)
+    other = replica(B)
+    step(other)
+    per.submit(other)  # refused: another job's root
+    text = shown(metrics)
+    assert "persistence: REFUSED" in text and "checkpoint directory of another job" in text
+    per.close()
+    per = Persister(PersistSpec(str(tmp_path / "mine"), memory_budget_bytes=100))
+    per.submit(other)  # larger than the budget: written while the replica waited
+    per.close()
+    text = shown(metrics)
+    assert "persistence: 1 committed, 0 failed, 1 written unstaged (over memory_budget_bytes" in text
