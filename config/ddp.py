@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, dtype_size
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024

@@ -41,7 +41,8 @@ def make_certs(d: Path) -> dict[str, Path]:
         subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
 
     key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *key, "-keyout", d / "ca.key", "-out", d / "ca.pem", "-days", 2, "-subj", "/CN=mirrorckpt test CA")
+    run("req", "-x509", *key, "-keyout", d / "ca.key", "-out", d / "ca.pem", "-days", 2,
+        "-subj", "/CN=mirrorckpt test CA")
     run("req", "-x509", *key, "-keyout", d / "rogue.key", "-out", d / "rogue.pem", "-days", 2, "-subj", "/CN=trainer")
     out = {"ca": d / "ca.pem", "rogue_cert": d / "rogue.pem", "rogue_key": d / "rogue.key"}
     for who, ext in (("appliance", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth"),

@@ -18,9 +18,8 @@ import subprocess
 import sys
 
 from mirrorckpt.updater import ckptdir
-from mirrorckpt.updater.manifest import quick_check, read_manifest, tensor_sha256
+from mirrorckpt.updater.manifest import MANIFEST_TMP, quick_check, read_manifest, tensor_sha256
 from mirrorckpt.updater.persist import recover
-from mirrorckpt.updater.manifest import MANIFEST_TMP
 from mirrorckpt.updater.restore import latest, select, verify
 
 TRIALS = 100

@@ -101,7 +101,8 @@ def logs(stderr: str) -> list[dict]:
 
 
 def test_serve_without_persist_says_it_commits_nothing(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(demo_config(tmp_path))],
+    cfg = demo_config(tmp_path)
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     warned = [x["msg"] for x in logs(res.stderr) if x["level"] == "warning"]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import click
+
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser.infer import InferenceError

@@ -73,10 +73,9 @@ class _PersistCollector:
         c = CounterMetricFamily("mirrorckpt_persist_snapshots", "Snapshots by outcome: committed, written "
                                 "unstaged (larger than memory_budget_bytes, the replica waited), skipped (staging "
                                 "buffers busy, or mid-iteration), failed", labels=["outcome"])
-        for outcome, attr in (("committed", "committed"), ("unstaged", "unstaged"), ("skipped_budget", "skipped_budget"),
-                              ("skipped_busy", "skipped_busy"), ("failed", "failed"), ("verified", "verified"),
-                              ("quarantined", "quarantined")):
-            c.add_metric([outcome], getattr(st, attr, 0) if st is not None else 0)
+        for outcome in ("committed", "unstaged", "skipped_budget", "skipped_busy", "failed", "verified",
+                        "quarantined"):
+            c.add_metric([outcome], getattr(st, outcome, 0) if st is not None else 0)
         yield c
         yield GaugeMetricFamily("mirrorckpt_persist_unstaged_seconds", "Time the replica waited for unstaged writes",
                                 value=st.unstaged_seconds if st is not None else 0.0)

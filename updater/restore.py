@@ -234,17 +234,17 @@ def select(root, verify_data: bool = False, prefer_verified: bool = True, check_
     steps = [s for s, _ in dirs] + ([ptr] if ptr is not None else [])
     sel.newest = max(steps) if steps else None
     intact = []
-    for s, d in reversed(dirs):
+    for step, d in reversed(dirs):
         problem = quick_check(d)
         if problem:
             sel.problems.append(f"{d.name}: not an intact checkpoint: {problem}")
         else:
-            intact.append((s, d, ckptdir.verification(d)))
+            intact.append((step, d, ckptdir.verification(d)))
     order = intact
     if prefer_verified:
         order = [x for x in intact if x[2] is not None] + [x for x in intact if x[2] is None]
     checked = set()
-    for s, d, v in order:
+    for _, d, v in order:
         r = verify(d) if verify_data else summarize(d)
         checked.add(d)
         if not r.ok:
@@ -261,7 +261,7 @@ def select(root, verify_data: bool = False, prefer_verified: bool = True, check_
         break
     if sel.path is not None:
         passed = [(x, d) for x, d, v in intact if x > sel.step and v is None and d not in checked]
-        for x, d in passed:
+        for _, d in passed:
             if check_newer:
                 r = verify(d) if verify_data else summarize(d)
                 if not r.ok:
@@ -270,10 +270,12 @@ def select(root, verify_data: bool = False, prefer_verified: bool = True, check_
             sel.notes.append(f"{d.name} is newer but not verified against the trainer: passed over")
     q = ckptdir.quarantined(root)
     if q:
-        sel.notes.append(f"{len(q)} quarantined checkpoint(s) in {root / ckptdir.QUARANTINE} (steps "
-                         f"{', '.join(str(s) for s, _ in q[:8])}{' ...' if len(q) > 8 else ''}): never given by default")
+        steps = ", ".join(str(s) for s, _ in q[:8]) + (" ..." if len(q) > 8 else "")
+        sel.notes.append(f"{len(q)} quarantined checkpoint(s) in {root / ckptdir.QUARANTINE} (steps {steps}): "
+                         "never given by default")
     if sel.path is None:
-        sel.reason = "no intact checkpoint" if dirs else "no committed checkpoint (no step-* directory with a valid manifest)"
+        sel.reason = ("no intact checkpoint" if dirs
+                      else "no committed checkpoint (no step-* directory with a valid manifest)")
     return sel
 
 
@@ -293,7 +295,8 @@ def _verified(path, check: bool) -> Path:
     if not _is_checkpoint(path):
         sel = select(path, verify_data=check)
         if sel.path is None:
-            raise CheckpointError(f"{path}: {sel.reason}" + (f": {'; '.join(sel.problems[:3])}" if sel.problems else ""))
+            why = f": {'; '.join(sel.problems[:3])}" if sel.problems else ""
+            raise CheckpointError(f"{path}: {sel.reason}{why}")
         if sel.problems:
             log.warning("%s: giving %s (%s); problems: %s", path, sel.path.name, sel.reason, "; ".join(sel.problems))
         return sel.path
