@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard */*.pyx)
 demo: $(STAMP)
 	$(BIN)/mirrorckpt replay
 
-# System packages the tests use (tshark, tcpdump, DPDK, iproute2); needs root, as CI has.
+# System packages the tests use (tshark, tcpdump, openssl, DPDK, iproute2); needs root, as CI has.
 system-deps:
 	./tools/install-system-deps.sh
 

@@ -89,7 +89,7 @@ SCHEMA = {
         "addresses": (_addr_list, False),
     },
     "job": {
-        "kind": (_str(("ddp", "allreduce")), False), "startup": (_bool, False),
+        "name": (_str(), False), "kind": (_str(("ddp", "allreduce")), False), "startup": (_bool, False),
         "grad_dtype": (_str(tuple(DTYPES)), False), "counts": (_int_list, False),
         "params": (list, False), "buckets": (_table, False),
     },
@@ -101,7 +101,8 @@ SCHEMA = {
                 "every_seconds": (_num(0), False), "keep_last": (_int(1), False),
                 "memory_budget_bytes": (_int(0), False)},
     "control": {"listen": (_str(), False), "secret_file": (_str(), False), "fallback_parts": (_int(1), False),
-                "fingerprint_every": (_int(1), False)},
+                "fingerprint_every": (_int(1), False), "tls_cert": (_str(), False), "tls_key": (_str(), False),
+                "tls_ca": (_str(), False)},
     "metrics": {"listen": (_str(), False)},
     "capture": {"backend": (_str(("file", "afpacket", "dpdk")), False), "batch_frames": (_int(1), False),
                 "queue_bytes": (_int(1), False), "window": (_int(1), False)},
@@ -147,6 +148,7 @@ class JobConfig:
     path: str = ""
     # (kind, count, dtype) -> protocol, as the traffic showed it when [ring] protocol is "auto"
     protocols: dict = field(default_factory=dict)
+    name: str | None = None  # [job] name: recorded in the checkpoint root; another job's root is refused
 
 
 def _source(spec: str, base: Path | None) -> str:
@@ -190,7 +192,7 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
         raise ConfigError(f"{name}: [ring] {e}") from None
     j = _check(f"{name}: [job]", "job", raw.get("job", {}))
     cfg = JobConfig(ring=ring, kind=j.get("kind", "ddp"), startup=j.get("startup", True),
-                    grad_dtype=j.get("grad_dtype", "float32"), path=name)
+                    grad_dtype=j.get("grad_dtype", "float32"), path=name, name=j.get("name") or None)
     if cfg.kind == "ddp":
         cfg.layout = _layout(name, j, cfg.grad_dtype)
     else:
@@ -276,7 +278,8 @@ def dump_job(cfg: JobConfig) -> str:
         lines.append(f"orders = {_toml_value(r.ring_orders)}")
     if r.addresses:
         lines.append(f"addresses = {_toml_value([r.addresses[i] for i in range(r.nranks)])}")
-    lines += ["", "[job]", f"kind = {_toml_value(cfg.kind)}", f"startup = {_toml_value(cfg.startup)}",
+    lines += ["", "[job]"] + ([f"name = {_toml_value(cfg.name)}"] if cfg.name else [])
+    lines += [f"kind = {_toml_value(cfg.kind)}", f"startup = {_toml_value(cfg.startup)}",
               f"grad_dtype = {_toml_value(cfg.grad_dtype)}"]
     if cfg.kind == "allreduce":
         lines.append(f"counts = {_toml_value(cfg.counts)}")

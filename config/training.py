@@ -273,6 +273,7 @@ class PersistSpec:
     every_seconds: float | None = None
     keep_last: int = 3
     memory_budget_bytes: int = 4 << 30  # staging copies in flight may not exceed this
+    job_name: str | None = None  # recorded in the root's identity; another job's name is refused
 
     def __post_init__(self):
         w = "persist"
@@ -287,6 +288,8 @@ class PersistSpec:
               f"keep_last must be an integer >= 1, got {self.keep_last!r}")
         _need(isinstance(self.memory_budget_bytes, int) and self.memory_budget_bytes > 0, w,
               f"memory_budget_bytes must be a positive integer, got {self.memory_budget_bytes!r}")
+        _need(self.job_name is None or (isinstance(self.job_name, str) and self.job_name != ""), w,
+              f"job_name must be a non-empty string, got {self.job_name!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,9 +1,13 @@
 """The two ends of the control plane: ``ControlServer`` (appliance) and ``ControlClient`` (trainer).
 
-The server runs one thread per connection. A connection first completes the handshake (bounded
-by ``handshake_timeout``, small frames only); after that each frame is verified, sequence-checked
-and schema-checked before the handler for its type is called. Any violation closes the
-connection with one WARNING line on the "mirrorckpt.control" logger; nothing escapes a thread.
+The server runs one thread per connection. A connection first completes the handshake (TLS when
+configured, then HMAC; small frames only) within ``handshake_timeout`` in all, enforced by the
+acceptor, which shuts down any connection past its deadline; after that each frame is verified,
+sequence-checked and schema-checked before the handler for its type is called. Any violation
+closes the connection with one WARNING line on the "mirrorckpt.control" logger; nothing escapes a
+thread. Unauthenticated connections hold handshake slots: at most ``handshake_slots`` per source
+address and ``max_handshakes`` in all, apart from the ``max_connections`` authenticated ones, so
+idle or hostile connections cannot keep a trainer out.
 
 The client never blocks the training loop: ``send`` only queues (see ``outbox``), a writer thread
 sends, and a connection thread (re)connects with bounded exponential backoff and reads.
@@ -98,8 +102,9 @@ class ControlServer:
     def __init__(self, host: str, port: int, secret: bytes | str, handlers: dict[str, Handler],
                  *, roles=("trainer",), max_frame: int = wire.MAX_FRAME,
                  preauth_max_frame: int = wire.PREAUTH_MAX_FRAME, read_timeout: float = 10.0,
-                 idle_timeout: float | None = 120.0, handshake_timeout: float = 10.0,
-                 max_connections: int = 16, ssl_context: ssl.SSLContext | None = None,
+                 idle_timeout: float | None = 120.0, handshake_timeout: float = 3.0,
+                 max_connections: int = 16, handshake_slots: int = 4, max_handshakes: int = 256,
+                 ssl_context: ssl.SSLContext | None = None,
                  stream_frame: int = wire.STREAM_FRAME, max_message: int = wire.MAX_MESSAGE):
         self.host, self.port = host, port
         self.secret = auth.normalize_secret(secret)
@@ -110,9 +115,13 @@ class ControlServer:
         self.read_timeout, self.idle_timeout = read_timeout, idle_timeout
         self.handshake_timeout = handshake_timeout
         self.max_connections = max_connections
+        self.handshake_slots, self.max_handshakes = handshake_slots, max_handshakes
         self.ssl_context = ssl_context
         self.replies = Replies()
         self.rejected = 0  # connections closed for a protocol violation
+        self.refused = 0  # connections closed at once: no handshake slot, or no room after authentication
+        self.expired = 0  # handshakes cut off at their deadline
+        self._pending: dict[object, list] = {}  # handshake in progress: token -> [source, deadline, socket]
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[Channel] = set()
@@ -127,7 +136,7 @@ class ControlServer:
         s = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((self.host, self.port))
-        s.listen(self.max_connections)
+        s.listen(min(socket.SOMAXCONN, self.max_connections + self.max_handshakes))
         s.settimeout(POLL)
         self._listener = s
         self.port = s.getsockname()[1]
@@ -189,6 +198,7 @@ class ControlServer:
     # ------------------------------------------------------------------ threads
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
+            self._expire()
             try:
                 sock, addr = self._listener.accept()
             except TimeoutError:
@@ -197,32 +207,64 @@ class ControlServer:
                 if not self._stop.is_set():
                     log.error("control server: accept failed; listener closed")
                 return
+            token = object()
             with self._lock:
-                full = len(self._threads) >= self.max_connections
+                mine = sum(1 for p in self._pending.values() if p[0] == addr[0])
+                full = mine >= self.handshake_slots or len(self._pending) >= self.max_handshakes
+                if not full:
+                    self._pending[token] = [addr[0], time.monotonic() + self.handshake_timeout, sock]
             if full:
-                log.warning("%s:%s: refused: already %d connections", addr[0], addr[1], self.max_connections)
-                sock.close()
+                self._refuse(sock, f"{addr[0]}:{addr[1]}: refused: no handshake slot ({mine} of "
+                                   f"{self.handshake_slots} for this address in use, {len(self._pending)} in all)")
                 continue
-            t = threading.Thread(target=self._serve, args=(sock,), name=f"control-{addr[1]}", daemon=True)
+            t = threading.Thread(target=self._serve, args=(sock, token), name=f"control-{addr[1]}", daemon=True)
             with self._lock:
                 self._threads.add(t)
             t.start()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        sock.close()
+        with self._lock:
+            self.refused += 1
+            n = self.refused
+        if n & (n - 1) == 0:  # 1, 2, 4, 8...: a flood does not flood the log
+            log.warning("%s (%d refused so far)", why, n)
+
+    def _expire(self) -> None:
+        """Shut down connections whose handshake outlived its deadline (a slow TLS or HMAC peer);
+        their threads then fail their read and close them."""
+        now = time.monotonic()
+        with self._lock:
+            for p in self._pending.values():
+                if p[1] is not None and now > p[1]:
+                    p[1] = None
+                    self.expired += 1
+                    try:
+                        socket.socket.shutdown(p[2], socket.SHUT_RDWR)  # the raw socket, also under TLS
+                    except OSError:
+                        pass
+
+    def _serve(self, sock: socket.socket, token: object = None) -> None:
         chan = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
-                sock = self._tls(sock)
+                sock = self._tls(sock, token)
             chan = Channel(sock, m.SERVER, max_frame=self.max_frame,
                            preauth_max_frame=self.preauth_max_frame,
                            stall_timeout=self.read_timeout, stop=self._stop,
                            stream_frame=self.stream_frame, max_message=self.max_message)
             with self._lock:
                 self._conns.add(chan)
-            chan.set_deadline(self.handshake_timeout)
+                left = self._pending[token][1] if token in self._pending else None
+            chan.set_deadline(max(0.0, left - time.monotonic()) if left is not None else self.handshake_timeout)
             role = auth.server_handshake(chan, self.secret, self.roles)
             chan.set_deadline(None)
+            with self._lock:
+                self._pending.pop(token, None)
+                room = sum(1 for c in self._conns if c.authenticated and not c.closed) <= self.max_connections
+            if not room:
+                raise ConnectionClosed(f"refused after authentication: already {self.max_connections} trainers")
             chan.source.idle_timeout = self.idle_timeout
             log.info("%s: authenticated as %s", chan.peer, role)
             while True:
@@ -246,6 +288,8 @@ class ControlServer:
         except Exception as e:  # noqa: BLE001 - nothing escapes a server thread
             _internal_error(chan.peer if chan is not None else "control", e)
         finally:
+            with self._lock:
+                self._pending.pop(token, None)  # before the descriptor can be reused
             if chan is not None:
                 chan.close()
                 self.replies.fail(chan, "connection closed")
@@ -255,9 +299,12 @@ class ControlServer:
                 self._conns.discard(chan)
                 self._threads.discard(threading.current_thread())
 
-    def _tls(self, sock: socket.socket) -> socket.socket:
+    def _tls(self, sock: socket.socket, token: object) -> socket.socket:
         sock.settimeout(self.handshake_timeout)
         tls = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        with self._lock:
+            if token in self._pending:
+                self._pending[token][2] = tls  # the descriptor the deadline shuts down
         try:
             tls.do_handshake()
         except BaseException:

@@ -643,12 +643,14 @@ def _load(module, optimizer, scheduler, params: dict, ostate: dict, groups: list
 
 
 def restore_from_appliance(model, optimizer, *, appliance: tuple[str, int], secret, scheduler=None, data=None,
-                           timeout: float = 60.0, role: str = "trainer") -> Restored:
+                           timeout: float = 60.0, role: str = "trainer",
+                           client_options: dict | None = None) -> Restored:
     """Pull the appliance's latest consistent state (RESTORE_REQUEST) into model and optimizer,
-    scheduler, RNG and ``data`` (``load_state_dict`` of the data position)."""
+    scheduler, RNG and ``data`` (``load_state_dict`` of the data position). ``client_options``:
+    ControlClient keywords, e.g. ``ssl_context`` (control.tls.client_context) and ``server_hostname``."""
     module = unwrap(model)
     host, port = appliance
-    with ControlClient(host, port, secret, role, backoff_max=0.5) as cli:
+    with ControlClient(host, port, secret, role, **{"backoff_max": 0.5, **(client_options or {})}) as cli:
         if not cli.wait_connected(timeout):
             raise ConnectionError(f"appliance {host}:{port} not reachable in {timeout:g} s")
         reply = cli.request(m.make(m.RESTORE_REQUEST, step=None), timeout=timeout)
@@ -700,7 +702,7 @@ def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, s
     restored = None
     if restore == "appliance":
         restored = restore_from_appliance(ddp_model, optimizer, appliance=appliance, secret=secret,
-                                          scheduler=scheduler, data=data)
+                                          scheduler=scheduler, data=data, client_options=client_options)
     elif restore is not None:
         restored = restore_from_disk(ddp_model, optimizer, restore, scheduler=scheduler, data=data)
     link = TrainerLink(ddp_model, optimizer, appliance=appliance, secret=secret, scheduler=scheduler,

@@ -11,18 +11,17 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import shutil
 import socket
 import ssl
 import struct
-import subprocess
 import threading
+import time
 import tracemalloc
 
 import common
 import pytest
 import torch
-from mirrorckpt.control import auth, wire
+from mirrorckpt.control import auth, tls, wire
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.channel import Channel, RemoteError, RequestTimeout
 from mirrorckpt.control.endpoint import LOGGER, ControlClient, ControlServer
@@ -479,25 +478,19 @@ def test_client_refuses_an_appliance_with_another_secret(log):
     assert any("connection failed (AuthError" in x for x in rejections(log))
 
 
-# ---------------------------------------------------------------------------- TLS (optional layer)
+# ---------------------------------------------------------------------------- TLS
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "2",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return d / "cert.pem", d / "key.pem"
+    c = common.make_certs(tmp_path_factory.mktemp("tls"))  # never skipped: openssl is a test dependency
+    return c["appliance_cert"], c["appliance_key"], c
 
 
 def test_tls_under_the_hmac_session(certs, state, log):
-    cert, key = certs
+    cert, key, c = certs
     server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_ctx.load_cert_chain(cert, key)
-    client_ctx = ssl.create_default_context(cafile=str(cert))
+    client_ctx = ssl.create_default_context(cafile=str(c["ca"]))
     pushed, intact = [], []
     big = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB per part
     handlers = state.handlers() | {
@@ -534,3 +527,101 @@ def test_tls_under_the_hmac_session(certs, state, log):
     assert intact == [True] * 8
     assert srv.rejected == 1
     assert pushed == sorted(pushed)
+
+
+def mutual(c):
+    return (tls.server_context(c["appliance_cert"], c["appliance_key"], c["ca"]),
+            tls.client_context(c["trainer_cert"], c["trainer_key"], c["ca"]))
+
+
+@pytest.mark.parametrize("who", ["no certificate", "self-signed certificate", "no TLS"])
+def test_mutual_tls_refuses_a_client_without_a_ca_signed_cert(certs, state, log, who):
+    _, _, c = certs
+    server_ctx, good = mutual(c)
+    with ControlServer("127.0.0.1", 0, SECRET, state.handlers(), ssl_context=server_ctx,
+                       handshake_timeout=2.0).start() as srv:
+        raw = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        hello = m.to_bytes(m.make(m.HELLO, role="trainer", nonce="00" * 32))
+        if who == "no TLS":
+            raw.sendall(hello)
+            sock = raw
+        else:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.load_verify_locations(c["ca"])
+            if who == "self-signed certificate":
+                ctx.load_cert_chain(c["rogue_cert"], c["rogue_key"])
+            sock = ctx.wrap_socket(raw, server_hostname="localhost")  # TLS 1.3: the server judges after this
+            try:
+                sock.sendall(hello)
+            except (ssl.SSLError, OSError):
+                pass
+        assert wait_for(lambda: srv.rejected == 1)
+        got = b""
+        try:
+            got = sock.recv(1 << 16)  # nothing but the end of the connection (or a TLS alert) comes back
+        except (ssl.SSLError, OSError):
+            pass
+        sock.close()
+        assert got == b""
+        assert "TLS" in rejections(log)[-1] and not srv.peers()
+        # a trainer with a CA-signed certificate (and the secret) gets through
+        cli = ControlClient("127.0.0.1", srv.port, SECRET, ssl_context=good, server_hostname="localhost")
+        with cli:
+            assert cli.request(m.make(m.GOCKPT_DONE, step=1, parts=8), timeout=10).type == m.ACK
+    assert state.events == [(m.GOCKPT_DONE, {"step": 1, "parts": 8})]  # only the trainer's frame
+
+
+def idle(host: str, port: int, n: int, source: str | None = None) -> list[socket.socket]:
+    out = []
+    for i in range(n):
+        s = socket.socket()
+        s.bind((source or f"127.0.0.{2 + i}", 0))
+        s.connect((host, port))
+        out.append(s)
+    return out
+
+
+def test_64_idle_connections_do_not_delay_the_trainer(certs, state, log):
+    """Idle connections from 64 addresses hold handshake slots, not the trainer's; a flood from one
+    address gets its few slots and no more; a handshake is cut off at its deadline."""
+    _, _, c = certs
+    server_ctx, good = mutual(c)
+    with ControlServer("127.0.0.1", 0, SECRET, state.handlers(), ssl_context=server_ctx,
+                       handshake_timeout=2.0).start() as srv:
+        crowd = idle("127.0.0.1", srv.port, 64)
+        flood = idle("127.0.0.1", srv.port, 64, source="127.0.0.99")
+        assert wait_for(lambda: len(srv._pending) == 64 + srv.handshake_slots and srv.refused == 60)
+        t0 = time.monotonic()
+        cli = ControlClient("127.0.0.1", srv.port, SECRET, ssl_context=good, server_hostname="localhost")
+        with cli:
+            assert cli.request(m.make(m.GOCKPT_DONE, step=1, parts=8), timeout=10).type == m.ACK
+            took = time.monotonic() - t0
+            assert took < 1.0, f"the trainer waited {took:.2f} s behind 64 idle connections"
+            assert wait_for(lambda: not srv._pending, timeout=5) and srv.peers()  # cut off after 2 s
+            assert srv.rejected >= 64 + srv.handshake_slots
+        for s in crowd + flood:
+            s.close()
+    assert any("no handshake slot" in x for x in rejections(log))
+
+
+def test_a_handshake_dripped_byte_by_byte_is_cut_off_at_its_deadline(certs, state, log):
+    _, _, c = certs
+    server_ctx, _ = mutual(c)
+    hello = m.to_bytes(m.make(m.HELLO, role="trainer", nonce="00" * 32))
+    for ctx in (server_ctx, None):  # in the TLS handshake, and in the HMAC one
+        with ControlServer("127.0.0.1", 0, SECRET, state.handlers(), ssl_context=ctx, read_timeout=1.0,
+                           handshake_timeout=1.0).start() as srv:
+            (p,) = idle("127.0.0.1", srv.port, 1)
+            t0 = time.monotonic()
+            closed = None
+            for i in range(40):  # a byte every 0.1 s: no single read waits long
+                try:
+                    p.sendall(hello[i:i + 1] if ctx is None else b"\x16")
+                except OSError:
+                    closed = time.monotonic() - t0
+                    break
+                time.sleep(0.1)
+            p.close()
+            assert wait_for(lambda: not srv._pending and srv.rejected + srv.expired >= 1)
+            assert closed is not None and closed < 2.5, closed
+    assert state.events == []

@@ -257,17 +257,26 @@ def test_persister_interval_budget_and_submit_never_waits(tmp_path, monkeypatch)
     assert per.stats.last_committed.endswith("step-00000004")
 
 
-def test_persister_skips_what_does_not_fit_and_a_half_applied_iteration(tmp_path):
+def test_persister_writes_what_does_not_fit_unstaged_and_skips_a_half_applied_iteration(tmp_path, caplog):
     training, layout, ref, rep, rng = trained("adam-fp32", 1)
     with Persister(PersistSpec(str(tmp_path / "a"), memory_budget_bytes=1000)) as per:
-        assert not per.submit(rep)
-        assert per.stats.skipped_budget == 1 and per.stats.submitted == 0
+        assert per.submit(rep)  # larger than the whole budget: written while the caller waits, never skipped
+        want = rep.state_sha256()
+        rep.apply(R.random_iteration(layout, 1, rng))
+        assert per.submit(rep)
+        assert per.stats.unstaged == 2 and per.stats.skipped_budget == 0 and per.stats.committed == 2
+    said = [r.getMessage() for r in caplog.records if "exceeds persist memory_budget_bytes (1000)" in r.getMessage()]
+    assert len(said) == 1 and "written from the replica tensor by tensor while it waits" in said[0]  # once
+    first = ckptdir.committed(tmp_path / "a")[0][1]
+    assert verify(first).ok and verify(latest(tmp_path / "a")).ok
+    assert Replica(layout, training, first).state_sha256() == want
+    assert Replica(layout, training, tmp_path / "a").state_sha256() == rep.state_sha256()
     with Persister(PersistSpec(str(tmp_path / "b"))) as per:
-        it = R.random_iteration(layout, 1, rng)
-        rep.apply_bucket(1, 0, it.buckets[0])
+        it = R.random_iteration(layout, 2, rng)
+        rep.apply_bucket(2, 0, it.buckets[0])
         assert not per.submit(rep) and per.stats.skipped_busy == 1
-        rep.apply_bucket(1, 1, it.buckets[1])
-        rep.apply_bucket(1, 2, it.buckets[2])
+        rep.apply_bucket(2, 1, it.buckets[1])
+        rep.apply_bucket(2, 2, it.buckets[2])
         assert per.submit(rep)
     assert per.stats.committed == 1 and verify(latest(tmp_path / "b")).ok
 

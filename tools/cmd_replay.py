@@ -58,7 +58,24 @@ def persist_spec(job, checkpoint_dir):
     d = dict(job.persist) if job and job.persist else {}
     if checkpoint_dir is not None:
         d["directory"] = str(checkpoint_dir)
+    if job is not None and job.name:
+        d["job_name"] = job.name
     return PersistSpec.from_dict(d)
+
+
+def check_root(job, persist) -> str | None:
+    """Whether the checkpoint root belongs to another job, told before anything is read or
+    written; only possible here when the configuration gives the layout (else the persister
+    checks at its first snapshot)."""
+    if persist is None or job is None or job.layout is None:
+        return None
+    from mirrorckpt.updater import ckptdir
+
+    try:
+        ckptdir.check_identity(persist.directory, ckptdir.identity(job.layout.to_dict(), job.name))
+    except ckptdir.ForeignRoot as e:
+        return str(e)
+    return None
 
 
 def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, transport="roce"):
@@ -156,6 +173,10 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     except SpecError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    foreign = check_root(job, persist)
+    if foreign:
+        click.echo(f"error: {foreign}", err=True)
+        sys.exit(2)
 
     if job is not None and transport == "roce" and (nccl_version is None or job.ring.protocol == "auto"):
         try:  # what the job file leaves open (release, protocol per collective) is read from the wire
@@ -219,6 +240,28 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         click.echo(f"error: {d}", err=True)
     if damage:
         sys.exit(3)
+    if persist is not None:
+        _persistence_verdict(app, summary, persist, checkpoint_dir)
+
+
+def _persistence_verdict(app, summary, persist, checkpoint_dir) -> None:
+    """Say so when checkpoints were asked for and none or not all were written; exit 1 when the
+    root was refused or a write failed."""
+    stats = app.persister.stats if app is not None and app.persister is not None else None
+    if stats is not None and stats.refused:
+        click.echo(f"error: {stats.refused}", err=True)
+        sys.exit(1)
+    if stats is not None and stats.failed:
+        click.echo(f"error: {stats.failed} checkpoint write(s) failed; last: {stats.last_error}", err=True)
+        sys.exit(1)
+    what = f"--checkpoint-dir {checkpoint_dir}" if checkpoint_dir else f"[persist] directory {persist.directory}"
+    if app is None:
+        click.echo(f"warning: {what} ignored: nothing to checkpoint (the capture holds no DDP job: no layout, "
+                   "no initial weights; give --config with [job] and [training] for a plain all-reduce job)",
+                   err=True)
+    elif summary["no_initial_state"] and not summary["iterations_applied"]:
+        click.echo(f"warning: {what}: nothing committed: the capture does not start with the job (no initial "
+                   "weights broadcast on the wire to start the replica from)", err=True)
 
 
 def _complete_from_wire(job, captures, nccl_version, dtype, icrc):

@@ -1,13 +1,17 @@
-"""`mirrorckpt restore CHECKPOINT_DIR`: check a committed checkpoint (or a root's latest one).
+"""`mirrorckpt restore CHECKPOINT_DIR`: check a committed checkpoint, or choose one in a root.
 
 Without --verify only the manifest and file sizes are checked; --verify hashes every file and reads
-every tensor back through dcp.load. Exit status 1 on any failure, with the reason on stderr (or in
-the JSON), never a traceback."""
+every tensor back through dcp.load. From a root it gives the newest checkpoint proven equal to the
+trainer, else the newest intact one (--newest: the newest intact one), says which and why, and
+reports every problem it met: a torn or dangling `latest`, a damaged or uncommitted checkpoint.
+Exit status 1 when nothing can be given, or when a newer checkpoint than the one given is named
+but damaged or missing; the reasons go to stderr (or the JSON), never a traceback."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -23,30 +27,60 @@ def _fail(msg: str, as_json: bool, path: str) -> None:
 @click.command("restore")
 @click.argument("checkpoint_dir", type=click.Path())
 @click.option("--verify", "do_verify", is_flag=True, help="Hash every file and read back every tensor.")
+@click.option("--newest", is_flag=True, help="From a root: the newest intact checkpoint, verified against the "
+              "trainer or not.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def restore(checkpoint_dir: str, do_verify: bool, as_json: bool) -> None:
+def restore(checkpoint_dir: str, do_verify: bool, newest: bool, as_json: bool) -> None:
     """Verify or inspect a committed checkpoint. CHECKPOINT_DIR is a step-* directory or a checkpoint
-    root (its latest committed checkpoint is used)."""
+    root (the checkpoint to resume from is chosen, and the choice explained)."""
+    sel = None
     try:
-        from mirrorckpt.updater.restore import resolve, summarize, verify
+        from mirrorckpt.updater.restore import _is_checkpoint, select, summarize, verify
 
-        d = resolve(checkpoint_dir)
-        report = verify(d) if do_verify else summarize(d)
+        path = Path(checkpoint_dir)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such directory")
+        if _is_checkpoint(path):
+            report = verify(path) if do_verify else summarize(path)
+        else:
+            sel = select(path, verify_data=do_verify, prefer_verified=not newest, check_newer=True)
+            report = sel.report
     except Exception as e:  # the command reports, it does not crash
         msg = str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
         _fail(msg, as_json, checkpoint_dir)
         return
+    problems = list(report.problems if report is not None else [])
+    if sel is not None:
+        problems = sel.problems + [p for p in problems if p not in sel.problems]
+        if sel.path is None:
+            problems.append(f"{sel.root}: {sel.reason}")
+    failed = (report is None or not report.ok) or (sel is not None and sel.short)
     if as_json:
-        click.echo(json.dumps(dict(report.to_dict(), verified=do_verify), indent=1))
+        out = dict(report.to_dict() if report is not None else {"path": None}, verified=do_verify,
+                   ok=not failed, problems=problems)
+        if sel is not None:
+            out.update(root=sel.root, reason=sel.reason, notes=sel.notes, newest=sel.newest)
+        click.echo(json.dumps(out, indent=1))
     else:
-        click.echo(f"checkpoint  {report.path}")
-        if report.step is not None:
-            click.echo(f"step        {report.step} iterations, {report.optimizer_step} optimizer steps")
-        click.echo(f"contents    {report.files} files, {report.bytes:,} bytes, {report.tensors} tensors")
-        if report.ok:
-            click.echo("verified    every file and tensor sha256 matches" if do_verify
-                       else "checked     manifest and file sizes (use --verify to hash the data)")
-        for p in report.problems:
+        if report is not None:
+            click.echo(f"checkpoint  {report.path}")
+        if sel is not None:
+            click.echo(f"chosen      {sel.reason}")
+            if sel.pointer_torn and sel.path is not None:
+                click.echo(f"NOT PROVEN  `latest` is unreadable: step {sel.step} is the newest intact one here")
+            elif sel.short and sel.path is not None:
+                click.echo(f"NOT NEWEST  step {sel.newest} is named in this root but cannot be given; "
+                           f"step {sel.step} is the newest intact one")
+        if report is not None:
+            if report.step is not None:
+                click.echo(f"step        {report.step} iterations, {report.optimizer_step} optimizer steps")
+            click.echo(f"contents    {report.files} files, {report.bytes:,} bytes, {report.tensors} tensors")
+            if report.ok:
+                click.echo("verified    every file and tensor sha256 matches" if do_verify
+                           else "checked     manifest and file sizes (use --verify to hash the data)")
+        for n in sel.notes if sel is not None else []:
+            click.echo(f"note        {n}")
+        for p in problems:
             click.echo(f"mirrorckpt restore: {p}", err=True)
-    if not report.ok:
+    if failed:
         sys.exit(1)

@@ -10,6 +10,37 @@ from pathlib import Path
 import click
 
 
+def interface_problem(spec: str) -> str | None:
+    """Why ``IFACE`` or ``IFACE@NETNS`` (an afpacket source) cannot be captured, or None. The
+    interface is looked up inside its namespace, from a thread that enters it (as the capture does)."""
+    import socket
+    import threading
+
+    from mirrorckpt.capture.afpacket import in_netns
+    from mirrorckpt.capture.batch import CaptureError
+
+    iface, _, netns = spec.partition("@")
+    if not iface or (_ and not netns):
+        return f"{spec!r}: expected IFACE or IFACE@NETNS"
+    out: list = []
+
+    def look():
+        try:
+            with in_netns(netns):
+                socket.if_nametoindex(iface)
+        except CaptureError as e:
+            out.append(str(e))
+        except OSError:
+            out.append(f"interface {iface!r} does not exist in network namespace {netns!r}")
+
+    if not netns:
+        return None if (Path("/sys/class/net") / iface).exists() else f"interface {iface!r} does not exist"
+    t = threading.Thread(target=look)
+    t.start()
+    t.join()
+    return out[0] if out else None
+
+
 def check_sources(job) -> list[str]:
     """Problems with the configured mirror sources, each naming the [[mirror]] entry."""
     errors = []
@@ -18,14 +49,45 @@ def check_sources(job) -> list[str]:
     for i, m in enumerate(job.mirrors):
         where = f"[[mirror]] #{i + 1} source"
         if not m.source:
-            errors.append(f"{where}: missing (afpacket:IFACE, dpdk:VDEV or a capture file)")
+            errors.append(f"{where}: missing (afpacket:IFACE[@NETNS], dpdk:VDEV or a capture file)")
         elif m.source.startswith("afpacket:"):
-            iface = m.source.split(":", 1)[1]
-            if not (Path("/sys/class/net") / iface).exists():
-                errors.append(f"{where}: interface {iface!r} does not exist")
+            problem = interface_problem(m.source.split(":", 1)[1])
+            if problem:
+                errors.append(f"{where}: {problem}")
         elif not m.source.startswith("dpdk:") and not Path(m.source.removeprefix("file:")).is_file():
             errors.append(f"{where}: no capture file {m.source!r}")
     return errors
+
+
+def check_root(job, persist) -> str | None:
+    """The checkpoint root belongs to another job: said before anything starts or is touched."""
+    if persist is None or job.layout is None:
+        return None
+    from mirrorckpt.updater import ckptdir
+
+    try:
+        ckptdir.check_identity(persist.directory, ckptdir.identity(job.layout.to_dict(), job.name))
+    except ckptdir.ForeignRoot as e:
+        return str(e)
+    return None
+
+
+def tls_context(control: dict, name: str):
+    """The control plane's mutual-TLS context from [control] tls_cert/tls_key/tls_ca, or None."""
+    from mirrorckpt.config.jobfile import ConfigError
+    from mirrorckpt.control.tls import TlsConfigError, server_context
+
+    keys = ("tls_cert", "tls_key", "tls_ca")
+    given = [k for k in keys if control.get(k)]
+    if not given:
+        return None
+    if len(given) != 3:
+        raise ConfigError(f"{name}: [control] TLS needs tls_cert, tls_key and tls_ca together (mutual TLS); "
+                          f"missing {', '.join(k for k in keys if k not in given)}")
+    try:
+        return server_context(control["tls_cert"], control["tls_key"], control["tls_ca"])
+    except TlsConfigError as e:
+        raise ConfigError(f"{name}: [control] {e}") from None
 
 
 @click.command()
@@ -60,10 +122,17 @@ def serve(config_path, pace, log_level):
             training = None  # the trainer's REGISTER brings it (a [training] table must agree with it)
         else:
             training = TrainingSpec(grad_dtype=job.grad_dtype)
-        persist = PersistSpec.from_dict(job.persist) if job.persist else None
+        persist = PersistSpec.from_dict(dict(job.persist, **({"job_name": job.name} if job.name else {}))) \
+            if job.persist else None
+        foreign = check_root(job, persist)
+        if foreign:
+            raise ConfigError(f"{Path(config_path).name}: [persist] {foreign}")
+        ssl_context = tls_context(job.control, Path(config_path).name) if job.control.get("listen") else None
     except (ConfigError, SpecError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    if persist is None:
+        log.warning("no [persist] table: the replica is kept in memory only and no checkpoint is ever committed")
     pace_v = None if pace is None else ("recorded" if pace == "recorded" else float(pace))
     metrics = Metrics()
     if job.metrics.get("listen"):
@@ -84,10 +153,15 @@ def serve(config_path, pace, log_level):
             click.echo(f"error: {Path(config_path).name}: [control] needs secret_file (a shared secret, "
                        "at least 16 bytes)", err=True)
             sys.exit(2)
+        if ssl_context is None:
+            log.warning("control plane without TLS: weights, gradients and HMAC proofs cross the network in clear "
+                        "(set [control] tls_cert, tls_key and tls_ca)")
         control = AppliancePlane(secret, host=host or "127.0.0.1", port=int(port), training=training,
                                  layout=job.layout, ring=job.ring, persist=persist,
-                                 parts=c.get("fallback_parts", 7), fingerprint_every=c.get("fingerprint_every", 10))
+                                 parts=c.get("fallback_parts", 7), fingerprint_every=c.get("fingerprint_every", 10),
+                                 server_options={"ssl_context": ssl_context} if ssl_context is not None else None)
     daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control)
+    metrics.follow_persister(lambda: getattr(daemon.appliance, "persister", None))
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     code = daemon.run()

@@ -47,6 +47,19 @@ def render(m: dict) -> str:
                  f"{'STALE (waiting for a fallback checkpoint)' if one('mirrorckpt_replica_stale') else 'in step'}")
     lines.append(f"fallbacks: {one('mirrorckpt_fallbacks_total'):.0f}")
     lines.append(f"last committed checkpoint: iteration {one('mirrorckpt_last_committed_step'):.0f}")
+    snaps = by("mirrorckpt_persist_snapshots_total", "outcome")
+    if snaps:
+        lines.append(f"persistence: {snaps.get('committed', 0):.0f} committed, {snaps.get('failed', 0):.0f} failed, "
+                     f"{snaps.get('unstaged', 0):.0f} written unstaged (over memory_budget_bytes; the replica "
+                     f"waited {one('mirrorckpt_persist_unstaged_seconds'):.1f} s), skipped "
+                     f"{snaps.get('skipped_budget', 0):.0f} (staging busy) {snaps.get('skipped_busy', 0):.0f} "
+                     f"(mid-iteration), {snaps.get('verified', 0):.0f} verified, "
+                     f"{snaps.get('quarantined', 0):.0f} quarantined")
+    if one("mirrorckpt_persist_refused"):
+        lines.append("persistence: REFUSED: the checkpoint directory belongs to another job; nothing is written")
+    err = m.get("mirrorckpt_persist_last_error_info", {})
+    for labels in err:
+        lines.append(f"persistence error: {dict(labels).get('error')}")
     q = by("mirrorckpt_queue_depth", "queue")
     if q:
         lines.append("queues: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(q.items())))

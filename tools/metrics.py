@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 
 class Metrics:
@@ -36,6 +37,11 @@ class Metrics:
         self.memory = Gauge("mirrorckpt_resident_bytes", "Resident memory of the appliance process", registry=r)
         self.memory.set_function(_rss)
 
+    def follow_persister(self, get) -> None:
+        """Export the persister's counters at each scrape; ``get()`` returns the Persister or None
+        (it exists only once the appliance has started)."""
+        self.registry.register(_PersistCollector(get))
+
     def serve(self, listen: str):
         """Starts the HTTP endpoint on HOST:PORT; returns the bound (host, port)."""
         host, _, port = listen.rpartition(":")
@@ -49,3 +55,33 @@ def _rss() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0.0
+
+
+class _PersistCollector:
+    """Persistence outcomes, read from updater.persist.PersistStats when scraped: what was
+    written, what waited, what was skipped or failed and why, and the last error."""
+
+    def __init__(self, get):
+        self.get = get
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        per = self.get()
+        st = per.stats if per is not None else None
+        c = CounterMetricFamily("mirrorckpt_persist_snapshots", "Snapshots by outcome: committed, written "
+                                "unstaged (larger than memory_budget_bytes, the replica waited), skipped (staging "
+                                "buffers busy, or mid-iteration), failed", labels=["outcome"])
+        for outcome in ("committed", "unstaged", "skipped_budget", "skipped_busy", "failed", "verified",
+                        "quarantined"):
+            c.add_metric([outcome], getattr(st, outcome, 0) if st is not None else 0)
+        yield c
+        yield GaugeMetricFamily("mirrorckpt_persist_unstaged_seconds", "Time the replica waited for unstaged writes",
+                                value=st.unstaged_seconds if st is not None else 0.0)
+        yield GaugeMetricFamily("mirrorckpt_persist_refused", "1 when the checkpoint root belongs to another job "
+                                "(nothing is written)", value=1 if st is not None and st.refused else 0)
+        err = InfoMetricFamily("mirrorckpt_persist_last_error", "The last persistence error")
+        if st is not None and (st.refused or st.last_error):
+            err.add_metric([], {"error": (st.refused or st.last_error)[:300]})
+        yield err

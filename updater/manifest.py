@@ -13,6 +13,10 @@ manifest.json fields:
                       so a damaged file can be traced to the value it holds without unpickling
     tensors           {dcp key: {sha256, dtype, shape}}; sha256 of the tensor's little-endian
                       bytes (bf16 as its 16-bit patterns, as updater.fingerprint.tensor_bytes)
+    job               the job's name, when it has one
+    verified          absent, or {step, source, fingerprints, unix}: the state was proven equal
+                      to the trainer's (its per-tensor fingerprints, updater.fingerprint, at this
+                      step); added after the commit by an atomic rewrite of the manifest
     manifest_sha256   sha256 of the canonical JSON of all the other fields
 """
 
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 
 MANIFEST = "manifest.json"
+MANIFEST_TMP = ".manifest.json.tmp"  # a rewrite under way; a crash may leave it, it is never read
 FORMAT = "mirrorckpt-manifest/1"
 _CHUNK = 8 << 20
 
@@ -91,6 +96,23 @@ def write_manifest(directory: Path, manifest: dict) -> None:
     body["format"] = FORMAT
     body["manifest_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
     fsync_write(Path(directory) / MANIFEST, json.dumps(body, sort_keys=True, indent=1).encode())
+
+
+def set_verified(directory, info: dict) -> None:
+    """Record ``info`` as the manifest's ``verified`` field: temp file, fsync, rename over the old
+    manifest, fsync the directory. Every moment the directory holds one valid manifest."""
+    d = Path(directory)
+    m = read_manifest(d)
+    m["verified"] = info
+    body = {k: v for k, v in m.items() if k != "manifest_sha256"}
+    body["manifest_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    fsync_write(d / MANIFEST_TMP, json.dumps(body, sort_keys=True, indent=1).encode())
+    os.replace(d / MANIFEST_TMP, d / MANIFEST)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_manifest(directory) -> dict:

@@ -1,17 +1,27 @@
-"""Verifying committed checkpoints and loading them: into a Replica (read_state) or into the
-trainer's own model and optimizer (load_into, through dcp.load)."""
+"""Verifying committed checkpoints, choosing one in a root, and loading it: into a Replica
+(read_state) or into the trainer's own model and optimizer (load_into, through dcp.load).
+
+From a root, ``select`` prefers the newest checkpoint proven equal to the trainer (manifest
+`verified`), else the newest intact one, never a quarantined one; it says which it chose and
+why, and lists every problem it met on the way (a torn or dangling `latest`, a damaged newer
+checkpoint)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .ckptdir import dcp_module, latest, resolve  # noqa: F401  (latest is part of the API)
+from . import ckptdir
+from .ckptdir import dcp_module, latest, parse_step  # noqa: F401  (latest is part of the API)
 from .dcp_keys import FORMAT, ReplicaState, from_checkpoint, loads, required_keys, unflatten
-from .manifest import MANIFEST, ManifestError, hash_file, quick_check, read_manifest, tensor_sha256
+from .fingerprint import fingerprint
+from .manifest import MANIFEST, MANIFEST_TMP, ManifestError, hash_file, quick_check, read_manifest, tensor_sha256
+
+log = logging.getLogger(__name__)
 
 _BATCH_BYTES = 256 << 20  # verify reads tensors in batches of about this size
 
@@ -57,7 +67,7 @@ def _read_flat(d: Path, keys: list[str], md) -> dict:
 
 
 def _check_files(d: Path, m: dict, r: Report) -> None:
-    present = set(os.listdir(d)) - {MANIFEST}
+    present = set(os.listdir(d)) - {MANIFEST, MANIFEST_TMP}  # the temp file: a rewrite cut short, never read
     for name in sorted(present - set(m["files"])):
         r.fail(f"{d / name}: not listed in the manifest")
     for name, info in sorted(m["files"].items()):
@@ -127,6 +137,7 @@ def verify(checkpoint_dir, tensors: bool = True) -> Report:
                f"the manifest's {m['step']}/{m.get('optimizer_step')}")
     if not tensors:
         return r
+    proven = (m.get("verified") or {}).get("fingerprints") or {}
     batch, size = [], 0
     keys = list(m["tensors"])
     for i, k in enumerate(keys):
@@ -138,6 +149,9 @@ def verify(checkpoint_dir, tensors: bool = True) -> Report:
         for key in batch:
             if tensor_sha256(values[key]) != m["tensors"][key]["sha256"]:
                 r.fail(f"{d}: tensor {key}: values read back do not match the manifest sha256")
+            elif key in proven and fingerprint(values[key]) != proven[key]:
+                r.fail(f"{d}: tensor {key}: its fingerprint differs from the one it was verified by "
+                       f"(step {m['verified'].get('step')})")
         r.tensors += len(batch)
         batch, size = [], 0
     return r
@@ -162,8 +176,131 @@ def summarize(checkpoint_dir) -> Report:
     return r
 
 
+@dataclass
+class Selection:
+    """Which checkpoint of a root ``select`` gives, why, and what it found wrong on the way."""
+
+    root: str
+    path: Path | None = None
+    reason: str = ""
+    problems: list[str] = field(default_factory=list)  # damage: a torn/dangling pointer, a bad directory
+    notes: list[str] = field(default_factory=list)  # no damage: passed-over unverified ones, quarantine
+    newest: int | None = None  # the highest step the root names (a step directory or `latest`)
+    pointer_torn: bool = False  # `latest` unreadable: the newest step may be unknown
+    report: Report | None = None  # the chosen checkpoint's check
+
+    @property
+    def step(self) -> int | None:
+        return parse_step(self.path.name) if self.path is not None else None
+
+    @property
+    def short(self) -> bool:
+        """A newer checkpoint than the one given exists or was named, and is damaged or missing."""
+        return self.path is None or self.pointer_torn or \
+            (self.newest is not None and self.step < self.newest and bool(self.problems))
+
+
+def _pointer(root: Path, sel: Selection, have_dirs: bool) -> int | None:
+    p = root / ckptdir.POINTER
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        if have_dirs:
+            sel.notes.append(f"{p}: missing (a crash before the first pointer update; the newest step is used)")
+        return None
+    except OSError as e:
+        sel.problems.append(f"{p}: unreadable: {e.strerror}")
+        sel.pointer_torn = True
+        return None
+    name = raw.decode("utf-8", "replace").strip()
+    step = parse_step(name)
+    if step is None:
+        sel.problems.append(f"{p}: torn or not a pointer ({raw[:40]!r})")
+        sel.pointer_torn = True
+    elif not (root / name).is_dir():
+        sel.problems.append(f"{p} names {name}, which does not exist (dangling pointer)")
+    return step
+
+
+def select(root, verify_data: bool = False, prefer_verified: bool = True, check_newer: bool = False) -> Selection:
+    """Choose the checkpoint to give from a root: the newest verified intact one (with
+    ``prefer_verified``), else the newest intact one. Intact: the manifest check, and with
+    ``verify_data`` the full ``verify``. ``check_newer`` also fully checks every newer checkpoint
+    passed over, so damage there is reported."""
+    root = Path(root)
+    sel = Selection(str(root))
+    dirs = ckptdir.step_dirs(root)
+    ptr = _pointer(root, sel, bool(dirs))
+    steps = [s for s, _ in dirs] + ([ptr] if ptr is not None else [])
+    sel.newest = max(steps) if steps else None
+    intact = []
+    for step, d in reversed(dirs):
+        problem = quick_check(d)
+        if problem:
+            sel.problems.append(f"{d.name}: not an intact checkpoint: {problem}")
+        else:
+            intact.append((step, d, ckptdir.verification(d)))
+    order = intact
+    if prefer_verified:
+        order = [x for x in intact if x[2] is not None] + [x for x in intact if x[2] is None]
+    checked = set()
+    for _, d, v in order:
+        r = verify(d) if verify_data else summarize(d)
+        checked.add(d)
+        if not r.ok:
+            sel.problems.extend(r.problems)
+            continue
+        sel.path, sel.report = d, r
+        if v is not None:
+            sel.reason = (f"the newest checkpoint proven equal to the trainer (its fingerprints at step "
+                          f"{v.get('step')}, {v.get('source', 'fingerprint')})")
+        elif any(x[2] is not None for x in intact):
+            sel.reason = "the newest intact checkpoint: every verified one failed its check"
+        else:
+            sel.reason = "the newest intact checkpoint (none is verified against the trainer)"
+        break
+    if sel.path is not None:
+        passed = [(x, d) for x, d, v in intact if x > sel.step and v is None and d not in checked]
+        for _, d in passed:
+            if check_newer:
+                r = verify(d) if verify_data else summarize(d)
+                if not r.ok:
+                    sel.problems.extend(r.problems)
+                    continue
+            sel.notes.append(f"{d.name} is newer but not verified against the trainer: passed over")
+    q = ckptdir.quarantined(root)
+    if q:
+        steps = ", ".join(str(s) for s, _ in q[:8]) + (" ..." if len(q) > 8 else "")
+        sel.notes.append(f"{len(q)} quarantined checkpoint(s) in {root / ckptdir.QUARANTINE} (steps {steps}): "
+                         "never given by default")
+    if sel.path is None:
+        sel.reason = ("no intact checkpoint" if dirs
+                      else "no committed checkpoint (no step-* directory with a valid manifest)")
+    return sel
+
+
+def resolve(path) -> Path:
+    """A checkpoint directory itself, or the one ``select`` chooses when ``path`` is a root."""
+    return _verified(path, False)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return parse_step(path.name) is not None or (path / MANIFEST).exists() or (path / ".metadata").exists()
+
+
 def _verified(path, check: bool) -> Path:
-    d = resolve(path)
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such directory")
+    if not _is_checkpoint(path):
+        sel = select(path, verify_data=check)
+        if sel.path is None:
+            why = f": {'; '.join(sel.problems[:3])}" if sel.problems else ""
+            raise CheckpointError(f"{path}: {sel.reason}{why}")
+        if sel.problems:
+            log.warning("%s: giving %s (%s); problems: %s", path, sel.path.name, sel.reason, "; ".join(sel.problems))
+        return sel.path
+    d = path
     if check:
         r = verify(d)
         if not r.ok:

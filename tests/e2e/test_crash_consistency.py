@@ -3,9 +3,12 @@
 A driver process imports torch once and forks one child per trial. The child does what a restarted
 appliance does (take the root's lock, recover, resume the replica from `latest`), then trains and
 submits a snapshot every iteration while the writer thread commits them; it is SIGKILLed after a
-random delay of a few milliseconds. After every kill `latest` must name a checkpoint that passes
-full verification, holds exactly the state of that many deterministic iterations, and is never
-older than the one before; no directory with a final name is ever torn."""
+random delay of a few milliseconds. Every third step it also marks the checkpoint verified (a
+manifest rewrite), as the control plane does when the trainer's fingerprints match. After every
+kill `latest` must name a checkpoint that passes full verification, holds exactly the state of
+that many deterministic iterations, and is never older than the one before; no directory with a
+final name is ever torn; the newest verified checkpoint is never pruned; and restore (``select``,
+what `mirrorckpt restore --verify` runs) finds no problem."""
 
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ import subprocess
 import sys
 
 from mirrorckpt.updater import ckptdir
-from mirrorckpt.updater.manifest import quick_check, read_manifest, tensor_sha256
+from mirrorckpt.updater.manifest import MANIFEST_TMP, quick_check, read_manifest, tensor_sha256
 from mirrorckpt.updater.persist import recover
-from mirrorckpt.updater.restore import latest, verify
+from mirrorckpt.updater.restore import latest, select, verify
 
 TRIALS = 100
 KEEP = 3
@@ -78,6 +81,8 @@ def child(w):
         rep.apply(iteration(i))
         per.submit(rep)
         i += 1
+        if i % 3 == 0:
+            per.mark_verified(i, rep.fingerprints(optimizer=True))
         if per.stats.failed:
             os.write(w, ("failed " + per.stats.last_error + "\n").encode())
             os._exit(3)
@@ -118,7 +123,12 @@ def leftovers(root):
         "partial": any(n.startswith(ckptdir.PARTIAL) for n in names),
         "deleting": any(n.startswith(ckptdir.DELETING) for n in names),
         "pointer_tmp": any(n.startswith(ckptdir.POINTER_TMP) for n in names),
+        "manifest_tmp": any((d / MANIFEST_TMP).exists() for _, d in ckptdir.step_dirs(root)),
     }
+
+
+def newest_verified(root) -> int:
+    return max((s for s, d in ckptdir.committed(root) if ckptdir.verification(d) is not None), default=-1)
 
 
 def test_sigkill_during_persisting_never_leaves_latest_torn(tmp_path):
@@ -139,8 +149,8 @@ def test_sigkill_during_persisting_never_leaves_latest_torn(tmp_path):
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(root), str(KEEP)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, bufsize=1)
     rnd = random.Random(12345)
-    seen = {"partial": 0, "deleting": 0, "pointer_tmp": 0, "pointer_lag": 0}
-    prev = -1
+    seen = {"partial": 0, "deleting": 0, "pointer_tmp": 0, "manifest_tmp": 0, "pointer_lag": 0}
+    prev = prev_verified = -1
     try:
         for trial in range(TRIALS):
             if rnd.random() < 0.2:  # during start-up: lock, recover, resume
@@ -161,7 +171,9 @@ def test_sigkill_during_persisting_never_leaves_latest_torn(tmp_path):
                 assert quick_check(pointed) is None, f"{where}: latest -> {pointed.name}: {quick_check(pointed)}"
             for _, d in ckptdir.step_dirs(root):  # a final name is only ever given to a complete checkpoint
                 assert quick_check(d) is None, f"{where}: {d.name}: {quick_check(d)}"
-            assert len(ckptdir.step_dirs(root)) <= KEEP + 1
+            assert len(ckptdir.step_dirs(root)) <= KEEP + 2  # + the newest verified one
+            assert newest_verified(root) >= prev_verified, f"{where}: the newest verified checkpoint was pruned"
+            prev_verified = newest_verified(root)
             found = latest(root)
             if found is None:
                 assert prev == -1, f"{where}: checkpoints were committed before, none is found now"
@@ -172,16 +184,18 @@ def test_sigkill_during_persisting_never_leaves_latest_torn(tmp_path):
             prev = step
             report = verify(found)
             assert report.ok, f"{where}: {report.first_problem}"
+            sel = select(root, verify_data=trial % 10 == 0)
+            assert not sel.problems and not sel.short and sel.path is not None, f"{where}: {sel.problems}"
             tensors = read_manifest(found)["tensors"]
             assert {k: tensors[k]["sha256"] for k in model_shas(step)} == model_shas(step), \
                 f"{where}: {found.name} does not hold the state of {step} iterations"
     finally:
         driver.stdin.close()
         driver.wait(timeout=60)
-    assert prev > 0
-    # the kills did land inside writes; start-up recovery then clears what they left
-    assert seen["partial"] >= 10, seen
+    assert prev > 0 and prev_verified > 0
+    # the kills did land inside writes and prunes; start-up recovery then clears what they left
+    assert seen["partial"] >= 10 and seen["deleting"] >= 1, seen
     info = recover(root)
-    assert leftovers(root) == {"partial": False, "deleting": False, "pointer_tmp": False}
+    assert not any(leftovers(root).values())
     assert info["latest"] == latest(root) and ckptdir.read_pointer(root) == latest(root)
     print("kills left:", seen, "latest step:", prev)
