@@ -71,7 +71,7 @@ def tree(root: Path) -> dict:
 
 
 def test_serve_refuses_another_jobs_root_before_starting(tmp_path):
-    from test_durability import job_a_root
+    from test_ckptdir import job_a_root
 
     job_a_root(tmp_path / "other", steps=3)  # another model's checkpoints
     before = tree(tmp_path / "other")

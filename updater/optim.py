@@ -8,7 +8,7 @@ import importlib
 
 import torch
 
-from ..config.training import CALLABLE_ARGS, LossScaleSpec, LRScheduleSpec, OptimizerSpec
+from ..config.training import CALLABLE_ARGS, LossScaleSpec, LRScheduleSpec, OptimizerSpec, SpecError
 
 
 def state_keys(spec: OptimizerSpec) -> tuple[str, ...]:
@@ -36,9 +36,9 @@ def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor],
         groups = [(params, spec)]
     torch_groups = [{"params": list(ps), **group_options(gs)} for ps, gs in groups]
     common = dict(foreach=spec.foreach, fused=spec.fused, **group_options(spec))
-    if spec.name == "sgd":
-        return torch.optim.SGD(torch_groups, **common)
-    cls = torch.optim.Adam if spec.name == "adam" else torch.optim.AdamW
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}.get(spec.name)
+    if cls is None:  # a spec changed after its validation (the dataclass is mutable)
+        raise SpecError(f"optimizer: name must be one of sgd, adam, adamw, got {spec.name!r}")
     return cls(torch_groups, **common)
 
 
@@ -69,7 +69,10 @@ def build_scheduler(spec: LRScheduleSpec, optimizer: torch.optim.Optimizer):
         if spec.name == "ChainedScheduler":
             kwargs["optimizer"] = optimizer
             return torch.optim.lr_scheduler.ChainedScheduler(**kwargs)
-    return getattr(torch.optim.lr_scheduler, spec.name)(optimizer, **kwargs)
+    try:
+        return getattr(torch.optim.lr_scheduler, spec.name)(optimizer, **kwargs)
+    except (TypeError, ValueError) as e:  # torch's own argument checks, named for the operator
+        raise SpecError(f"lr_schedule: {spec.name} cannot be built: {e}") from None
 
 
 def step_scheduler(scheduler, spec: LRScheduleSpec, meta: dict | None) -> None:
