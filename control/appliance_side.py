@@ -285,13 +285,20 @@ class AppliancePlane:
             self._own_fps[t] = r.fingerprints(optimizer=True)
             while len(self._own_fps) > 4:
                 self._own_fps.popitem(last=False)
+        if self.fingerprint_every and t % self.fingerprint_every == 0 and self.app.persister is not None:
+            self.app.persister.submit(r, force=True)  # a checkpoint at each step that can be proven
 
     def _compare(self, r: Replica, step: int, want: dict, have: dict | None = None) -> None:
         have = have if have is not None else r.fingerprints(optimizer=True)
         self.stats.fingerprints_checked += 1
         diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        persister = self.app.persister if self.app is not None else None
         if not diff:
+            if persister is not None:  # the checkpoint of this step is proven equal to the trainer's
+                persister.mark_verified(step, have, source="fingerprint")
             return
+        if persister is not None:  # what was committed after the last proven step is not served
+            persister.quarantine_after(reason=f"drift at step {step}")
         self.stats.drift_events += 1
         log.warning("drift at step %d: replica differs from the trainer in %d tensor(s), first %s",
                     step, len(diff), diff[0])
@@ -469,10 +476,10 @@ class AppliancePlane:
                 self._event("fallback_unverified", {"step": rb.final_step, "tensors": diff[:8]})
                 self._retry(f, f"rebuild to step {rb.final_step} differs from the trainer in {diff[0]}")
                 return
-            self._install(rep, rb)
+            self._install(rep, rb, have)
         return
 
-    def _install(self, rep: Replica, rb: gockpt.Rebuild) -> None:
+    def _install(self, rep: Replica, rb: gockpt.Rebuild, fingerprints: dict | None = None) -> None:
         self.app.replica = rep
         self.fallback = None
         self._meta_missing_at = None
@@ -486,6 +493,8 @@ class AppliancePlane:
             self.on_iteration(rep.iterations_done - 1, rep)
         if self.app.persister is not None:
             self.app.persister.submit(rep, force=True)
+            if fingerprints is not None:  # the rebuild was checked against the trainer's
+                self.app.persister.mark_verified(rep.iterations_done, fingerprints, source="gockpt")
         backlog = sorted((it for it in self._buffer if it.index >= rep.iterations_done), key=lambda it: it.index)
         self._buffer.clear()
         for it in backlog:

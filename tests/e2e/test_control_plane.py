@@ -19,7 +19,7 @@ import common
 import pytest
 import torch
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
-from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
+from mirrorckpt.config.training import OptimizerSpec, PersistSpec, TrainingSpec
 from mirrorckpt.control import auth, wire
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.appliance_side import AppliancePlane
@@ -27,7 +27,8 @@ from mirrorckpt.control.channel import Channel
 from mirrorckpt.parser.streams import MirrorStreams
 from mirrorckpt.tools.testbed import harness
 from mirrorckpt.tools.testbed.follower import MirrorFollower
-from mirrorckpt.updater.fingerprint import state_sha256
+from mirrorckpt.updater import ckptdir, manifest, restore
+from mirrorckpt.updater.fingerprint import params_sha256, state_sha256
 
 SECRET = "e2e-secret-0123456789abcdef-xyz"
 WORLD = 2
@@ -74,8 +75,11 @@ def trainer_state(d: dict) -> dict:
 
 
 def test_loss_and_drift_each_trigger_one_fallback_and_mirror_mode_resumes(tmp_path):
-    """Several DDP buckets (small bucket_cap_mb): the registered layout must be DDP's real one."""
-    app = Appliance(corrupt_at=14)
+    """Several DDP buckets (small bucket_cap_mb): the registered layout must be DDP's real one.
+    Checkpoints proven equal to the trainer are marked verified; on drift, those committed after
+    the last proven step are quarantined, and restore gives a verified one."""
+    root = tmp_path / "ckpt"
+    app = Appliance(corrupt_at=14, persist=PersistSpec(str(root), every_iterations=1, keep_last=2))
     try:
         procs = harness.spawn_ranks(WORLD, tmp_path, SECRET, control_port=app.plane.port,
                                     frames_port=app.frames.port, steps=46,
@@ -109,6 +113,19 @@ def test_loss_and_drift_each_trigger_one_fallback_and_mirror_mode_resumes(tmp_pa
     assert set(range(resyncs[-1]["step"], 47)) <= set(app.states)
     # before the first loss too
     assert {1, 2, 3} <= set(app.states)
+
+    # the checkpoints written while the replica was corrupted are quarantined, none served
+    quarantined = sorted(ckptdir.parse_step(p.name) for p in (root / "quarantine").iterdir()
+                         if ckptdir.parse_step(p.name) is not None)
+    # (every one after the last step proven before the drift: the corrupted one among them)
+    assert app.corrupted in quarantined and all(s <= drift["step"] for s in quarantined), (quarantined, drift)
+    assert all(s > drift["step"] - 2 for s in quarantined)  # fingerprint_every = 2: nothing proven is moved
+    sel = restore.select(root)
+    assert sel.path is not None and manifest.read_manifest(sel.path).get("verified"), sel
+    step = ckptdir.parse_step(sel.path.name)
+    got = restore.read_state(sel.path)
+    names = [p.name for p in app.plane.layout.params]
+    assert params_sha256([got.params[n] for n in names]) == trainer[step]["params"]
 
 
 def test_appliance_restart_resyncs_by_fallback(tmp_path):
