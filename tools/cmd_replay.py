@@ -63,21 +63,6 @@ def persist_spec(job, checkpoint_dir):
     return PersistSpec.from_dict(d)
 
 
-def check_root(job, persist) -> str | None:
-    """Whether the checkpoint root belongs to another job, told before anything is read or
-    written; only possible here when the configuration gives the layout (else the persister
-    checks at its first snapshot)."""
-    if persist is None or job is None or job.layout is None:
-        return None
-    from mirrorckpt.updater import ckptdir
-
-    try:
-        ckptdir.check_identity(persist.directory, ckptdir.identity(job.layout.to_dict(), job.name))
-    except ckptdir.ForeignRoot as e:
-        return str(e)
-    return None
-
-
 def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, transport="roce"):
     """The job stream over capture files: NCCL over RoCEv2, or PyTorch DDP over gloo/TCP."""
     if transport == "gloo":
@@ -173,7 +158,12 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     except SpecError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    foreign = check_root(job, persist)
+    if persist is not None and job is not None:  # another job's root: said before anything is touched
+        from mirrorckpt.updater import ckptdir
+
+        foreign = ckptdir.foreign_root(persist.directory, job.layout, job.name)
+    else:
+        foreign = None
     if foreign:
         click.echo(f"error: {foreign}", err=True)
         sys.exit(2)

@@ -59,19 +59,6 @@ def check_sources(job) -> list[str]:
     return errors
 
 
-def check_root(job, persist) -> str | None:
-    """The checkpoint root belongs to another job: said before anything starts or is touched."""
-    if persist is None or job.layout is None:
-        return None
-    from mirrorckpt.updater import ckptdir
-
-    try:
-        ckptdir.check_identity(persist.directory, ckptdir.identity(job.layout.to_dict(), job.name))
-    except ckptdir.ForeignRoot as e:
-        return str(e)
-    return None
-
-
 def tls_context(control: dict, name: str):
     """The control plane's mutual-TLS context from [control] tls_cert/tls_key/tls_ca, or None."""
     from mirrorckpt.config.jobfile import ConfigError
@@ -101,6 +88,7 @@ def serve(config_path, pace, log_level):
     from mirrorckpt.parser.roce import SLOW_ICRC
     from mirrorckpt.tools.metrics import Metrics
     from mirrorckpt.tools.serve import Daemon, setup_logging
+    from mirrorckpt.updater import ckptdir
 
     setup_logging(getattr(logging, log_level.upper()))
     log = logging.getLogger("mirrorckpt.serve")
@@ -124,7 +112,7 @@ def serve(config_path, pace, log_level):
             training = TrainingSpec(grad_dtype=job.grad_dtype)
         persist = PersistSpec.from_dict(dict(job.persist, **({"job_name": job.name} if job.name else {}))) \
             if job.persist else None
-        foreign = check_root(job, persist)
+        foreign = ckptdir.foreign_root(persist.directory, job.layout, job.name) if persist else None
         if foreign:
             raise ConfigError(f"{Path(config_path).name}: [persist] {foreign}")
         ssl_context = tls_context(job.control, Path(config_path).name) if job.control.get("listen") else None

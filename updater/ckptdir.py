@@ -207,6 +207,18 @@ def check_identity(root, want: dict) -> None:
                           "nothing was written: give this job its own checkpoint directory")
 
 
+def foreign_root(root, layout, job: str | None = None) -> str | None:
+    """Why ``root`` cannot take checkpoints of the job with ``layout`` (a JobLayout), or None; for
+    the CLIs to say before anything starts or is touched. Reads only."""
+    if layout is None:
+        return None
+    try:
+        check_identity(root, identity(layout.to_dict(), job))
+    except ForeignRoot as e:
+        return str(e)
+    return None
+
+
 def record_identity(root, want: dict) -> None:
     """Write ROOT/job.json once (atomically); an existing one is kept."""
     root = Path(root)
