@@ -120,3 +120,22 @@ def test_a_bucket_stepped_ahead_is_undone_when_its_iteration_is_incomplete(tmp_p
         assert torch.equal(a.params[n], b.params[n]), n
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(a.optim["state"][n][k], b.optim["state"][n][k]), (n, k)
+
+
+def test_a_restarted_runs_first_iteration_follows_ddps_first_bucket_layout():
+    """After a restart DDP lays out its first iteration in one bucket again, while the job-wide
+    iteration index goes on: the layout follows ``run_index``."""
+    from mirrorckpt.updater.replica import Replica
+
+    layout = JobLayout(params=[ParamSpec("w", (8, 4), "float32"), ParamSpec("b", (8,), "float32")],
+                       buckets=[BucketSpec((1,)), BucketSpec((0,))], first_buckets=[BucketSpec((1, 0))])
+    training = TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2))
+    init = np.random.default_rng(3).standard_normal(40).astype(np.float32)
+    g = np.random.default_rng(4).standard_normal(40).astype(np.float32)  # b then w, as DDP packs them
+    a, b = (Replica.from_initial_weights(layout, training, init) for _ in range(2))
+    for r in (a, b):
+        r.iterations_done = 3  # resumed at step 3
+    a.apply(ReducedIteration(3, [g[:8], g[8:]]))  # the rebuilt layout: two buckets
+    b.apply(ReducedIteration(3, [g], run_index=0))  # a restarted run's first iteration: one bucket
+    for pa, pb in zip(a.params, b.params):
+        assert torch.equal(pa, pb)
