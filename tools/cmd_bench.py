@@ -30,6 +30,7 @@ SECTIONS = {
                 {"nparams": 10_000_000}),
     "capture": ("mirrorckpt.benchmarks.bench_capture", "run_all", {"seconds": 3.0}, {"seconds": 1.0}),
     "stall": ("mirrorckpt.benchmarks.bench_checkpoint_stall", "run_all", {}, {}),
+    "goodput": ("mirrorckpt.benchmarks.bench_goodput", "run", {}, {"steps": 120, "mtbf_s": 3.0, "every": 10}),
 }
 
 
@@ -54,17 +55,26 @@ def _f(x, nd=2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
 
-def render(results: dict, info: dict) -> str:
+def render(results: dict, info: dict, runs: dict | None = None) -> str:
+    """``runs``: section -> the machine record of the run that measured it, where that run was not
+    ``info``'s (a ``--only`` run merged into an earlier report)."""
+    runs = runs or {}
     out = ["# Benchmarks", "",
-           f"Measured by `mirrorckpt bench` on {info['date']}: {info['cpu']}, {info['cores']} cores, load "
-           f"average {', '.join(f'{x:.1f}' for x in info['load_average'])} at the start; torch {info['torch']}, "
-           f"numpy {info['numpy']}. The machines are shared: read absolute numbers as orders of magnitude and "
-           "compare within one run. Raw numbers: `BENCHMARKS.json`.", ""]
+           f"Measured by `{info.get('command', 'mirrorckpt bench')}` on {info['date']}: {info['cpu']}, "
+           f"{info['cores']} cores, load average {', '.join(f'{x:.1f}' for x in info['load_average'])} at the "
+           f"start; torch {info['torch']}, numpy {info['numpy']}. The machines are shared: read absolute numbers "
+           "as orders of magnitude and compare within one run. Raw numbers: `BENCHMARKS.json`.", ""]
+    later = {n: r for n, r in runs.items() if n in results and r != info}
+    if later:
+        out += ["Sections measured by a later run: " + "; ".join(
+            f"{n} by `{r.get('command', '?')}` on {r['date']} (load average "
+            f"{', '.join(f'{x:.1f}' for x in r['load_average'])})" for n, r in later.items()) +
+            ". Each table names its run.", ""]
     for name, res in results.items():
         # a section that failed keeps its error message, shown as it came
         failed = isinstance(res, dict) and "error" in res
         render_section = _render_generic if failed else globals().get(f"_render_{name}", _render_generic)
-        out += _captioned(render_section(name, res), _caption(info))
+        out += _captioned(render_section(name, res), _caption(runs.get(name, info)))
         out.append("")
     return "\n".join(out)
 
@@ -210,12 +220,53 @@ def _render_stall(name, r) -> list[str]:
     return lines
 
 
+def _render_goodput(name, r) -> list[str]:
+    j = r["job"]
+    lines = ["## Goodput under injected failures (issue 19)", "",
+             f"A 2-rank CPU DDP job (gloo; an MLP of {j['params'] / 1e6:.2f} M parameters, Adam; each step also "
+             f"sleeps {1e3 * j['device_s']:.0f} ms for the accelerator's share) trains {j['steps']} steps while it is "
+             f"killed (SIGKILL, every rank) at times drawn from an exponential MTBF of {j['mtbf_s']:g} s (seed "
+             f"{j['seed']}: every strategy meets the same draws) and restarted from its strategy's latest checkpoint: "
+             f"`dcp.save` or `dcp.async_save` every {j['checkpoint_every']} steps, or the appliance's replica "
+             "(`restore_from_appliance`). Wall time from the first step to the last. The model's prediction takes "
+             "the run's own measured step T, stall C, restorable lag W and restart R (kill to the next first "
+             "step): `same draws` is `goodput.simulate` on this run's failure draws, `expected` work / goodput "
+             "with the 10th-90th percentile of other draws.", "",
+             "| strategy | failures | steps lost per failure | T ms | C ms | W ms | R ms | wall s, measured | "
+             "same draws | error | expected (p10-p90) | goodput |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s, x in r["strategies"].items():
+        m, p, u = x["measured"], x["predicted"], x["model_inputs"]
+        lost = ", ".join(str(k) for k in m["steps_lost_per_failure"]) or "–"
+        lines.append(f"| {s} | {m['failures']} | {lost} | {1e3 * u['step_s']:.0f} | {1e3 * u['stall_s']:.0f} | "
+                     f"{1e3 * u['restorable_lag_s']:.0f} | {1e3 * u['restart_s']:.0f} | {m['wall_s']:.2f} | "
+                     f"{p['same_draws_wall_s']:.2f} | {100 * x['same_draws_error']:+.1f}% | "
+                     f"{p['expected_wall_s']:.2f} ({p['p10_wall_s']:.2f}-{p['p90_wall_s']:.2f}) | "
+                     f"{100 * m['goodput']:.1f}% |")
+    mir = r["strategies"].get("mirror", {}).get("measured", {}).get("appliance")
+    if mir:
+        lines += ["", f"Mirror: {mir['restores'].get('memory', 0)} restores from the appliance's memory, "
+                      f"{mir['fallbacks_requested']} GoCkpt fallbacks, {mir['drift_events']} drift events. "
+                      "Its W is the appliance's lag beyond the restart (iterations already on the wire are applied "
+                      "while the job restarts)."]
+    return lines
+
+
+def merge(doc: dict, results: dict, info: dict) -> dict:
+    """An earlier report with ``results``' sections replaced, each recorded with ``info``."""
+    runs = dict(doc.get("runs", {}))
+    for name in results:
+        runs[name] = info
+    return {"machine": doc["machine"], "results": doc["results"] | results, "runs": runs}
+
+
 def _render_generic(name, r) -> list[str]:
     return [f"## {name}", "", "```json", json.dumps(r, indent=1, default=str)[:20000], "```"]
 
 
 @click.command()
-@click.option("--only", multiple=True, type=click.Choice(list(SECTIONS)), help="Run only these sections.")
+@click.option("--only", "--section", "only", multiple=True, type=click.Choice(list(SECTIONS)),
+              help="Run only these sections; their results replace those sections in an existing report.")
 @click.option("--quick", is_flag=True, help="Smaller sizes (minutes, not tens of minutes).")
 @click.option("--out", type=click.Path(dir_okay=False), default=str(REPO / "BENCHMARKS.md"), show_default=True)
 def bench(only, quick, out):
@@ -241,8 +292,11 @@ def bench(only, quick, out):
             bar.echo(f"[bench] {name}: {time.perf_counter() - t0:.0f} s")
             bar.set(i + 1)
     outp = Path(out)
-    outp.with_suffix(".json").write_text(json.dumps({"machine": info, "results": results}, indent=1, default=str))
-    outp.write_text(render(results, info))
+    doc = {"machine": info, "results": results}
+    if only and outp.with_suffix(".json").exists():  # keep the other sections, each with its own run
+        doc = merge(json.loads(outp.with_suffix(".json").read_text()), results, info)
+    outp.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+    outp.write_text(render(doc["results"], doc["machine"], doc.get("runs")))
     click.echo(f"wrote {outp} and {outp.with_suffix('.json')}")
     if any("error" in r for r in results.values() if isinstance(r, dict)):
         sys.exit(1)
