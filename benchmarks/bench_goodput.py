@@ -11,7 +11,9 @@ gives the wall time two ways:
 * ``expected``: work / ``goodput.goodput`` (the mean over failure draws), with the 10th-90th
   percentile band of ``simulate`` over other seeds: a run with a few failures scatters that far.
 
-The mirror's W: the appliance survives the job, so iterations already on the wire when the job
+The mirror's step includes the test rig's making of NCCL's frames on rank 0 (``rig_s``: a NIC's
+work on a real system), so its wall time carries that too; goodput is work / wall with each
+strategy's own step. The mirror's W: the appliance survives the job, so iterations already on the wire when the job
 dies are still applied while the job restarts; what is lost is the lag beyond the restart time.
 
 Run: ``python -m mirrorckpt.benchmarks.bench_goodput`` (prints JSON).
@@ -86,7 +88,7 @@ def run(steps: int = 300, every: int = 20, mtbf_s: float = 6.0, seed: int = 1, d
                              "incarnations": r.incarnations, "steps_run": len(r.step_s),
                              "steps_lost_per_failure": lost, "restore_s": _mean(r.restore_s),
                              "failure_log": r.failures, "appliance": r.appliance},
-                "model_inputs": used | {"work_s": work},
+                "model_inputs": used | {"work_s": work, "rig_s": _mean(r.rig_s), "link_s": _mean(r.link_s)},
                 "predicted": pred,
                 "same_draws_error": r.wall_s / pred["same_draws_wall_s"] - 1,
             }

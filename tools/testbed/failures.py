@@ -4,7 +4,9 @@ MTBF and restarted from its strategy's latest checkpoint until it reaches a fixe
 Strategies: ``sync`` (dcp.save every K steps, a pointer written when it returns), ``async``
 (dcp.async_save every K steps, the pointer written when the background write is done) and
 ``mirror`` (the appliance follows every iteration over the frame stream and the control plane;
-a restart pulls its replica with ``restore_from_appliance``).
+a restart pulls its replica with ``restore_from_appliance``); ``none`` checkpoints nothing (with
+no failures: the baseline step). In mirror mode rank 0 also makes the frames NCCL would send
+(the test rig's packetiser, a NIC's work on a real system): its time is logged per step apart.
 
 A kill takes every rank at once (SIGKILL), as a lost node takes a job. Restarts use processes
 forked from a server that has already imported torch (``forkserver`` with preloading), as a
@@ -31,6 +33,7 @@ import numpy as np
 
 log = logging.getLogger("mirrorckpt.testbed.failures")
 STRATEGIES = ("sync", "async", "mirror")
+BASELINE = "none"  # no checkpoints, no appliance: the step time the others are compared with
 SECRET = "failures-secret-0123456789abcdef"
 
 
@@ -66,6 +69,10 @@ def rank_main(cfg: dict) -> None:
     shard = harness.Shard(dims, cfg["seed"], rank, batch=cfg["batch"])
     t_init = time.monotonic()
     link, ckpt = None, None
+    rig = [0.0]
+    if mirror and hs.comm is not None:
+        hs.comm.all_reduce = _timed(hs.comm.all_reduce, rig)
+        hs.sink.flush = _timed(hs.sink.flush, rig)
     if mirror:
         from mirrorckpt.control.trainer import attach
 
@@ -74,13 +81,16 @@ def rank_main(cfg: dict) -> None:
                       restore="appliance" if cfg["restore"] else None, connect_timeout=10.0,
                       client_options={"backoff_max": 0.2})
         step = link.iterations_done
-    else:
+    elif cfg["strategy"] in ("sync", "async"):
         ckpt = _Checkpoints(Path(cfg["root"]), ddp, opt, sched, shard, rank, event)
         step = ckpt.load()
+    else:
+        step = 0
     event("ready", step=step, init_s=t_init - t_fork, restore_s=time.monotonic() - t_init)
     n, every = cfg["steps"], cfg["every"]
     while step < n:
         t0 = time.monotonic()
+        rig[0], hooks = 0.0, link.stats.hook_seconds if link is not None else 0.0
         x, y = shard.next()
         x = x + 0.01 * torch.randn_like(x)
         opt.zero_grad(set_to_none=True)
@@ -89,7 +99,8 @@ def rank_main(cfg: dict) -> None:
         opt.step()
         sched.step()
         step += 1
-        event("step", step=step, t0=t0)
+        event("step", step=step, t0=t0, rig_s=rig[0],
+              link_s=link.stats.hook_seconds - hooks if link is not None else 0.0)
         if ckpt is not None and step % every == 0 and step < n:  # none after the last step
             ckpt.save(step, cfg["strategy"])
     event("done", step=step)
@@ -100,6 +111,16 @@ def rank_main(cfg: dict) -> None:
     hs.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _timed(fn, acc: list):
+    def call(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[0] += time.perf_counter() - t0
+    return call
 
 
 class _Checkpoints:
@@ -286,6 +307,8 @@ class Run:
     stall_s: list[float] = field(default_factory=list)
     lag_s: list[float] = field(default_factory=list)  # until a checkpoint can be restored
     restore_s: list[float] = field(default_factory=list)  # inside the rank: load or pull
+    rig_s: list[float] = field(default_factory=list)  # per step: the rig's frame making (mirror)
+    link_s: list[float] = field(default_factory=list)  # per step: the control link's hooks (mirror)
     incarnations: int = 0
     appliance: dict = field(default_factory=dict)  # mirror: the control plane's counters and events
 
@@ -322,8 +345,8 @@ def run_strategy(strategy: str, workdir: Path, *, steps: int, every: int, mtbf_s
     last step."""
     from mirrorckpt.tools.testbed.harness import free_port
 
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    if strategy not in STRATEGIES + (BASELINE,):
+        raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES + (BASELINE,))}")
     ctx = _context()
     workdir = Path(workdir) / strategy
     workdir.mkdir(parents=True, exist_ok=True)
@@ -341,8 +364,10 @@ def run_strategy(strategy: str, workdir: Path, *, steps: int, every: int, mtbf_s
             inc = app.incarnation() if app else None
             lg = workdir / f"incarnation{len(logs)}.jsonl"
             logs.append(lg)
+            # a mirror job restores once the appliance holds its state (it registers at the first step)
+            restore = len(logs) > 1 and (app is None or app.plane.replica is not None)
             cfg = base | {"master_port": free_port(), "log": str(lg), "incarnation": len(logs) - 1,
-                          "restore": len(logs) > 1 and (app is None or app.plane.replica is not None), "frames_port": inc.frames.port if inc else 0}
+                          "restore": restore, "frames_port": inc.frames.port if inc else 0}
             procs = [ctx.Process(target=rank_main, args=(cfg | {"rank": r},), daemon=True) for r in range(world)]
             for p in procs:
                 p.start()
@@ -406,6 +431,8 @@ def _measure(run: Run, logs: list[Path], t_start: float, app: MirrorAppliance | 
         for e in ev:
             if e["ev"] == "step":
                 run.step_s.append(e["t"] - e["t0"])
+                run.rig_s.append(e.get("rig_s", 0.0))
+                run.link_s.append(e.get("link_s", 0.0))
                 ends[e["step"]] = e["t"]
             elif e["ev"] == "checkpoint":
                 run.stall_s.append(e["stall_s"])
