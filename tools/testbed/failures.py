@@ -248,8 +248,24 @@ class _Incarnation:
     def apply(self, it) -> None:
         if self.over.is_set() and not it.complete:
             return
+        if it.index == 0 and it.complete:
+            self._relay_first(it)
         it.index += self.offset
         self.plane.apply(it)
+
+    def _relay_first(self, it) -> None:
+        """A restarted DDP all-reduces its first iteration in DDP's first buckets again, but the
+        replica lays an iteration out by its index (``JobLayout.bucket_list``), and this one's index
+        is the restored step: its gradients are put into the rebuilt buckets' order."""
+        lay = self.plane.layout
+        if self.offset == 0 or lay.first_buckets is None or \
+                [b.params for b in lay.first_buckets] == [b.params for b in lay.buckets]:
+            return
+        grads = {}
+        for spec, flat in zip(lay.first_buckets, it.buckets):
+            for i, a, z in lay.bucket_slices(spec):
+                grads[i] = flat[a:z]
+        it.buckets = [np.concatenate([grads[i] for i in spec.params]) for spec in lay.buckets]
 
     def end(self) -> None:
         self.over.set()
