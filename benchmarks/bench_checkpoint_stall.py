@@ -12,8 +12,12 @@ Stall definitions:
 * GoCkpt: the time the training thread spends on the checkpoint inside the optimizer hooks
   (``hook_stall_ms``: launching copies, waiting for parts that are late), and as a cross-check the
   excess of the k+1 affected steps over the median step without checkpointing (``step_excess_ms``);
-* mirror mode: no checkpoint work on the trainer at all; what remains is the link's per-step
-  cost (STEP_META, a fingerprint every 10 steps), reported per step.
+* mirror mode: a checkpoint every iteration with no checkpoint work on the trainer; its stall is
+  the step time of a 2-rank DDP job with the appliance attached and following it (frame stream,
+  parser, replica, control link; tools/testbed/failures.py) minus the same job's step without it,
+  less the test rig's making of the frames (a NIC's work on a real system), timed apart in the same
+  steps. On this machine the appliance shares the trainers' cores, so this is an upper bound. The
+  link's own per-step cost (STEP_META, a fingerprint every 10 steps) is measured on the main job.
 
 Run: ``python -m mirrorckpt.benchmarks.bench_checkpoint_stall`` (prints JSON). Each function
 returns a dict; nothing is written outside a temporary directory.
@@ -196,8 +200,45 @@ def bench_mirror(job: Job, link, steps: int = 30) -> dict:
     h0, s0 = link.stats.hook_seconds, link.stats.steps
     d = [job.step() for _ in range(steps)]
     per_step = (link.stats.hook_seconds - h0) / (link.stats.steps - s0)
-    return {"stall_per_checkpoint_ms": 0.0, "link_per_step_ms": round(per_step * 1e3, 3), "step": _ms(d),
-            "fingerprint_every": link.fingerprint_every}
+    return {"link_per_step_ms": round(per_step * 1e3, 3), "step": _ms(d), "fingerprint_every": link.fingerprint_every}
+
+
+MIRROR_DIMS = (256, 1024, 1024, 128)
+
+
+def bench_mirror_following(tmp: Path, steps: int = 60, rounds: int = 2, dims=MIRROR_DIMS) -> dict:
+    """Per-step cost of mirror mode on a 2-rank DDP job: step time with the appliance attached and
+    following, minus without, minus the rig's frame making; rounds alternate the two."""
+    import math
+
+    from mirrorckpt.tools.testbed import failures
+
+    runs = {"none": [], "mirror": []}
+    for k in range(rounds):
+        for s in ("none", "mirror"):
+            runs[s].append(failures.run_strategy(s, tmp / f"mirror-{k}", steps=steps, every=steps, mtbf_s=math.inf,
+                                                 seed=0, dims=dims, device_s=0.0))
+
+    def mean(xs):
+        return statistics.fmean(xs) if xs else 0.0
+
+    def steps_of(s, attr="step_s"):
+        return [x for r in runs[s] for x in getattr(r, attr)]
+
+    base, mir, rig = mean(steps_of("none")), mean(steps_of("mirror")), mean(steps_of("mirror", "rig_s"))
+    net = [a - b for a, b in zip(steps_of("mirror"), steps_of("mirror", "rig_s"))]
+    plain = steps_of("none")
+    # two standard errors of the difference of the means: how far from zero it is noise
+    noise = 2 * math.sqrt(statistics.variance(net) / len(net) + statistics.variance(plain) / len(plain))
+    m = runs["mirror"][-1]
+    return {"dims": list(dims), "params": sum(dims[k] * dims[k + 1] + dims[k + 1] for k in range(len(dims) - 1)),
+            "world": 2, "steps": steps, "rounds": rounds,
+            "step_none_ms": _ms(steps_of("none")), "step_mirror_ms": _ms(steps_of("mirror")),
+            "mean_step_none_ms": round(base * 1e3, 2), "mean_step_mirror_ms": round(mir * 1e3, 2),
+            "rig_frames_ms": round(rig * 1e3, 2), "link_ms": round(mean(steps_of("mirror", "link_s")) * 1e3, 3),
+            "stall_per_checkpoint_ms": round((mir - rig - base) * 1e3, 2), "noise_ms": round(noise * 1e3, 2),
+            "appliance_lag_ms": _ms(m.lag_s) if m.lag_s else None,
+            "followed_steps": len(m.lag_s), "appliance": {k: v for k, v in m.appliance.items() if k != "events"}}
 
 
 def bench_restore(job: Job, app: ApplianceProcess, root: Path, rounds: int = 3) -> dict:
@@ -254,6 +295,8 @@ def run_all() -> dict:
             out["restore"] = bench_restore(job, app, tmp / "appliance")
         finally:
             app.stop()
+        out["mirror"]["following"] = bench_mirror_following(tmp)
+        out["mirror"]["stall_per_checkpoint_ms"] = out["mirror"]["following"]["stall_per_checkpoint_ms"]
     return out
 
 

@@ -123,7 +123,7 @@ def from_bench(path, sized: bool) -> tuple[dict, dict]:
     times; unless the size comes from elsewhere (``sized``), that job itself (an fp32 Adam MLP)."""
     try:
         doc = json.loads(open(path).read())
-        r, info = doc["results"]["stall"], doc.get("machine", {})
+        r, info = doc["results"]["stall"], doc.get("runs", {}).get("stall", doc.get("machine", {}))
         S = r["job"]["state_MB"] * 1e6
 
         def bw(*keys):

@@ -24,6 +24,7 @@ from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.pipeline import JobStream
 from mirrorckpt.parser.roce import SLOW_ICRC
 from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.tools.progress import Progress
 
 DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
 
@@ -174,21 +175,29 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         except InferenceError as e:
             click.echo(f"error: cannot reassemble: {e}", err=True)
             sys.exit(1)
-    if keep_replica:
-        import mirrorckpt.updater.appliance  # noqa: F401  (torch's import is not replay time)
     if SLOW_ICRC and not no_icrc and transport == "roce":
         click.echo(f"warning: {SLOW_ICRC}", err=True)
+    t_imports = time.perf_counter()
+    if keep_replica:  # torch's imports are not replay time; its first optimizer imports its compiler (~1 s)
+        import mirrorckpt.updater.appliance  # noqa: F401
+        import torch
+        torch.optim.Adam([torch.zeros(1, requires_grad=True)], foreach=False)
     t0 = time.perf_counter()
-    shown = {"n": 0}
+    bar = Progress("[replay]", unit="iterations applied", tick=0.5, enabled=False if quiet else None)
+    applied = []  # when each iteration was applied (perf_counter)
 
     def progress(i, replica):
-        shown["n"] += 1
-        if not (quiet or as_json):
-            click.echo(f"  iteration {i} applied", err=True)
+        applied.append(time.perf_counter())
+        bar.update(1, note=f"step {replica.step}")
+        if not (quiet or bar.enabled) and applied[-1] - shown["at"] >= 5.0:  # a log, not a terminal
+            shown["at"] = applied[-1]
+            click.echo(f"[replay] {len(applied)} iterations applied, {applied[-1] - t0:.0f} s", err=True)
 
+    shown = {"at": t0}
     try:
-        js, results, iterations, app = run(captures, job, dtype, nccl_version, not no_icrc, training, persist,
-                                           progress, transport)
+        with bar:
+            js, results, iterations, app = run(captures, job, dtype, nccl_version, not no_icrc, training, persist,
+                                               progress, transport)
     except CaptureError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -198,6 +207,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     except SpecError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    t_parsed = time.perf_counter()
     summary = app.close().to_dict() if app is not None else None
     if summary is not None and persist is not None and not summary["checkpoints"]:
         from mirrorckpt.updater import ckptdir
@@ -221,11 +231,13 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         "damage": damage,
         "seconds": round(secs, 3),
         "capture_bytes": nbytes,
+        "timing": timing(t0, applied, t_parsed, t0 + secs, nbytes, len(iterations)) | {"imports_s": t0 - t_imports},
     }
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:
         _print(report, ars, iterations, summary, secs, nbytes)
+        _print_timing(report["timing"])
     for d in damage:
         click.echo(f"error: {d}", err=True)
     if damage:
@@ -267,6 +279,29 @@ def _complete_from_wire(job, captures, nccl_version, dtype, icrc):
     return dataclasses.replace(job, ring=ring, protocols=dict(got.model.protocols)), ring.nccl_version
 
 
+def timing(t0: float, applied: list[float], t_parsed: float, t_end: float, nbytes: int, iterations: int) -> dict:
+    """Where a replay's time went: start-up (opening, inference, the replica, up to the first
+    iteration applied), the pipeline's steady state (first to last iteration applied) and the
+    background checkpoint writes finished at close. The steady state's bytes are estimated as the
+    capture's bytes per iteration (averaged over the whole capture, start-up traffic included)."""
+    out = {"total_s": t_end - t0, "parse_s": t_parsed - t0, "close_s": t_end - t_parsed}
+    if len(applied) >= 2:
+        steady = applied[-1] - applied[0]
+        n = len(applied) - 1
+        out |= {"start_up_s": applied[0] - t0, "steady_s": steady, "steady_iterations": n,
+                "iterations_per_s": n / steady if steady > 0 else None,
+                "steady_MBps_estimated": (nbytes / max(iterations, 1)) * n / steady / 1e6 if steady > 0 else None}
+    return out
+
+
+def _print_timing(t: dict) -> None:
+    if t.get("iterations_per_s"):
+        click.echo(f"pipeline after start-up ({t['start_up_s']:.2f} s to the first iteration applied): "
+                   f"{t['steady_iterations']} iterations in {t['steady_s']:.2f} s, {t['iterations_per_s']:.0f} "
+                   f"iterations/s, about {t['steady_MBps_estimated']:.1f} MB/s of capture; checkpoint writes "
+                   f"took {t['close_s']:.2f} s more at the end")
+
+
 def _print(report, ars, iterations, summary, secs, nbytes):
     for n in report["notes"]:
         click.echo(f"note: {n}")
@@ -290,4 +325,4 @@ def _print(report, ars, iterations, summary, secs, nbytes):
                    f"checkpoints: 0 committed: {kept} was already there (a committed checkpoint is never "
                    "overwritten; use another --checkpoint-dir)")
     click.echo(f"throughput: {nbytes / 1e6:.1f} MB of capture in {secs:.2f} s "
-               f"({nbytes / max(secs, 1e-9) / 1e6:.1f} MB/s)")
+               f"({nbytes / max(secs, 1e-9) / 1e6:.1f} MB/s; torch's imports before it not counted)")

@@ -1,0 +1,46 @@
+"""`mirrorckpt replay` shows its progress on a terminal, and the demo ends with its numbers: the
+iterations, the checkpoints and the pipeline's throughput without the start-up."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from click.testing import CliRunner
+from mirrorckpt.tools import cmd_replay
+from mirrorckpt.tools.cli import main
+from mirrorckpt.tools.progress import Progress
+
+
+def test_the_demo_ends_with_iterations_checkpoints_and_the_pipelines_throughput(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lines = []
+
+    class Terminal(Progress):  # stderr as a terminal would see it
+        def __init__(self, *a, **kw):
+            kw.update(stream=io.StringIO(), enabled=True)
+            super().__init__(*a, **kw)
+            lines.append(self.stream)
+
+    monkeypatch.setattr(cmd_replay, "Progress", Terminal)
+    res = CliRunner().invoke(main, ["replay"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = res.stdout.splitlines()
+    assert out[-4].startswith("replica: 10 iterations applied")
+    assert out[-3] == "checkpoints: 10 committed, latest mirrorckpt-demo/step-00000010"
+    assert out[-2].startswith("throughput: 1.4 MB of capture in ")
+    assert out[-1].startswith("pipeline after start-up (") and "9 iterations in " in out[-1]
+    drawn = lines[0].getvalue()
+    assert "[replay]  10 iterations applied" in drawn and "step 10" in drawn
+
+    again = CliRunner().invoke(main, ["replay", "--json", "--quiet", "--checkpoint-dir", str(tmp_path / "b")],
+                               catch_exceptions=False)
+    t = json.loads(again.stdout)["timing"]
+    assert t["steady_iterations"] == 9 and t["iterations_per_s"] > 0
+    assert t["start_up_s"] + t["steady_s"] <= t["parse_s"] <= t["total_s"]
+    assert t["imports_s"] > 0  # measured apart: not replay time
+
+
+def test_timing_without_a_replica_reports_totals_only():
+    t = cmd_replay.timing(0.0, [], 1.0, 1.5, 1000, 0)
+    assert t == {"total_s": 1.5, "parse_s": 1.0, "close_s": 0.5}
