@@ -143,9 +143,12 @@ class ShardPlanner(DefaultSavePlanner):
     when it follows several TP groups) and, on the coordinator, the merged non-tensor values."""
 
     def __init__(self, chunks: list[Chunk], objects: dict, paths: dict):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        # flatten_state_dict=True only so DCP merges every plan's planner_data (the key paths)
+        # into .metadata; the state dict handed in is flat already (set_up_planner ignores it)
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
         self.chunks = {(c.key, tuple(c.offset)): c for c in chunks}
-        self.objects, self.paths = objects, paths
+        self.objects = objects
+        self.paths = dict(paths) | {k: tuple(k.split(".")) for k in objects if k not in paths}
         self.final: list = []
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
