@@ -99,13 +99,12 @@ def dtensor_load_main(rank: int, world: int, address: str, root: str, result: st
         import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-        from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
-
         from mirrorckpt.config.shards import ShardedLayout
         from mirrorckpt.updater import ckptdir
         from mirrorckpt.updater.joint import fqn_of, init_group
         from mirrorckpt.updater.manifest import read_manifest, tensor_sha256
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
 
         init_group(address, rank, world)
         d = ckptdir.latest(root)
