@@ -49,14 +49,16 @@ def _run(target, argsets, tmp: Path, timeout: float = 80) -> list[dict]:
 
 def _appliances(gen, root, rounds_at, tmp, kill=None, names=None):
     """Appliance processes, one per entry of ``names`` (each following its groups; default two, one
-    group each); ``kill``: (rank, round) of a member that dies in that round."""
+    group each); ``rounds_at``: steps, or one list of steps per process; ``kill``: (rank, round) of a
+    member that dies in that round."""
     names = names or [["appliance-0"], ["appliance-1"]]
     addr = _address()
     procs = []
     for r, mine in enumerate(names):
         res = tmp / f"appliance-{root.name}-{r}.json"
         res.unlink(missing_ok=True)
-        args = (mine[0], r, len(names), addr, str(gen.out), str(root), rounds_at, str(res))
+        steps = rounds_at[r] if isinstance(rounds_at[0], list) else rounds_at
+        args = (mine[0], r, len(names), addr, str(gen.out), str(root), steps, str(res))
         kw = {"names": mine, "kill_in_round": kill[1] if kill and kill[0] == r else None}
         procs.append((CTX.Process(target=appliance_main, args=args, kwargs=kw), res))
     for p, _ in procs:
@@ -79,7 +81,8 @@ def job(tmp_path_factory):
 def two(job, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two")
     root = tmp / "root"
-    res = _appliances(job, root, [2, 4], tmp)
+    # appliance-1 enters the first round one step behind: the joint checkpoint waits for it
+    res = _appliances(job, root, [[2, 4], [1, 4]], tmp)
     return root, res
 
 
@@ -92,7 +95,7 @@ def test_two_appliances_one_joint_checkpoint_equal_to_trainer(job, two):
     root, res = two
     for r in res:
         assert "fatal" not in r, r.get("fatal")
-        assert r["errors"] == [] and r["rounds"] == [str(root / "step-00000002"), str(root / "step-00000004")]
+        assert r["errors"] == [] and r["rounds"] == [str(root / "step-00000001"), str(root / "step-00000004")]
         assert list(r["applied"].values()) == [4]
     sel = restore.select(root, verify_data=True)
     assert sel.path == root / "step-00000004" and not sel.problems
@@ -162,3 +165,20 @@ def test_member_killed_during_joint_save_leaves_previous_latest(job, tmp_path):
     assert not [p for p in root.iterdir() if p.name.startswith(ckptdir.PARTIAL)]
     sel = restore.select(root, verify_data=True)
     assert sel.path == root / "step-00000001" and not sel.problems
+
+
+def test_tp2_dp4_rings_with_pp_noise_into_one_joint_checkpoint(tmp_path):
+    """R = 4 per ring, TP=2 x PP=2 (four rings), every ring's TP/PP traffic on the mirrored ports;
+    one appliance process follows all four rings."""
+    job4 = generate_sharded(ShardedConfig(tp=2, pp=2, dp=4, steps=3, model="mlp:16,32,24,8"), tmp_path / "gen")
+    assert [g.ranks for g in job4.layout.groups] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    root = tmp_path / "root"
+    names = [g.appliance for g in job4.layout.groups]
+    r, = _appliances(job4, root, [3], tmp_path, names=[names])
+    assert "fatal" not in r, r.get("fatal")
+    assert r["applied"] == {g.name: 3 for g in job4.layout.groups}
+    assert r["rounds"] == [str(root / "step-00000003")]
+    got, want = _flat(root / "step-00000003"), job4.state()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
