@@ -31,6 +31,7 @@ SECTIONS = {
     "capture": ("mirrorckpt.benchmarks.bench_capture", "run_all", {"seconds": 3.0}, {"seconds": 1.0}),
     "stall": ("mirrorckpt.benchmarks.bench_checkpoint_stall", "run_all", {}, {}),
     "goodput": ("mirrorckpt.benchmarks.bench_goodput", "run", {}, {"steps": 120, "mtbf_s": 3.0, "every": 10}),
+    "joint": ("mirrorckpt.benchmarks.bench_joint", "run", {"nparams": 16_000_000}, {"nparams": 4_000_000, "reps": 2}),
 }
 
 
@@ -68,7 +69,8 @@ def render(results: dict, info: dict, runs: dict | None = None) -> str:
     if later:
         out += ["Sections measured by a later run: " + "; ".join(
             f"{n} by `{r.get('command', '?')}` on {r['date']} (load average "
-            f"{', '.join(f'{x:.1f}' for x in r['load_average'])})" for n, r in later.items()) +
+            f"{', '.join(f'{x:.1f}' for x in r['load_average']) if r.get('load_average') else 'not recorded'})"
+            for n, r in later.items()) +
             ". Each table names its run.", ""]
     for name, res in results.items():
         # a section that failed keeps its error message, shown as it came
@@ -291,6 +293,27 @@ def merge(doc: dict, results: dict, info: dict) -> dict:
     for name in results:
         runs[name] = info
     return {"machine": doc["machine"], "results": doc["results"] | results, "runs": runs}
+
+
+def _render_joint(name, r) -> list[str]:
+    lines = ["## Joint checkpoints of a sharded job (issue 18)", "",
+             f"A TP={r['tp']} job ({r['nparams'] / 1e6:.1f} M parameters in {r['groups']} DP groups, fp32 + Adam: "
+             f"{r['state_MB']:.0f} MB of state), its groups dealt to 1, 2 or 4 appliance processes on this machine "
+             "(one gloo group, one shared disk); one joint round each: agreement, `dcp.save` of every slice, "
+             "hashes, manifest and commit. Against `dcp.save` of the same state unsharded from one process, and "
+             "one appliance's committed checkpoint of it. Seconds: median of "
+             f"{r['reps']}.", "",
+             "| save | seconds | of dcp.save |", "|---|---|---|",
+             f"| `dcp.save`, one process, unsharded | {r['dcp_save']['median_s']:.2f} | 1x |",
+             f"| committed checkpoint, one appliance, unsharded (updater.persist) | "
+             f"{r['write_checkpoint']['median_s']:.2f} | "
+             f"{r['write_checkpoint']['median_s'] / r['dcp_save']['median_s']:.2f}x |"]
+    for w in (1, 2, 4):
+        x = r.get(f"joint_{w}")
+        if x:
+            lines.append(f"| joint round, {w} appliance process{'es' if w > 1 else ''} | {x['median_s']:.2f} | "
+                         f"{x['of_dcp_save']:.2f}x |")
+    return lines
 
 
 def _render_generic(name, r) -> list[str]:
