@@ -26,14 +26,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from torch import nn
-
 from mirrorckpt.config import shards as shards_mod
 from mirrorckpt.config.jobfile import JobConfig, dump_job
 from mirrorckpt.config.layout import MirrorSpec, ParamSpec, RingSpec
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.updater.fingerprint import state_sha256
+from torch import nn
 
 from . import mirrors as mirrors_mod
 from . import models, topology
