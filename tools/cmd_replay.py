@@ -28,17 +28,23 @@ from mirrorckpt.parser.streams import MirrorStreams
 DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
 
 
-def allreduce_report(results) -> list[dict]:
-    out = []
-    for r in results:
-        if r.spec.kind != "allreduce":
-            continue
-        out.append({
-            "index": len(out), "collective": r.index, "iteration": r.spec.iteration, "bucket": r.spec.bucket,
+def allreduce_entry(r: CollectiveResult) -> dict | None:
+    """What the report says of one finished all-reduce (None for other collectives)."""
+    if r.spec.kind != "allreduce":
+        return None
+    return {"collective": r.index, "iteration": r.spec.iteration, "bucket": r.spec.bucket,
             "count": r.count, "dtype": r.spec.dtype, "coverage": round(r.coverage, 6), "complete": r.complete,
             "sha256": r.sha256(), "holes": [list(h) for h in r.holes],
-            "filled_by_p2p": [list(h) for h in r.filled_by_p2p], "conflicts": r.conflicts,
-        })
+            "filled_by_p2p": [list(h) for h in r.filled_by_p2p], "conflicts": r.conflicts}
+
+
+def allreduce_report(results) -> list[dict]:
+    """``results``: finished collectives, or their ``allreduce_entry`` already taken."""
+    out = []
+    for r in results:
+        e = allreduce_entry(r) if isinstance(r, CollectiveResult) else r
+        if e is not None:
+            out.append({"index": len(out), **e})
     return out
 
 
@@ -111,6 +117,30 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
 
     drive(js, app, keep)
     return js, results, iterations, app
+
+
+def run_summarized(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=None,
+                   persist=None, progress=None, transport="roce"):
+    """``run`` for the report: each finished all-reduce kept as its ``allreduce_entry`` and each
+    iteration without its buckets, so replaying a capture of any length holds bounded memory."""
+    import dataclasses
+
+    from mirrorckpt.updater.appliance import Appliance, drive
+
+    js = open_stream(captures, job, dtype, nccl_version, icrc, transport)
+    app = Appliance(None, training, persist, on_iteration=progress) if training is not None else None
+    entries, iterations = [], []
+
+    def keep(item):
+        if isinstance(item, CollectiveResult):
+            e = allreduce_entry(item)
+            if e is not None:
+                entries.append(e)
+        elif isinstance(item, ReducedIteration):
+            iterations.append(dataclasses.replace(item, buckets=[]))
+
+    drive(js, app, keep)
+    return js, entries, iterations, app
 
 
 @click.command()
@@ -197,8 +227,8 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
             click.echo(f"  iteration {i} applied", err=True)
 
     try:
-        js, results, iterations, app = run(captures, job, dtype, nccl_version, not no_icrc, training, persist,
-                                           progress, transport)
+        js, results, iterations, app = run_summarized(captures, job, dtype, nccl_version, not no_icrc, training,
+                                                      persist, progress, transport)
     except CaptureError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
