@@ -10,21 +10,39 @@ from mirrorckpt.tools.cmd_bench import render
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _tables_are_captioned(md: str, caption: str) -> int:
+def _tables_are_captioned(md: str, caption: str | set[str]) -> int:
+    captions = {caption} if isinstance(caption, str) else caption
     lines = md.splitlines()
     starts = [i for i, x in enumerate(lines) if x.startswith("|") and not lines[i - 1].startswith("|")]
     for i in starts:
-        assert lines[i - 1] == "" and lines[i - 2] == caption, lines[i - 3:i + 1]
+        assert lines[i - 1] == "" and lines[i - 2] in captions, lines[i - 3:i + 1]
     return len(starts)
 
 
+def _caption(info: dict) -> str:
+    return f"*{info['cpu']}, {info['cores']} cores · `{info['command']}` · {info['date']}*"
+
+
 def test_every_table_has_machine_command_and_date():
+    """Sections run with `--only` keep their own machine, command and date."""
     doc = json.loads((REPO / "BENCHMARKS.json").read_text())
     info = doc["machine"]
-    md = render(doc["results"], info)
-    caption = f"*{info['cpu']}, {info['cores']} cores · `{info['command']}` · {info['date']}*"
-    assert _tables_are_captioned(md, caption) >= 6
+    sections = doc.get("sections") or {n: info for n in doc["results"]}
+    md = render(doc["results"], info, sections)
+    assert _tables_are_captioned(md, {_caption(i) for i in sections.values()}) >= 6
     assert md == (REPO / "BENCHMARKS.md").read_text()  # the committed report is this rendering
+
+
+def test_only_keeps_the_other_sections_with_their_own_caption(tmp_path):
+    from mirrorckpt.tools.cmd_bench import _keep_others
+
+    old = {"date": "2026-01-01T00:00:00", "cpu": "X", "cores": 2, "command": "mirrorckpt bench"}
+    new = dict(old, date="2026-02-02T00:00:00", command="mirrorckpt bench --only e2e")
+    path = tmp_path / "B.json"
+    path.write_text(json.dumps({"machine": old, "results": {"replay": {"a": 1}, "e2e": {"b": 1}}}))
+    results, infos = _keep_others(path, {"e2e": {"b": 2}}, new)
+    assert results == {"replay": {"a": 1}, "e2e": {"b": 2}}
+    assert infos == {"replay": old, "e2e": new}
 
 
 def test_unrecorded_command_is_said_and_failed_sections_keep_their_error():

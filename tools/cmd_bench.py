@@ -30,6 +30,7 @@ SECTIONS = {
                 {"nparams": 10_000_000}),
     "capture": ("mirrorckpt.benchmarks.bench_capture", "run_all", {"seconds": 3.0}, {"seconds": 1.0}),
     "stall": ("mirrorckpt.benchmarks.bench_checkpoint_stall", "run_all", {}, {}),
+    "e2e": ("mirrorckpt.benchmarks.bench_e2e", "run", {}, {"repeat": 2, "memory_steps": None}),
 }
 
 
@@ -54,7 +55,27 @@ def _f(x, nd=2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
 
-def render(results: dict, info: dict) -> str:
+def _keep_others(path: Path, results: dict, info: dict) -> tuple[dict, dict]:
+    """With --only: the sections not run now as the last run left them, each with the machine, command
+    and date it was measured with; the ones run now with this run's."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    infos = dict(old.get("sections") or {})
+    merged = {}
+    for name, res in (old.get("results") or {}).items():
+        if name not in results:
+            merged[name] = res
+            infos.setdefault(name, old.get("machine", info))
+    for name, res in results.items():
+        merged[name] = res
+        infos[name] = info
+    order = [n for n in SECTIONS if n in merged] + [n for n in merged if n not in SECTIONS]
+    return {n: merged[n] for n in order}, {n: infos[n] for n in order}
+
+
+def render(results: dict, info: dict, infos: dict | None = None) -> str:
     out = ["# Benchmarks", "",
            f"Measured by `mirrorckpt bench` on {info['date']}: {info['cpu']}, {info['cores']} cores, load "
            f"average {', '.join(f'{x:.1f}' for x in info['load_average'])} at the start; torch {info['torch']}, "
@@ -64,7 +85,7 @@ def render(results: dict, info: dict) -> str:
         # a section that failed keeps its error message, shown as it came
         failed = isinstance(res, dict) and "error" in res
         render_section = _render_generic if failed else globals().get(f"_render_{name}", _render_generic)
-        out += _captioned(render_section(name, res), _caption(info))
+        out += _captioned(render_section(name, res), _caption((infos or {}).get(name, info)))
         out.append("")
     return "\n".join(out)
 
@@ -211,6 +232,51 @@ def _render_stall(name, r) -> list[str]:
     return lines
 
 
+def _render_e2e(name, r) -> list[str]:
+    protos = [p for p in ("Simple", "LL", "LL128") if p in r]
+    lines = ["## End to end, by the slope method (issue 16)", "",
+             "`mirrorckpt replay --config job.toml --json` in a fresh process on a 2-step and a 22-step capture of "
+             f"one generated job (2 ranks, 2 channels, `{r[protos[0]]['model']}` fp32, the egress of both ranks), "
+             "wall clock, best of 3 each: the slope between them is the per-iteration rate, start-up cancels. "
+             f"Every all-reduce of every run is checked against the generator's truth. One-core memcpy in the same "
+             f"run: {r['memcpy_GBps']:.1f} GB/s (numpy copyto of 256 MiB, best of 5; "
+             f"{r['memcpy_GBps_before']:.1f} before, {r['memcpy_GBps_after']:.1f} after).", "",
+             "| protocol (PMTU) | capture, short / long | seconds, short / long | GB/s of capture (slope) | of memcpy |"
+             " peak RSS MB, short / long | every all-reduce exact |", "|---|---|---|---|---|---|---|"]
+    for p in protocols_present(r, protos):
+        x = r[p]
+        a, b = (x["runs"][str(k)] for k in x["steps"])
+        lines.append(f"| {p} ({x['pmtu']}) | {a['bytes'] / 1e6:.0f} / {b['bytes'] / 1e6:.0f} MB | "
+                     f"{a['seconds']:.2f} / {b['seconds']:.2f} | {_f(x['slope_GBps'])} | "
+                     f"{_f(100 * x['of_memcpy'] if x['of_memcpy'] else None, 1)}% | "
+                     f"{a['peak_rss_MB']:.0f} / {b['peak_rss_MB']:.0f} | "
+                     f"{'yes' if x['exact'] else 'NO'} ({a['allreduces_checked'] + b['allreduces_checked']}) |")
+    if r.get("load_average_after"):
+        lines += ["", f"Load average at the end of the section: {', '.join(f'{x:.1f}' for x in r['load_average_after'])} "
+                  "(2 cores shared with other engineers: a load above 2 slows every row)."]
+    if r.get("memory"):
+        m = list(r["memory"].items())
+        lines += ["", "Memory (issue 16): peak RSS of `replay --config` on two Simple captures of the same job, "
+                  "one ten times longer.", "",
+                  "| capture | peak RSS MB | every all-reduce exact |", "|---|---|---|"]
+        for steps, x in m:
+            lines.append(f"| {steps} steps, {x['bytes'] / 1e6:.0f} MB | {x['peak_rss_MB']:.0f} | "
+                         f"{'yes' if x['exact'] else 'NO'} |")
+    lines += ["", "FlowCheck's Fig. 10 for this appliance, from the rates above: 8 data-parallel ranks, bf16 "
+              "gradients, one mirrored port (a rank's egress carries 2·7/8 of the gradient per iteration, in wire "
+              "bytes of the protocol) at 100 Gbit/s.", "",
+              "| job | protocol | GB on the port per iteration | on the wire at 100 Gbit/s, s | processing on one "
+              "core, s | cores to keep up |", "|---|---|---|---|---|---|"]
+    for f in r.get("fig10", []):
+        lines.append(f"| {f['job']} | {f['protocol']} | {f['port_GB_per_iteration']:.1f} | {f['wire_seconds']:.2f} | "
+                     f"{f['seconds_one_core']:.1f} | {f['cores_for_line_rate']:.1f} |")
+    return lines
+
+
+def protocols_present(r: dict, protos: list[str]) -> list[str]:
+    return [p for p in protos if isinstance(r.get(p), dict) and "runs" in r[p]]
+
+
 def _render_generic(name, r) -> list[str]:
     return [f"## {name}", "", "```json", json.dumps(r, indent=1, default=str)[:20000], "```"]
 
@@ -242,8 +308,10 @@ def bench(only, quick, out):
             bar.echo(f"[bench] {name}: {time.perf_counter() - t0:.0f} s")
             bar.set(i + 1)
     outp = Path(out)
-    outp.with_suffix(".json").write_text(json.dumps({"machine": info, "results": results}, indent=1, default=str))
-    outp.write_text(render(results, info))
+    results, infos = _keep_others(outp.with_suffix(".json"), results, info) if only else (results, None)
+    outp.with_suffix(".json").write_text(json.dumps({"machine": info, "results": results, "sections": infos},
+                                                    indent=1, default=str))
+    outp.write_text(render(results, info, infos))
     click.echo(f"wrote {outp} and {outp.with_suffix('.json')}")
     if any("error" in r for r in results.values() if isinstance(r, dict)):
         sys.exit(1)
