@@ -22,6 +22,7 @@ from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.capture.pcapng import PcapngBlocks
 
 DEFAULT_BATCH_FRAMES = 65536
+BATCH_BYTES = 32 << 20  # a batch also ends after this many bytes of file (jumbo frames: bounded memory)
 
 
 @dataclass
@@ -99,6 +100,9 @@ def _format(name: str, buf: np.ndarray):
     raise CaptureError(f"{name}: not a pcap or pcapng file (first bytes {first})")
 
 
+RELEASE_BYTES = 16 << 20  # hand back consumed pages in steps of this many bytes
+
+
 class CaptureReader:
     """Iterable of `FrameBatch`es of up to `batch_frames` frames; `.stats` counts what was read."""
 
@@ -126,6 +130,9 @@ class CaptureReader:
             raise
         self._pending: CaptureError | None = None
         self._done = False
+        self._released = 0  # mapped pages below this offset were handed back (see __next__)
+        self._frames_next = min(self.batch_frames, 4096)
+        self._rest = None  # columns of frames read but not yet handed on (a batch cut at BATCH_BYTES)
 
     def __enter__(self) -> CaptureReader:
         return self
@@ -153,12 +160,27 @@ class CaptureReader:
         return self
 
     def __next__(self) -> FrameBatch:
-        cols = self._next_columns()
+        cols, self._rest = (self._rest, None) if self._rest is not None else (self._next_columns(), None)
         offset = cols[0]
+        if len(offset) > 1 and int(offset[-1]) - int(offset[0]) > BATCH_BYTES:
+            cut = max(1, int(np.searchsorted(offset, int(offset[0]) + BATCH_BYTES)))
+            cols, self._rest = tuple(c[:cut] for c in cols), tuple(c[cut:] for c in cols)
+            offset = cols[0]
         # The batch's data covers its own frames only, so a stage that copies it copies little.
         lo = int(offset[0])
         hi = int((offset + cols[1]).max())
+        self._release(lo)
         return self._batch(self._buf[lo:hi], offset - lo, cols)
+
+    def _release(self, upto: int) -> None:
+        """Drops the mapped pages before ``upto`` from the resident set: the batches there are done
+        with (a batch is valid until the next one is asked for), and a capture of any length then
+        costs the same memory. A read-only file mapping reads them again if a view is still used."""
+        upto -= upto % mmap.PAGESIZE
+        if self._mm is None or upto - self._released < RELEASE_BYTES or not hasattr(self._mm, "madvise"):
+            return
+        self._mm.madvise(mmap.MADV_DONTNEED, self._released, upto - self._released)
+        self._released = upto
 
     def _batch(self, data, offset, cols) -> FrameBatch:
         _, caplen, wirelen, ts_ns, iface = cols
@@ -180,12 +202,15 @@ class CaptureReader:
                 raise error
             if self._done:
                 raise StopIteration
-            k = self.batch_frames
+            k = self._frames_next
             cols = (np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64),
                     np.empty(k, np.int64), np.empty(k, np.int32))
             n, self._pending, self._done = self._walk.fill(*cols)
             self.stats.skipped_blocks = self._walk.skipped
             if n:
+                # The walk touches every frame it lists: size the next walk to about BATCH_BYTES.
+                span = int(cols[0][n - 1]) - int(cols[0][0]) + int(cols[1][n - 1])
+                self._frames_next = int(min(self.batch_frames, max(256, n * BATCH_BYTES // max(span, 1))))
                 return tuple(c[:n] for c in cols)
             # No frame: the walk ended or hit damage, which the next pass raises.
             if not (self._done or self._pending):

@@ -299,15 +299,22 @@ class NcclDecoder:
         cts = self._match_cts(c, va)
         # An empty step has no bytes to tell its protocol: it takes its connection's.
         flag = None
-        if len(wire):
-            if self.protocol:
-                proto = self.protocol
-            else:
-                proto, flag = _detect(wire, wire_holes)
+        # The common case (no lost bytes, every line intact) in one compiled pass; else the careful path.
+        fast = protocols.decode_intact(wire, self.protocol) if len(wire) and not wire_holes else None
+        if fast is not None:
+            proto, user, flag = fast
+            holes = []
             c.protocol = proto
         else:
-            proto = self.protocol or c.protocol
-        user, holes, flag = decode(proto, wire, wire_holes, flag)
+            if len(wire):
+                if self.protocol:
+                    proto = self.protocol
+                else:
+                    proto, flag = _detect(wire, wire_holes)
+                c.protocol = proto
+            else:
+                proto = self.protocol or c.protocol
+            user, holes, flag = decode(proto, wire, wire_holes, flag)
         return NcclSend(
             connection=c.key, qp=msgs[0].qp if msgs else None, protocol=proto, data=user, holes=holes,
             wire_bytes=len(wire), size=size, va=va, form=form, flag=flag,

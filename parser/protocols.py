@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _place
 from .headers import (
     LL128_FLAG_OFFSET,
     LL128_GROUP_DATA,
@@ -206,6 +207,57 @@ def ll128_decode(wire, nbytes: int | None = None, expect_flag: int | None = None
     ok = flags == np.uint64(flag) if flag is not None else np.zeros(flags.size, bool)
     data = groups[:, LL128_DATA_POS].reshape(-1)[:nbytes]
     return LL128Decoded(data, ok, flag)
+
+
+def _runs(pos: np.ndarray) -> np.ndarray:
+    """(wire offset, data offset, length) of each run of consecutive positions in a group."""
+    brk = np.flatnonzero(np.diff(pos) != 1) + 1
+    starts = np.concatenate([[0], brk])
+    ends = np.concatenate([brk, [pos.size]])
+    return np.ascontiguousarray(np.stack([pos[starts], starts, ends - starts], axis=1), np.int64)
+
+
+LL128_RUNS = _runs(LL128_DATA_POS)  # 24 copies a group instead of 1920 gathers
+
+
+def ll_intact(wire: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """An LL message whose every line carries the same non-zero flag twice: (user bytes, flag),
+    in one compiled pass; None otherwise (``ll_decode`` then says which lines are bad)."""
+    out = np.empty(wire.size // LL_LINE_BYTES * LL_DATA_PER_LINE, np.uint8)
+    f = _place.ll_intact(wire, out, LL_LINE_BYTES, _LO * 4, _F1 * 4, _HI * 4, _F2 * 4)
+    return (out, f) if f else None
+
+
+def ll128_intact(wire: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """An LL128 message whose every line carries the same flag (positive as int64): (user bytes,
+    flag), in one compiled pass; None otherwise."""
+    out = np.empty(wire.size // LL128_GROUP_WIRE * LL128_GROUP_DATA, np.uint8)
+    f = _place.ll128_intact(wire, out, LL128_LINE_BYTES, LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_RUNS,
+                            LL128_GROUP_DATA)
+    return (out, f) if f else None
+
+
+def decode_intact(wire: np.ndarray, proto: str | None) -> tuple[str, np.ndarray, int | None] | None:
+    """The common case of a send without lost bytes, detected (``proto`` None: LL, then LL128, else
+    Simple, as ``nccl.detect``) and decoded in one pass: (protocol, user bytes, flag). None when a
+    line is damaged or its flag differs: the careful path decides."""
+    wire = np.ascontiguousarray(_as_bytes(wire))
+    if proto == SIMPLE:
+        return SIMPLE, wire, None
+    if proto in (None, LL) and wire.size % LL_LINE_BYTES == 0:
+        got = ll_intact(wire)
+        if got is not None:
+            return LL, got[0], got[1]
+        if proto == LL:
+            return None
+    if proto in (None, LL128) and wire.size % LL128_GROUP_WIRE == 0:
+        got = ll128_intact(wire)
+        if got is not None:
+            return LL128, got[0], got[1]
+        if proto == LL128:
+            return None
+    # With no hole, detection calls a message LL or LL128 only when every line agrees: Simple.
+    return None if proto is not None else (SIMPLE, wire, None)
 
 
 # --- Simple -------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ describe the traffic.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
 from mirrorckpt.config.ddp import CollSpec
 from mirrorckpt.parser import schedule
 from mirrorckpt.parser.collectives import JobModel
@@ -112,7 +112,7 @@ class RingStateMachine:
         tr = self.track(channel, pos)
         if not self._extend(tr, t=t):
             return None
-        i = int(np.searchsorted(tr.t0, t, side="right")) - 1
+        i = bisect.bisect_right(tr.t0, t) - 1  # on the list itself: no array of every collective per send
         while i >= 0 and tr.n[i] == 0:
             i -= 1
         if i < 0:
@@ -126,7 +126,7 @@ class RingStateMachine:
         tr = self.track(channel, pos)
         if not self._extend(tr, m=m):
             return None
-        i = int(np.searchsorted(tr.m0, m, side="right")) - 1
+        i = bisect.bisect_right(tr.m0, m) - 1
         while i >= 0 and tr.n[i] == 0:
             i -= 1
         if i < 0 or m - tr.m0[i] >= tr.n[i]:

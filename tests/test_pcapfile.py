@@ -498,3 +498,29 @@ def test_paced_recorded_and_rate():
     assert list(paced(halves, None)) == halves
     with pytest.raises(ValueError, match="pace mode"):
         list(paced(halves, "fast"))
+
+
+@pytest.mark.parametrize("writer", [PcapWriter, PcapngWriter])
+def test_batches_are_bounded_in_bytes(tmp_path, monkeypatch, writer):
+    """Jumbo frames: a batch ends after BATCH_BYTES of file (the walk sized to match), the pages
+    before it are handed back, and the frames are the same as one read of the whole file."""
+    import mirrorckpt.capture.pcapfile as pf
+
+    monkeypatch.setattr(pf, "BATCH_BYTES", 200_000)
+    monkeypatch.setattr(pf, "RELEASE_BYTES", 4096)
+    path = tmp_path / "jumbo.cap"
+    rng = np.random.default_rng(3)
+    frames = [rng.integers(0, 256, int(n), np.uint8).tobytes() for n in rng.integers(60, 9000, 400)]
+    with writer(path) as w:
+        for i, f in enumerate(frames):
+            w.write(f, 1_000 + i)
+    r = open_capture(path)
+    got, spans = [], []
+    for b in r:
+        spans.append(int(b.offset[-1]) - int(b.offset[0]))
+        got += [b.data[o:o + c].tobytes() for o, c in zip(b.offset.tolist(), b.caplen.tolist())]
+    assert got == frames
+    assert len(spans) >= 8 and max(spans) <= 200_000
+    assert r._released > 0
+    whole = read_all(path)
+    assert [whole.data[o:o + c].tobytes() for o, c in zip(whole.offset.tolist(), whole.caplen.tolist())] == frames

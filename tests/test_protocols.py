@@ -113,3 +113,77 @@ def test_wire_sizes():
         P.data_bytes("LL128", 100)
     with pytest.raises(ValueError, match="protocol 'LL256'"):
         P.wire_bytes("LL256", 1)
+
+
+# --- the compiled one-pass decode of intact sends (protocols.decode_intact) ----------------------
+
+
+def _careful(wire):
+    """What the numpy path makes of a send with no lost bytes: detection, then decode."""
+    from mirrorckpt.parser import nccl
+
+    proto, flag = nccl._detect(wire, [])
+    user, holes, flag = nccl.decode(proto, wire, [], flag)
+    return proto, user, holes, flag
+
+
+@pytest.mark.parametrize("proto", ["LL", "LL128", "Simple"])
+@pytest.mark.parametrize("n", [1, 8, 1920, 5000, 70_000])
+def test_decode_intact_equals_the_careful_path(proto, n):
+    rng = np.random.default_rng(n)
+    data = rng.integers(0, 256, n, np.uint8)
+    wire = P.encode(proto, data, flag=0x1234 + n)
+    got = P.decode_intact(wire, None)
+    want = _careful(wire)
+    assert got is not None and want[2] == []
+    assert got[0] == want[0] == proto
+    assert np.array_equal(got[1], want[1]) and got[2] == want[3]
+    assert np.array_equal(got[1][:n], data)
+    stated = P.decode_intact(wire, proto)
+    assert stated[0] == proto and np.array_equal(stated[1], got[1])
+
+
+@pytest.mark.parametrize("proto", ["LL", "LL128"])
+def test_decode_intact_refuses_a_damaged_line(proto):
+    """A line whose flag differs anywhere is never decoded here: the careful path marks it a hole."""
+    data = np.arange(20_000, dtype=np.uint32).view(np.uint8)
+    for where in (0, 1, 7, -1):
+        wire = P.encode(proto, data, flag=77).copy()
+        line = P.LL_LINE_BYTES if proto == "LL" else P.LL128_LINE_BYTES
+        off = (where % (wire.size // line)) * line + (4 if proto == "LL" else P.LL128_FLAG_OFFSET)
+        wire[off] ^= 0x40
+        assert P.decode_intact(wire, proto) is None
+        got = P.decode_intact(wire, None)
+        # undetected as LL/LL128, it would be Simple: exactly what detection says of the same bytes
+        assert got is None or got[0] == _careful(wire)[0]
+
+
+def test_decode_intact_flag_zero_and_partial_lines():
+    data = np.arange(4096, dtype=np.uint8)
+    assert P.decode_intact(P.encode("LL", data, flag=0), "LL") is None
+    assert P.decode_intact(P.encode("LL128", data, flag=0), "LL128") is None
+    assert P.decode_intact(P.encode("LL", data, flag=5)[:-8], "LL") is None
+    assert P.decode_intact(P.encode("LL128", data, flag=5)[:-128], "LL128") is None
+    assert P.decode_intact(P.encode("LL128", data, flag=1 << 63), None)[0] == "Simple"
+
+
+def test_place_agreeing_copies_compares_and_refuses_without_writing():
+    from mirrorckpt.parser import _place
+
+    dst = np.zeros(40, np.uint8)
+    covered = np.zeros(10, bool)
+    src = np.arange(40, dtype=np.uint8)
+    assert _place.place_agreeing(dst, covered.view(np.uint8), 2, src[:16], 4, 4)
+    assert covered.tolist() == [False, False, True, True, True, True, False, False, False, False]
+    assert np.array_equal(dst[8:24], src[:16]) and not dst[:8].any() and not dst[24:].any()
+    # a second copy over [4, 8): the covered part agrees, the rest is new
+    src2 = np.concatenate([src[8:16], np.full(8, 9, np.uint8)])
+    assert _place.place_agreeing(dst, covered.view(np.uint8), 4, src2, 4, 4)
+    assert covered[2:8].all() and np.array_equal(dst[24:32], np.full(8, 9, np.uint8))
+    before, cov = dst.copy(), covered.copy()
+    bad = src2.copy()
+    bad[0] ^= 1
+    assert not _place.place_agreeing(dst, covered.view(np.uint8), 4, bad, 4, 4)
+    assert np.array_equal(dst, before) and np.array_equal(covered, cov)
+    with pytest.raises(ValueError):
+        _place.place_agreeing(dst, covered.view(np.uint8), 8, src, 4, 4)

@@ -32,6 +32,7 @@ SECTIONS = {
     "stall": ("mirrorckpt.benchmarks.bench_checkpoint_stall", "run_all", {}, {}),
     "goodput": ("mirrorckpt.benchmarks.bench_goodput", "run", {}, {"steps": 120, "mtbf_s": 3.0, "every": 10}),
     "joint": ("mirrorckpt.benchmarks.bench_joint", "run", {"nparams": 16_000_000}, {"nparams": 4_000_000, "reps": 2}),
+    "e2e": ("mirrorckpt.benchmarks.bench_e2e", "run", {}, {"repeat": 2, "memory_steps": None}),
 }
 
 
@@ -314,6 +315,52 @@ def _render_joint(name, r) -> list[str]:
             lines.append(f"| joint round, {w} appliance process{'es' if w > 1 else ''} | {x['median_s']:.2f} | "
                          f"{x['of_dcp_save']:.2f}x |")
     return lines
+
+
+def _render_e2e(name, r) -> list[str]:
+    protos = [p for p in ("Simple", "LL", "LL128") if p in r]
+    lines = ["## End to end, by the slope method (issue 16)", "",
+             "`mirrorckpt replay --config job.toml --json` in a fresh process on a 2-step and a 22-step capture of "
+             f"one generated job (2 ranks, 2 channels, `{r[protos[0]]['model']}` fp32, the egress of both ranks), "
+             "wall clock, best of 3 each: the slope between them is the per-iteration rate, start-up cancels. "
+             f"Every all-reduce of every run is checked against the generator's truth. One-core memcpy in the same "
+             f"run: {r['memcpy_GBps']:.1f} GB/s (numpy copyto of 256 MiB, best of 5; "
+             f"{r['memcpy_GBps_before']:.1f} before, {r['memcpy_GBps_after']:.1f} after).", "",
+             "| protocol (PMTU) | capture, short / long | seconds, short / long | GB/s of capture (slope) | of memcpy |"
+             " peak RSS MB, short / long | every all-reduce exact |", "|---|---|---|---|---|---|---|"]
+    for p in protocols_present(r, protos):
+        x = r[p]
+        a, b = (x["runs"][str(k)] for k in x["steps"])
+        lines.append(f"| {p} ({x['pmtu']}) | {a['bytes'] / 1e6:.0f} / {b['bytes'] / 1e6:.0f} MB | "
+                     f"{a['seconds']:.2f} / {b['seconds']:.2f} | {_f(x['slope_GBps'])} | "
+                     f"{_f(100 * x['of_memcpy'] if x['of_memcpy'] else None, 1)}% | "
+                     f"{a['peak_rss_MB']:.0f} / {b['peak_rss_MB']:.0f} | "
+                     f"{'yes' if x['exact'] else 'NO'} ({a['allreduces_checked'] + b['allreduces_checked']}) |")
+    if r.get("load_average_after"):
+        load = ", ".join(f"{x:.1f}" for x in r["load_average_after"])
+        lines += ["", f"Load average at the end of the section: {load} "
+                  "(2 cores shared with other engineers: a load above 2 slows every row)."]
+    if r.get("memory"):
+        m = list(r["memory"].items())
+        lines += ["", "Memory (issue 16): peak RSS of `replay --config` on two Simple captures of the same job, "
+                  "one ten times longer.", "",
+                  "| capture | peak RSS MB | every all-reduce exact |", "|---|---|---|"]
+        for steps, x in m:
+            lines.append(f"| {steps} steps, {x['bytes'] / 1e6:.0f} MB | {x['peak_rss_MB']:.0f} | "
+                         f"{'yes' if x['exact'] else 'NO'} |")
+    lines += ["", "FlowCheck's Fig. 10 for this appliance, from the rates above: 8 data-parallel ranks, bf16 "
+              "gradients, one mirrored port (a rank's egress carries 2·7/8 of the gradient per iteration, in wire "
+              "bytes of the protocol) at 100 Gbit/s.", "",
+              "| job | protocol | GB on the port per iteration | on the wire at 100 Gbit/s, s | processing on one "
+              "core, s | cores to keep up |", "|---|---|---|---|---|---|"]
+    for f in r.get("fig10", []):
+        lines.append(f"| {f['job']} | {f['protocol']} | {f['port_GB_per_iteration']:.1f} | {f['wire_seconds']:.2f} | "
+                     f"{f['seconds_one_core']:.1f} | {f['cores_for_line_rate']:.1f} |")
+    return lines
+
+
+def protocols_present(r: dict, protos: list[str]) -> list[str]:
+    return [p for p in protos if isinstance(r.get(p), dict) and "runs" in r[p]]
 
 
 def _render_generic(name, r) -> list[str]:

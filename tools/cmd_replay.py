@@ -29,17 +29,23 @@ from mirrorckpt.tools.progress import Progress
 DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
 
 
-def allreduce_report(results) -> list[dict]:
-    out = []
-    for r in results:
-        if r.spec.kind != "allreduce":
-            continue
-        out.append({
-            "index": len(out), "collective": r.index, "iteration": r.spec.iteration, "bucket": r.spec.bucket,
+def allreduce_entry(r: CollectiveResult) -> dict | None:
+    """What the report says of one finished all-reduce (None for other collectives)."""
+    if r.spec.kind != "allreduce":
+        return None
+    return {"collective": r.index, "iteration": r.spec.iteration, "bucket": r.spec.bucket,
             "count": r.count, "dtype": r.spec.dtype, "coverage": round(r.coverage, 6), "complete": r.complete,
             "sha256": r.sha256(), "holes": [list(h) for h in r.holes],
-            "filled_by_p2p": [list(h) for h in r.filled_by_p2p], "conflicts": r.conflicts,
-        })
+            "filled_by_p2p": [list(h) for h in r.filled_by_p2p], "conflicts": r.conflicts}
+
+
+def allreduce_report(results) -> list[dict]:
+    """``results``: finished collectives, or their ``allreduce_entry`` already taken."""
+    out = []
+    for r in results:
+        e = allreduce_entry(r) if isinstance(r, CollectiveResult) else r
+        if e is not None:
+            out.append({"index": len(out), **e})
     return out
 
 
@@ -76,24 +82,26 @@ def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, tr
 
 
 def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=None,
-        persist=None, progress=None, transport="roce"):
+        persist=None, progress=None, transport="roce", summarize=False):
     """The main job. ``training``: the replica's TrainingSpec, or a function of the layout; None
-    keeps no replica. Returns (job stream, finished collectives, iterations, Appliance or None)."""
-    js = open_stream(captures, job, dtype, nccl_version, icrc, transport)
-    app = None
-    if training is not None:
-        from mirrorckpt.updater.appliance import Appliance
+    keeps no replica. Returns (job stream, finished collectives, iterations, Appliance or None).
+    ``summarize``: keep each all-reduce as its ``allreduce_entry`` and each iteration without its
+    buckets, so replaying a capture of any length holds bounded memory (the CLI's report)."""
+    import dataclasses
 
-        app = Appliance(None, training, persist, on_iteration=progress)
+    from mirrorckpt.updater.appliance import Appliance, drive
+
+    js = open_stream(captures, job, dtype, nccl_version, icrc, transport)
+    app = Appliance(None, training, persist, on_iteration=progress) if training is not None else None
     results, iterations = [], []
 
     def keep(item):
         if isinstance(item, CollectiveResult):
-            results.append(item)
+            e = allreduce_entry(item) if summarize else item
+            if e is not None:
+                results.append(e)
         elif isinstance(item, ReducedIteration):
-            iterations.append(item)
-
-    from mirrorckpt.updater.appliance import drive
+            iterations.append(dataclasses.replace(item, buckets=[]) if summarize else item)
 
     drive(js, app, keep)
     return js, results, iterations, app
@@ -197,7 +205,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     try:
         with bar:
             js, results, iterations, app = run(captures, job, dtype, nccl_version, not no_icrc, training, persist,
-                                               progress, transport)
+                                               progress, transport, summarize=True)
     except CaptureError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -1,0 +1,165 @@
+"""End-to-end `mirrorckpt replay --config job.toml` as a user runs it, by the slope method (issue 16).
+
+For each protocol a generated 2-rank, 2-channel job is captured twice, ``short`` and ``long``
+steps of the same job (same seed and model): each capture is replayed in a fresh process
+(``python -m mirrorckpt.tools.cli replay --config job.toml --json``), wall clock, best of
+``repeat``. Start-up (imports, job set-up, exit) is the same in both, so the slope
+(bytes_long - bytes_short) / (t_long - t_short) is the per-iteration rate of capture bytes.
+Every all-reduce of every run is checked against the generator's truth.json (sha256 per
+bucket), and the peak RSS of each run is recorded (``os.wait4``).
+
+The reference is a one-core memcpy measured in the same run: numpy ``copyto`` of 256 MiB
+between two buffers already faulted in, best of 5 (GB/s of bytes copied).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+PMTU = {"LL": 1024, "LL128": 4096, "Simple": 4096}
+WIRE_PER_BYTE = {"LL": 2.0, "LL128": 2048 / 1920, "Simple": 1.0}  # wire bytes per user byte
+LINK_GBps = 100 / 8  # a 100 Gbit/s mirror port
+# FlowCheck's Fig. 10 jobs: parameters, bf16 gradients, 8 data-parallel ranks.
+FIG10 = {"GPT-3 1.3B": 1.3e9, "Llama2-7B": 6.74e9}
+
+
+def fig10(rates: dict[str, float], ranks: int = 8, grad_bytes: int = 2) -> list[dict]:
+    """Per job and protocol: capture bytes one mirrored port carries per iteration (a rank's egress
+    of a ring all-reduce: 2 (R-1)/R of the gradient, in wire bytes), the processing time per
+    iteration on one core at the measured rate, and the cores that keep up with the port."""
+    out = []
+    for job, params in FIG10.items():
+        user = 2 * (ranks - 1) / ranks * params * grad_bytes
+        for proto, rate in rates.items():
+            wire = user * WIRE_PER_BYTE[proto]
+            out.append({"job": job, "protocol": proto, "port_GB_per_iteration": wire / 1e9,
+                        "seconds_one_core": wire / (rate * 1e9), "wire_seconds": wire / (LINK_GBps * 1e9),
+                        "cores_for_line_rate": LINK_GBps / rate})
+    return out
+
+
+def memcpy_GBps(nbytes: int = 256 << 20, repeat: int = 5) -> float:
+    a = np.ones(nbytes, np.uint8)
+    b = np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def build(out: Path, protocol: str, steps: int, model: str, channels: int = 2) -> dict:
+    from mirrorckpt.tools.generator.gen import GenConfig, generate
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    return generate(GenConfig(ranks=2, channels=channels, protocol=protocol, model=model, steps=steps, seed=1,
+                              mirrors="0:egress,1:egress", wire=WireOptions(pmtu=PMTU[protocol]),
+                              send_truth=False), out)
+
+
+# Runs the command and writes its peak RSS (KiB) to the last line of stderr. A process started from
+# this one would report this one's peak too (the kernel keeps the larger of the parent's image it
+# replaced at exec): started from this small wrapper, the child's figure is its own.
+_WRAP = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)")
+
+
+def replay_once(job_dir: Path, extra: tuple[str, ...] = ()) -> dict:
+    """One `mirrorckpt replay --config` in a fresh process: wall seconds, peak RSS, its JSON report.
+    The wall clock includes the wrapper's start (the same in every run: the slope cancels it)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-c", _WRAP, sys.executable, "-m", "mirrorckpt.tools.cli", "replay", "--config",
+           str(job_dir / "job.toml"), "--json", "--quiet", *extra]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t = time.perf_counter()
+        rc = subprocess.call(cmd, stdout=out, stderr=err, env=env)
+        secs = time.perf_counter() - t
+        out.seek(0)
+        err.seek(0)
+        text, tail = out.read().decode(), err.read().decode().split()
+    if rc != 0:
+        raise RuntimeError(f"replay of {job_dir} exited {rc}")
+    return {"seconds": secs, "peak_rss_MB": int(tail[-1]) / 1024, "report": json.loads(text)}
+
+
+def exact(report: dict, truth: dict) -> tuple[bool, int]:
+    """Every iteration's buckets equal to truth (sha256), and how many all-reduces were checked."""
+    got: dict[tuple[int, int], str | None] = {}
+    for a in report["allreduces"]:
+        if a["iteration"] is not None:
+            got[(a["iteration"], a["bucket"])] = a["sha256"]
+    want = {(it["index"], b): h for it in truth["iterations"] for b, h in enumerate(it["buckets_sha256"])}
+    return got == want, len(want)
+
+
+def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: Path) -> dict:
+    res: dict = {"protocol": protocol, "model": model, "pmtu": PMTU[protocol], "steps": [short, long]}
+    runs = {}
+    for steps in (short, long):
+        d = tmp / f"{protocol}_{steps}"
+        truth = build(d, protocol, steps, model)
+        best, ok, checked = None, True, 0
+        for _ in range(repeat):
+            r = replay_once(d)
+            e, n = exact(r["report"], truth)
+            ok, checked = ok and e, checked + n
+            if best is None or r["seconds"] < best["seconds"]:
+                best = r
+        runs[steps] = {"seconds": best["seconds"], "bytes": best["report"]["capture_bytes"],
+                       "peak_rss_MB": best["peak_rss_MB"], "exact": ok, "allreduces_checked": checked,
+                       "capture_file_bytes": sum(f.stat().st_size for f in d.glob("*.pcap*"))}
+    a, b = runs[short], runs[long]
+    res["runs"] = {str(k): v for k, v in runs.items()}
+    # A long run no slower than the short one is noise (a shared machine), not a rate: None.
+    dt = b["seconds"] - a["seconds"]
+    res["slope_GBps"] = (b["bytes"] - a["bytes"]) / dt / 1e9 if dt > 0.05 else None
+    res["exact"] = a["exact"] and b["exact"]
+    return res
+
+
+def memory(model: str, steps: tuple[int, int], tmp: Path) -> dict:
+    """Peak RSS of replaying a short and a ten times longer Simple capture of the same job."""
+    out = {}
+    for n in steps:
+        d = tmp / f"memory_{n}"
+        truth = build(d, "Simple", n, model)
+        r = replay_once(d)
+        out[str(n)] = {"bytes": r["report"]["capture_bytes"], "peak_rss_MB": r["peak_rss_MB"],
+                       "exact": exact(r["report"], truth)[0]}
+        subprocess.run(["rm", "-rf", str(d)], check=True)
+    return out
+
+
+def run(protocols=("Simple", "LL", "LL128"), model: str = "linear:2000000", short: int = 2, long: int = 22,
+        repeat: int = 3, memory_steps: tuple[int, int] | None = (12, 120)) -> dict:
+    out: dict = {"memcpy_GBps_before": memcpy_GBps()}
+    with tempfile.TemporaryDirectory() as t:
+        if memory_steps:
+            out["memory"] = memory(model, memory_steps, Path(t))
+        for p in protocols:
+            out[p] = measure(p, model, short, long, repeat, Path(t))
+            for s in list(Path(t).iterdir()):
+                if s.name.startswith(p + "_"):
+                    subprocess.run(["rm", "-rf", str(s)], check=True)
+    out["memcpy_GBps_after"] = memcpy_GBps()
+    out["memcpy_GBps"] = max(out["memcpy_GBps_before"], out["memcpy_GBps_after"])
+    for p in protocols:
+        out[p]["of_memcpy"] = out[p]["slope_GBps"] / out["memcpy_GBps"] if out[p]["slope_GBps"] else None
+    out["fig10"] = fig10({p: out[p]["slope_GBps"] for p in protocols if out[p]["slope_GBps"]})
+    out["load_average_after"] = os.getloadavg()
+    return out
+
+
+if __name__ == "__main__":
+    protos = tuple(sys.argv[1].split(",")) if len(sys.argv) > 1 else ("Simple", "LL", "LL128")
+    print(json.dumps(run(protos), indent=1))

@@ -1,0 +1,116 @@
+# cython: language_level=3
+"""Compiled kernels from a send's wire bytes to the collective's buffer, for the common case.
+
+Each kernel does the intact, in-order case in one pass and says so; anything else (a line whose
+flags disagree, a copy that differs from what is already placed) returns "not intact" having
+changed nothing the caller keeps, and the caller takes the careful numpy path. No offset of a
+wire format is written here: parser.protocols passes them from parser.headers.
+"""
+
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy, memset
+
+
+def ll_intact(const uint8_t[::1] wire, uint8_t[::1] out, int line, int lo, int f1, int hi, int f2):
+    """LL: when every ``line``-byte line carries the same non-zero flag in both flag words, writes
+    each line's two data words to ``out`` (8 bytes a line) and returns the flag; else 0."""
+    cdef Py_ssize_t n, i
+    cdef uint32_t flag, a, b
+    cdef const uint8_t *p
+    cdef uint8_t *q
+    cdef bint ok = True
+    if wire.shape[0] == 0 or wire.shape[0] % line or out.shape[0] < wire.shape[0] // line * 8:
+        return 0
+    n = wire.shape[0] // line
+    memcpy(&flag, &wire[f1], 4)
+    if flag == 0:
+        return 0
+    with nogil:
+        for i in range(n):
+            p = &wire[i * line]
+            memcpy(&a, p + f1, 4)
+            memcpy(&b, p + f2, 4)
+            if a != flag or b != flag:
+                ok = False
+                break
+            q = &out[i * 8]
+            memcpy(q, p + lo, 4)
+            memcpy(q + 4, p + hi, 4)
+    return flag if ok else 0
+
+
+def ll128_intact(const uint8_t[::1] wire, uint8_t[::1] out, int line, int flag_off, int group,
+                 const int64_t[:, ::1] runs, int group_data):
+    """LL128: when every ``line``-byte line carries the same u64 flag at ``flag_off``, positive as
+    an int64, copies each ``group``-byte group's data by ``runs`` (wire offset, data offset,
+    length) to ``group_data`` bytes of ``out`` and returns the flag; else 0."""
+    cdef Py_ssize_t ng, nl, i, g, k, nr = runs.shape[0]
+    cdef uint64_t flag, f
+    cdef const uint8_t *w
+    cdef uint8_t *o
+    cdef bint ok = True
+    if wire.shape[0] == 0 or wire.shape[0] % group or out.shape[0] < wire.shape[0] // group * group_data:
+        return 0
+    ng = wire.shape[0] // group
+    nl = wire.shape[0] // line
+    memcpy(&flag, &wire[flag_off], 8)
+    if <int64_t>flag <= 0:
+        return 0
+    with nogil:
+        for i in range(nl):
+            memcpy(&f, &wire[i * line + flag_off], 8)
+            if f != flag:
+                ok = False
+                break
+        if ok:
+            for g in range(ng):
+                w = &wire[g * group]
+                o = &out[g * group_data]
+                for k in range(nr):
+                    memcpy(o + runs[k, 1], w + runs[k, 0], runs[k, 2])
+    return flag if ok else 0
+
+
+def place_agreeing(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, const uint8_t[::1] src,
+                   Py_ssize_t n, Py_ssize_t es):
+    """Elements [start, start + n) of ``dst`` (``es`` bytes each) from ``src``: where already
+    covered the bytes must agree, elsewhere they are copied and marked covered. Returns False,
+    having written nothing, when a covered element differs (the caller reports the conflict)."""
+    cdef Py_ssize_t i, j
+    cdef uint8_t *d
+    cdef const uint8_t *s
+    cdef uint8_t *c
+    cdef bint ok = True
+    if start < 0 or n < 0 or (start + n) > covered.shape[0] or (start + n) * es > dst.shape[0] \
+            or src.shape[0] < n * es:
+        raise ValueError("place_agreeing: range outside the buffers")
+    if n == 0:
+        return True
+    d = &dst[start * es]
+    s = &src[0]
+    c = &covered[start]
+    with nogil:
+        i = 0
+        while i < n:  # runs of covered elements: compare
+            j = i
+            while j < n and c[j]:
+                j += 1
+            if j > i and memcmp(d + i * es, s + i * es, (j - i) * es) != 0:
+                ok = False
+                break
+            while j < n and not c[j]:
+                j += 1
+            i = j
+        if ok:
+            i = 0
+            while i < n:  # runs of uncovered elements: copy
+                while i < n and c[i]:
+                    i += 1
+                j = i
+                while j < n and not c[j]:
+                    j += 1
+                if j > i:
+                    memcpy(d + i * es, s + i * es, (j - i) * es)
+                    memset(c + i, 1, j - i)
+                i = j
+    return ok
