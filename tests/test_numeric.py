@@ -343,3 +343,34 @@ def test_cuda_copy_engine_or_a_named_skip():
     assert fp.distance(got.stats["x"], want.stats["x"], x.numel()) < 1e-12
     c.close()
     json.dumps(got.words)
+
+
+def test_a_step_gradscaler_skips_is_counted_and_reported_skipped(tmp_path):
+    """GradScaler does not call optimizer.step() on inf/nan: the wrapped update counts the
+    iteration and sends STEP_META ``skipped``, so the wire's iteration numbers stay aligned."""
+    plane = AppliancePlane(SECRET, parts=3, fingerprint_every=0).start()
+    torch.manual_seed(0)
+    model = build_model(DIMS, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    scaler = torch.amp.GradScaler("cpu")
+    shard = Shard(DIMS, 3, 0)
+    link = attach(model, opt, appliance=("127.0.0.1", plane.port), secret=SECRET, scaler=scaler, data=shard,
+                  fingerprint_every=0, connect_timeout=10)
+    try:
+        for i in range(6):
+            x, y = shard.next()
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            if i == 3:
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            scaler.step(opt)
+            scaler.update()
+        assert link.iterations_done == 6 and link.stats.skipped_steps == 1 and link.stats.steps == 5
+        link.flush()
+        assert wait_for(lambda: all(s in plane._metas for s in range(2, 7)))
+        assert plane._metas[4].get("skipped") is True
+        assert all(not plane._metas[s].get("skipped") for s in (2, 3, 5, 6))
+    finally:
+        link.close()
+        plane.stop()
+    assert scaler.update.__func__ is torch.amp.GradScaler.update  # unwrapped at close
