@@ -30,6 +30,7 @@ _SCHEDULER_ARGS_REFUSED = ("optimizer", "verbose", "last_epoch")
 CALLABLE_ARGS = ("lr_lambda", "scale_fn")  # given as importable paths
 _PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
 # Hyper-parameters a param group may set for itself (torch's per-group keys)
+IMPLEMENTATION_FIELDS = ("foreach", "fused", "device")  # how the step is computed, not what
 GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad", "maximize")
 
 
@@ -74,6 +75,9 @@ class OptimizerSpec:
     maximize: bool = False
     foreach: bool = False  # default: the per-parameter for-loop implementation
     fused: bool = False
+    # Where the trainer's step runs ("cpu", "cuda", ...): with foreach/fused, the arithmetic the
+    # replica is compared against (updater.numeric decides exact or within tolerance from it).
+    device: str = "cpu"
 
     def __post_init__(self):
         w = "optimizer"
@@ -90,6 +94,8 @@ class OptimizerSpec:
         for flag in ("nesterov", "amsgrad", "maximize", "foreach", "fused"):
             _need(isinstance(getattr(self, flag), bool), w, f"{flag} must be true or false")
         _need(not (self.foreach and self.fused), w, "foreach and fused are mutually exclusive")
+        _need(isinstance(self.device, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,15}", self.device) is not None, w,
+              f"device must be a torch device type such as 'cpu' or 'cuda', got {self.device!r}")
         if self.name == "sgd":
             _need(not self.amsgrad, w, "amsgrad applies to adam/adamw only")
             _need(not self.nesterov or (self.momentum > 0 and self.dampening == 0), w,
@@ -97,6 +103,11 @@ class OptimizerSpec:
         else:
             _need(self.momentum == 0 and self.dampening == 0 and not self.nesterov, w,
                   f"momentum/dampening/nesterov apply to sgd only, not {self.name}")
+
+    @property
+    def implementation(self) -> str:
+        """"fused", "foreach" or "for-loop": which torch kernels run the step."""
+        return "fused" if self.fused else "foreach" if self.foreach else "for-loop"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -348,6 +359,13 @@ class TrainingSpec:
               f"groups must hold exactly the layout's parameters: missing {missing[:3]}, unknown {extra[:3]}")
         return [(list(g.params), self.optimizer.with_options(g.options, f"param_groups[{i}]"))
                 for i, g in enumerate(self.param_groups)]
+
+    def recipe(self) -> dict:
+        """``to_dict`` without the optimizer's implementation (foreach, fused, device): two specs
+        with the same recipe differ in rounding only, not in what the step computes."""
+        d = self.to_dict()
+        d["optimizer"] = {k: v for k, v in d["optimizer"].items() if k not in IMPLEMENTATION_FIELDS}
+        return d
 
     def to_dict(self) -> dict:
         d = {

@@ -11,8 +11,10 @@ messages (handlers, from connection threads). Content is validated before anythi
 * STEP_META: per step RNG states and data position, joined to the mirror iteration of that step;
   an iteration waits for its metadata (at most ``max_meta_lag`` iterations) so a state served for
   a restore always has them.
-* FINGERPRINT: compared with the replica at that step; a difference (drift) makes the replica
-  stale and asks for a fallback.
+* FINGERPRINT: compared with the replica at that step under its numeric policy
+  (updater.numeric): bit-exact where the trainer runs the replica's arithmetic, else within the
+  measured tolerance; beyond it (drift) the replica turns stale and a fallback is asked. A match
+  marks the checkpoint of that step verified, with its measured distance.
 * GOCKPT_PART / GOCKPT_DONE: the rebuild (``control.gockpt.Rebuild``), verified against the
   trainer's fingerprints of S_{N+k} before it replaces the replica; mirror iterations that
   arrived meanwhile are replayed from N+k on.
@@ -39,8 +41,10 @@ import torch
 from ..config.layout import JobLayout, RingSpec
 from ..config.training import PersistSpec, TrainingSpec
 from ..parser.iteration import InitialWeights, ReducedIteration
+from ..updater import numeric
 from ..updater.appliance import Appliance
 from ..updater.dcp_keys import ReplicaState, dumps, loads
+from ..updater.numeric import Digest
 from ..updater.optim import build_optimizer, plateau_state
 from ..updater.replica import Replica, ReplicaStale
 from . import gockpt
@@ -73,6 +77,9 @@ class PlaneStats:
     fallback_error: str | None = None  # set while given up: why there is no consistent replica
     drift_events: int = 0
     fingerprints_checked: int = 0
+    fingerprints_exact: int = 0  # of those checked, bit-equal
+    last_distance: float | None = None  # the largest per-tensor distance at the last check
+    max_distance: float = 0.0  # the largest seen since the last resync
     fingerprints_missed: int = 0  # arrived for a step the replica had already passed
     replayed: int = 0  # mirror iterations applied after a resync from the buffer
     applied_without_meta: int = 0
@@ -85,8 +92,10 @@ class AppliancePlane:
                  layout: JobLayout | None = None, ring: RingSpec | None = None, persist: PersistSpec | None = None,
                  parts: int = 7, fingerprint_every: int = 10, fallback_timeout: float = 60.0,
                  max_attempts: int = 3, max_meta_lag: int = 8, max_buffered: int = 256, on_iteration=None,
-                 server_options: dict | None = None, lambda_modules: tuple[str, ...] = ()):
+                 server_options: dict | None = None, lambda_modules: tuple[str, ...] = (),
+                 replica_impl: str = "mirror"):
         self.training, self.layout, self.ring = training, layout, ring
+        self.replica_impl = replica_impl  # updater.numeric: the optimizer implementation the replica runs
         self.persist = persist
         self.parts = parts
         self.fingerprint_every = fingerprint_every
@@ -150,7 +159,7 @@ class AppliancePlane:
 
     def _make_app(self, replica: Replica | None = None) -> None:
         self.app = Appliance(self.layout, self.training, self.persist, replica=replica,
-                             on_stale=self._on_stale, on_iteration=self.on_iteration)
+                             on_stale=self._on_stale, on_iteration=self.on_iteration, impl=self.replica_impl)
         self.app.on_commit = self.on_commit
         self.registered.set()
 
@@ -282,27 +291,32 @@ class AppliancePlane:
         if want is not None:
             self._compare(r, t, want)
         elif self.fingerprint_every and t % self.fingerprint_every == 0:
-            self._own_fps[t] = r.fingerprints(optimizer=True)
+            self._own_fps[t] = r.digest()
             while len(self._own_fps) > 4:
                 self._own_fps.popitem(last=False)
         if self.fingerprint_every and t % self.fingerprint_every == 0 and self.app.persister is not None:
             self.app.persister.submit(r, force=True)  # a checkpoint at each step that can be proven
 
-    def _compare(self, r: Replica, step: int, want: dict, have: dict | None = None) -> None:
-        have = have if have is not None else r.fingerprints(optimizer=True)
-        self.stats.fingerprints_checked += 1
-        diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
-        persister = self.app.persister if self.app is not None else None
-        if not diff:
-            if persister is not None:  # the checkpoint of this step is proven equal to the trainer's
-                persister.mark_verified(step, have, source="fingerprint")
+    def _compare(self, r: Replica, step: int, want: Digest, have: Digest | None = None) -> None:
+        """The trainer's digest at ``step`` against the replica's (``have``: taken at that step)."""
+        have = have if have is not None else r.digest()
+        v = numeric.compare(want, have, r.policy, step, r.step - r.synced_at)
+        st = self.stats
+        st.fingerprints_checked += 1
+        st.fingerprints_exact += v.match == "exact"
+        st.last_distance = v.distance
+        if v.ok:
+            st.max_distance = max(st.max_distance, v.distance)
+            if self.app.persister is not None:
+                self.app.persister.mark_verified(step, want.words, numeric=v.record())
             return
-        if persister is not None:  # what was committed after the last proven step is not served
-            persister.quarantine_after(reason=f"drift at step {step}")
-        self.stats.drift_events += 1
-        log.warning("drift at step %d: replica differs from the trainer in %d tensor(s), first %s",
-                    step, len(diff), diff[0])
-        self._event("drift", {"step": step, "tensors": diff[:8]})
+        if self.app.persister is not None:  # what was committed after the last proven step is not served
+            self.app.persister.quarantine_after(reason=f"drift at step {step}")
+        diff = v.differing
+        st.drift_events += 1
+        log.warning("drift at step %d: replica differs from the trainer in %d tensor(s), first %s (distance %.3g, "
+                    "tolerance %.3g: %s)", step, len(diff), diff[0], v.distance, v.tolerance, v.why)
+        self._event("drift", {"step": step, "tensors": diff[:8], "distance": v.distance, "tolerance": v.tolerance})
         r.stale = ReplicaStale(r.step, r.iterations_done, {}, state_good=False)
         self._buffer.extend(self._waiting)
         self._waiting.clear()
@@ -317,8 +331,8 @@ class AppliancePlane:
         with self.lock:
             if self.layout is not None and layout.to_dict() != self.layout.to_dict():
                 raise Refused(_differs("layout", self.layout.to_dict(), layout.to_dict()))
-            if self.training is not None and training.to_dict() != self.training.to_dict():
-                raise Refused(_differs("training", self.training.to_dict(), training.to_dict()))
+            if self.training is not None and training.recipe() != self.training.recipe():
+                raise Refused(_differs("training", self.training.recipe(), training.recipe()))
             if self.training is None:
                 foreign = [p for p in training.lr_schedule.callable_paths()
                            if p.partition(":")[0] not in self.lambda_modules]
@@ -347,7 +361,7 @@ class AppliancePlane:
             if r is not None and state is not None and r.iterations_done != 0:
                 r = self.app.replica = None  # the job started over from its initial state
             if r is None and state is not None:
-                self.app.replica = Replica(layout, training, state)
+                self.app.replica = Replica(layout, training, state, self.replica_impl)
                 self._event("registered", {"step": 0, "state": True})
                 log.info("job %r registered at step 0 with its initial state (%d parameters)", b["job"],
                          len(layout.params))
@@ -400,6 +414,9 @@ class AppliancePlane:
             self.poll()
             r = self.replica
             meta = {"rng": rng, "data_position": msg.body.get("data_position")}
+            for k in ("clip", "skipped"):  # what the trainer decided: the replica takes it as given
+                if msg.body.get(k) is not None:
+                    meta[k] = msg.body[k]
             if "lr_scheduler" in msg.body and self.training is not None and self.training.lr_schedule.needs_metrics:
                 try:
                     groups = len(self.training.groups([p.name for p in self.layout.params]))
@@ -418,7 +435,11 @@ class AppliancePlane:
         return
 
     def _on_fingerprint(self, msg: m.Message, peer) -> None:
-        step, fps = msg.body["step"], msg.body["fingerprints"]
+        step = msg.body["step"]
+        try:
+            fps = gockpt.digest_of(msg.body["fingerprints"], msg.tensors)
+        except gockpt.PartError as e:
+            raise Refused(f"FINGERPRINT: {e}") from None
         with self.lock:
             r = self.replica
             if r is None or r.stale is not None or self.fallback is not None:
@@ -444,7 +465,7 @@ class AppliancePlane:
             if b["index"] == 0:
                 if not 1 <= b["parts"] <= gockpt.MAX_PARTS:
                     raise Refused(f"parts must be in 1..{gockpt.MAX_PARTS}")
-                rb = gockpt.Rebuild(self.layout, self.training, b["parts"])
+                rb = gockpt.Rebuild(self.layout, self.training, b["parts"], impl=self.replica_impl)
                 rb.add_part(b["step"], 0, b["parts"], b.get("slices", {}), msg.tensors)
                 f.rebuild = rb
             else:
@@ -462,13 +483,17 @@ class AppliancePlane:
             if b["step"] != rb.final_step or b["parts"] != rb.parts:
                 raise Refused(f"GOCKPT_DONE for step {b['step']} ({b['parts']} parts), the rebuild is at "
                               f"{rb.final_step} ({rb.parts} parts)")
-            want = b.get("fingerprints")
-            if not want:
+            if not b.get("fingerprints"):
                 raise Refused("GOCKPT_DONE without fingerprints: the rebuilt state cannot be verified")
-            rep = Replica(self.layout, self.training, rb.state())
-            have = rep.fingerprints(optimizer=True)
-            diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
-            if diff:
+            try:
+                want = gockpt.digest_of(b["fingerprints"], msg.tensors)
+            except gockpt.PartError as e:
+                raise Refused(f"GOCKPT_DONE: {e}") from None
+            rep = Replica(self.layout, self.training, rb.state(), self.replica_impl)
+            rep.synced_at = max(0, rep.step - rb.parts)  # each part took up to k steps of our own arithmetic
+            v = rep.check(want)
+            diff = v.differing
+            if not v.ok:
                 self.stats.fallbacks_failed += 1
                 f.rebuild = None
                 log.error("GoCkpt rebuild to step %d does not match the trainer's fingerprints (%d tensors, "
@@ -476,12 +501,15 @@ class AppliancePlane:
                 self._event("fallback_unverified", {"step": rb.final_step, "tensors": diff[:8]})
                 self._retry(f, f"rebuild to step {rb.final_step} differs from the trainer in {diff[0]}")
                 return
-            self._install(rep, rb, have)
+            self._install(rep, rb)
+            if self.app.persister is not None:
+                self.app.persister.mark_verified(rep.iterations_done, want.words, source="gockpt", numeric=v.record())
         return
 
-    def _install(self, rep: Replica, rb: gockpt.Rebuild, fingerprints: dict | None = None) -> None:
+    def _install(self, rep: Replica, rb: gockpt.Rebuild) -> None:
         self.app.replica = rep
         self.fallback = None
+        self.stats.max_distance = 0.0
         self._meta_missing_at = None
         self._own_fps.clear()
         self._trainer_fps = {k: v for k, v in self._trainer_fps.items() if k > rep.iterations_done}
@@ -493,8 +521,6 @@ class AppliancePlane:
             self.on_iteration(rep.iterations_done - 1, rep)
         if self.app.persister is not None:
             self.app.persister.submit(rep, force=True)
-            if fingerprints is not None:  # the rebuild was checked against the trainer's
-                self.app.persister.mark_verified(rep.iterations_done, fingerprints, source="gockpt")
         backlog = sorted((it for it in self._buffer if it.index >= rep.iterations_done), key=lambda it: it.index)
         self._buffer.clear()
         for it in backlog:

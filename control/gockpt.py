@@ -35,16 +35,23 @@ S_{N+k}.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..config.layout import JobLayout
 from ..config.training import GROUP_OPTIONS, TrainingSpec
 from ..updater.dcp_keys import ReplicaState, loads, rng_tensor
+from ..updater.fingerprint import STATS_LEN, stats
+from ..updater.numeric import Digest, replica_flags
 from ..updater.optim import build_optimizer, state_keys
+from .wire import as_numpy as wire_numpy
 
 MAX_PARTS = 64
 
@@ -103,11 +110,12 @@ _CHUNK_WORDS = 1 << 22
 _WEIGHTS: dict = {}  # device -> 2i+1 for one chunk, made once
 
 
-def torch_fingerprint(t: torch.Tensor) -> int:
-    """``updater.fingerprint.fingerprint`` computed with torch ops on the tensor's own device
-    (a GPU never copies the tensor to the host): sum((2i+1) * w_i) mod 2**64 over its 32-bit words.
-    int64 products and sums wrap modulo 2**64, which is all the definition needs; a chunk starting
-    at word ``lo`` adds sum((2j+1) w_j) + 2 lo sum(w_j), so one weight vector serves every chunk."""
+def device_words(t: torch.Tensor) -> torch.Tensor:
+    """``updater.fingerprint.fingerprint`` computed with torch ops on the tensor's own device, as
+    a 0-d int64 tensor there (its bits are the u64; no host sync): sum((2i+1) * w_i) mod 2**64
+    over its 32-bit words. int64 products and sums wrap modulo 2**64, which is all the definition
+    needs; a chunk starting at word ``lo`` adds sum((2j+1) w_j) + 2 lo sum(w_j), so one weight
+    vector serves every chunk."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if b.numel() % 4:
         b = torch.cat([b, torch.zeros(4 - b.numel() % 4, dtype=torch.uint8, device=b.device)])
@@ -115,24 +123,78 @@ def torch_fingerprint(t: torch.Tensor) -> int:
     weights = _WEIGHTS.get(words.device)
     if weights is None:
         weights = _WEIGHTS[words.device] = torch.arange(_CHUNK_WORDS, dtype=torch.int64, device=words.device) * 2 + 1
-    total = 0
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
     for lo in range(0, words.numel(), _CHUNK_WORDS):
         w = words[lo:lo + _CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
-        total += int((w * weights[:w.numel()]).sum()) + 2 * lo * int(w.sum())
-    return total & _MASK64
+        total += (w * weights[:w.numel()]).sum() + w.sum() * (2 * lo)
+    return total
+
+
+def torch_fingerprint(t: torch.Tensor) -> int:
+    """``updater.fingerprint.fingerprint`` on the tensor's own device (a GPU never copies it)."""
+    return int(device_words(t)) & _MASK64
+
+
+def _named_state(names: list[str], params: list[torch.Tensor], optimizer) -> dict[str, torch.Tensor]:
+    """The state tensors keyed as ``Replica.named_tensors`` keys them."""
+    out = {f"model.{n}": p for n, p in zip(names, params)}
+    for n, p in zip(names, params):
+        for k, v in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(v, torch.Tensor):
+                out[f"optim.state.{n}.{k}"] = v
+    return out
 
 
 def state_fingerprints(names: list[str], params: list[torch.Tensor],
                        optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Fingerprints keyed as ``Replica.fingerprints(optimizer=True)`` keys them."""
+    return {k: torch_fingerprint(t) for k, t in _named_state(names, params, optimizer).items()}
+
+
+def state_digest(names: list[str], params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                 step: int) -> Digest:
+    """Exact and distance fingerprints of the trainer's state at ``step`` (updater.numeric), each
+    computed on the tensors' own device."""
+    return finish_digest(*device_digest(_named_state(names, params, optimizer), step))
+
+
+def device_digest(named: dict[str, torch.Tensor], step: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """(keys, int64 words [K], float64 stats [K, STATS_LEN]) on the tensors' device, no host sync."""
+    keys = list(named)
+    if not keys:
+        return keys, torch.zeros(0, dtype=torch.int64), torch.zeros(0, STATS_LEN, dtype=torch.float64)
+    words = torch.stack([device_words(named[k]) for k in keys])
+    st = torch.stack([stats(named[k], step, k, host=False) for k in keys])
+    return keys, words, st
+
+
+def finish_digest(keys: list[str], words: torch.Tensor, st: torch.Tensor) -> Digest:
+    w = words.cpu().numpy().view(np.uint64)
+    s_ = st.cpu().numpy()
+    return Digest({k: int(w[i]) for i, k in enumerate(keys)}, {k: s_[i].copy() for i, k in enumerate(keys)})
+
+
+STATS_PREFIX = "s:"
+
+
+def digest_tensors(d: Digest) -> dict[str, torch.Tensor]:
+    """The distance stats as FINGERPRINT / GOCKPT_DONE tensors."""
+    return {STATS_PREFIX + k: torch.as_tensor(v) for k, v in d.stats.items()}
+
+
+def digest_of(words: dict, tensors: dict) -> Digest:
+    """The trainer's digest from a FINGERPRINT / GOCKPT_DONE message; PartError on a tensor that
+    is not a distance fingerprint of a fingerprinted key."""
     out = {}
-    for n, p in zip(names, params):
-        out[f"model.{n}"] = torch_fingerprint(p)
-    for n, p in zip(names, params):
-        for k, v in sorted(optimizer.state.get(p, {}).items()):
-            if isinstance(v, torch.Tensor):
-                out[f"optim.state.{n}.{k}"] = torch_fingerprint(v)
-    return out
+    for name, t in tensors.items():
+        key = name[len(STATS_PREFIX):]
+        if not name.startswith(STATS_PREFIX) or key not in words:
+            raise PartError(f"tensor {name!r} is not s:<fingerprinted key>")
+        a = wire_numpy(t)
+        if a.dtype != np.float64 or a.shape != (STATS_LEN,):
+            raise PartError(f"{name}: distance stats are {STATS_LEN} float64 values")
+        out[key] = a
+    return Digest(dict(words), out)
 
 
 # ------------------------------------------------------------------------------------ copy engines
@@ -163,8 +225,15 @@ class HostCopier:
         return Copy(future=self._pool.submit(lambda: {n: t.detach().clone() for n, t in src.items()}))
 
     def run(self, fn) -> Copy:
-        """Any other state read (fingerprints) on the copy thread."""
+        """Any other state read on the copy thread."""
         return Copy(future=self._pool.submit(fn))
+
+    def digest(self, named: dict[str, torch.Tensor], step: int) -> Copy:
+        """The state's digest (updater.numeric.Digest), read on the copy thread."""
+        return self.run(lambda: finish_digest(*device_digest(named, step)))
+
+    def reserve(self, nbytes_list) -> None:
+        """Nothing to prepare: host copies are plain clones."""
 
     def fence(self, c: Copy) -> None:
         """Block until ``c`` is complete: the training thread may change its sources after."""
@@ -178,16 +247,85 @@ class HostCopier:
         self._pool.shutdown(wait=True)
 
 
-class CudaCopier:
-    """GPU training: device-to-host copies on a side stream into pinned buffers. The side stream
-    waits for the training stream's work so far (the state is final); ``fence`` makes the training
-    stream wait for the copy (a GPU-side wait: the host is never blocked); ``result`` is called
-    from a sender thread and waits on the copy's event before the bytes are read."""
+class PinnedPool:
+    """Page-locked host buffers, reused: a buffer goes back to the pool when the last tensor handed
+    out on it is gone (the message holding it was written), so a fallback after the first
+    allocates nothing, and ``reserve`` can allocate a whole plan ahead, off the training thread."""
 
-    def __init__(self, device):
+    GRAIN = 4096
+
+    def __init__(self, pin: bool = True):
+        self.pin = pin
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers allocated so far (not reused)
+        self.allocated_bytes = 0
+
+    def _size(self, nbytes: int) -> int:
+        return max(self.GRAIN, -(-nbytes // self.GRAIN) * self.GRAIN)
+
+    def _slab(self, size: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            self.allocated += 1
+            self.allocated_bytes += size
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def _give_back(self, size: int, slab: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(size, []).append(slab)
+
+    def reserve(self, nbytes_list) -> None:
+        """Make sure buffers for tensors of these sizes are in the pool (allocated now if not)."""
+        want: dict[int, int] = {}
+        for n in nbytes_list:
+            size = self._size(int(n))
+            want[size] = want.get(size, 0) + 1
+        for size, count in want.items():
+            with self._lock:
+                missing = count - len(self._free.get(size, ()))
+            for _ in range(max(0, missing)):
+                slab = self._slab_new(size)
+                self._give_back(size, slab)
+
+    def _slab_new(self, size: int) -> torch.Tensor:
+        with self._lock:
+            self.allocated += 1
+            self.allocated_bytes += size
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor on a pooled buffer; the buffer returns when it is collected."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = self._size(nbytes)
+        slab = self._slab(size)
+        t = slab[:nbytes].view(dtype).view(shape)
+        weakref.finalize(t, self._give_back, size, slab)
+        return t
+
+
+def part_bytes(tensors: list[torch.Tensor]) -> list[int]:
+    return [t.numel() * t.element_size() for t in tensors]
+
+
+class CudaCopier:
+    """GPU training: device-to-host copies on a side stream into pooled pinned buffers
+    (``PinnedPool``: allocated on the first fallback, or ahead by ``reserve`` when a fallback is
+    requested, then reused). The side stream waits for the training stream's work so far (the
+    state is final); ``fence`` makes the training stream wait for the copy (a GPU-side wait: the
+    host is never blocked); ``result`` is called from a sender thread and waits on the copy's
+    event before the bytes are read."""
+
+    def __init__(self, device, pool: PinnedPool | None = None):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
+        self.pool = pool if pool is not None else PinnedPool()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gockpt-fingerprint")
+
+    def reserve(self, nbytes_list) -> None:
+        self.pool.reserve(nbytes_list)
 
     def copy(self, tensors: dict[str, torch.Tensor]) -> Copy:
         ready = torch.cuda.Event()
@@ -196,7 +334,7 @@ class CudaCopier:
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             for n, t in tensors.items():
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf = self.pool.take(tuple(t.shape), t.dtype)
                 buf.copy_(t.detach(), non_blocking=True)
                 t.record_stream(self.stream)  # the allocator must not reuse t before the copy ran
                 out[n] = buf
@@ -217,6 +355,26 @@ class CudaCopier:
                 return fn()
         return Copy(future=self._pool.submit(work))
 
+    def digest(self, named: dict[str, torch.Tensor], step: int) -> Copy:
+        """The state's digest computed on the side stream and copied into pinned buffers: the
+        training thread only queues it (``fence`` is a GPU-side wait), the sender thread reads it."""
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            keys, words, st = device_digest(named, step)
+            out = {"words": self.pool.take(tuple(words.shape), words.dtype),
+                   "stats": self.pool.take(tuple(st.shape), st.dtype)}
+            out["words"].copy_(words, non_blocking=True)
+            out["stats"].copy_(st, non_blocking=True)
+            for t in named.values():
+                t.record_stream(self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        c = Copy(tensors=out, event=done)
+        c.keys = keys
+        return c
+
     def fence(self, c: Copy) -> None:
         if c.future is not None:
             c.tensors = c.future.result()  # fn has read the state when its values are known
@@ -227,6 +385,8 @@ class CudaCopier:
         if c.future is not None:
             return c.future.result()
         c.event.synchronize()
+        if getattr(c, "keys", None) is not None:
+            return finish_digest(c.keys, c.tensors["words"], c.tensors["stats"])
         return c.tensors
 
     def close(self) -> None:
@@ -296,7 +456,8 @@ class Rebuild:
     Every message is validated completely before anything is changed: names, dtypes, shapes,
     part index, step numbers (part j must be state version N+j), gradient set (parts 0..j)."""
 
-    def __init__(self, layout: JobLayout, training: TrainingSpec, parts: int, request_id: int = 0):
+    def __init__(self, layout: JobLayout, training: TrainingSpec, parts: int, request_id: int = 0,
+                 impl: str = "mirror"):
         self.layout, self.training = layout, training
         self.plan = split(layout, parts)
         self.parts = len(self.plan)
@@ -307,7 +468,8 @@ class Rebuild:
         groups = training.groups(self.names)  # ValueError (a PartError's base) if they do not fit
         index = {n: i for i, n in enumerate(self.names)}
         self.group_names = [list(names) for names, _ in groups]
-        self.optimizer = build_optimizer(training.optimizer, self.params,
+        spec = dataclasses.replace(training.optimizer, **replica_flags(training.optimizer, impl))
+        self.optimizer = build_optimizer(spec, self.params,
                                          [([self.params[index[n]] for n in names], gs) for names, gs in groups])
         self.keys = {index[n]: set(state_keys(gs)) for names, gs in groups for n in names}
         self.start: int | None = None  # N, from part 0

@@ -23,8 +23,9 @@ from .wire import SchemaError, UnknownMessageType
 HELLO = "HELLO"  # handshake: role and nonce
 AUTH = "AUTH"  # handshake: proof of the secret over both nonces and roles
 REGISTER = "REGISTER"  # job layout, ring, training recipe, initial state (tensors, groups, schedule)
-STEP_META = "STEP_META"  # what the wire does not carry: lr, loss scale, rng, data position, plateau state
-FINGERPRINT = "FINGERPRINT"  # per-tensor u64 fingerprints (updater.fingerprint) at a step
+STEP_META = "STEP_META"  # what the wire does not carry: lr, loss scale, rng, data position, plateau state,
+#                          the clip coefficient and the skip decision the trainer took
+FINGERPRINT = "FINGERPRINT"  # per-tensor u64 fingerprints and distance stats (updater.fingerprint) at a step
 FALLBACK_REQUEST = "FALLBACK_REQUEST"  # appliance asks for a GoCkpt multi-step checkpoint
 GOCKPT_PART = "GOCKPT_PART"  # part i of k: state slices plus gradients of the parts already sent
 GOCKPT_DONE = "GOCKPT_DONE"
@@ -46,7 +47,7 @@ MAX_STR = 4096
 class F:
     """One body field: its kind, and whether it may be absent or null."""
 
-    kind: str  # int, num, str, role, hex32, dict, json, u64map
+    kind: str  # int, num, bool, str, role, hex32, dict, json, u64map
     required: bool = True
     nullable: bool = False
 
@@ -65,6 +66,8 @@ def _kind_error(kind: str, v) -> str | None:
     if kind == "num":
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         return None if ok else "a finite number"
+    if kind == "bool":
+        return None if isinstance(v, bool) else "true or false"
     if kind == "str":
         return None if isinstance(v, str) and len(v) <= MAX_STR else f"a string of at most {MAX_STR} characters"
     if kind == "role":
@@ -99,6 +102,17 @@ def _check_register(b: dict) -> str | None:
     return err
 
 
+def _check_step_meta(b: dict) -> str | None:
+    clip = b.get("clip")
+    if clip is None:
+        return None
+    if set(clip) != {"total_norm", "coef"} or any(_kind_error("num", v) for v in clip.values()):
+        return "clip must be {total_norm, coef}, finite numbers"
+    if not 0 < clip["coef"] <= 1 or clip["total_norm"] < 0:
+        return "clip coef must be in (0, 1] and total_norm >= 0"
+    return None
+
+
 def _check_part(b: dict) -> str | None:
     return None if 1 <= b["parts"] and b["index"] < b["parts"] else "part index must be < parts >= 1"
 
@@ -118,14 +132,19 @@ REGISTRY: dict[str, Spec] = {
                    tensors="any", check=_check_register),
     STEP_META: Spec(CLIENT, {"step": F("int"), "lr": F("num"), "loss_scale": F("num", nullable=True),
                              "data_position": F("json", required=False),
-                             "lr_scheduler": F("str", required=False)}, tensors="uint8"),
-    FINGERPRINT: Spec(CLIENT, {"step": F("int"), "fingerprints": F("u64map")}),
+                             "lr_scheduler": F("str", required=False),
+                             # the clip the trainer applied (updater.replica multiplies by coef)
+                             "clip": F("dict", required=False, nullable=True),
+                             # the trainer skipped this step's optimizer update (inf/nan)
+                             "skipped": F("bool", required=False)}, tensors="uint8", check=_check_step_meta),
+    # tensors: "s:<key>" float64 distance stats (updater.fingerprint.stats) per fingerprinted key
+    FINGERPRINT: Spec(CLIENT, {"step": F("int"), "fingerprints": F("u64map")}, tensors="any"),
     FALLBACK_REQUEST: Spec(SERVER, {"reason": F("str"), "step": F("int"), "parts": F("int")},
                            check=_check_parts),
     GOCKPT_PART: Spec(CLIENT, {"step": F("int"), "index": F("int"), "parts": F("int"),
                                "slices": F("dict", required=False)}, tensors="any", check=_check_part),
     GOCKPT_DONE: Spec(CLIENT, {"step": F("int"), "parts": F("int"),
-                               "fingerprints": F("u64map", required=False)}, check=_check_parts),
+                               "fingerprints": F("u64map", required=False)}, tensors="any", check=_check_parts),
     RESTORE_REQUEST: Spec(CLIENT, {"step": F("int", required=False, nullable=True)}),
     RESTORE_STATE: Spec(SERVER, {"step": F("int"), "layout": F("dict", required=False),
                                  "meta": F("dict", required=False)}, tensors="any"),

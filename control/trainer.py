@@ -13,8 +13,12 @@ off the training thread; a FALLBACK_REQUEST from the appliance starts a GoCkpt c
 next step boundary (schedule in ``control.gockpt``). Only the leader rank (0) talks to the
 appliance: plain DDP keeps every rank's state identical.
 
-Each step is counted once per ``optimizer.step()`` call: a GradScaler step skipped for inf/nan is
-not seen by the hooks, so fp16 dynamic loss scaling with skipped steps is not followed here.
+Each iteration is counted once per ``optimizer.step()`` call, and once per step a GradScaler
+skipped for inf/nan (``attach(scaler=...)`` wraps the scaler's ``update``, which sees the skip the
+hooks cannot): STEP_META says ``skipped`` and the replica skips as the trainer did. Clipping
+through ``link.clip_grad_norm_`` (or torch's, reported by ``link.note_clip``) sends the clip
+coefficient the trainer applied, which the replica multiplies by instead of recomputing a norm
+whose reduction order is the trainer's device's.
 
 ``restore_from_appliance`` / ``restore_from_disk`` load the five state components (parameters,
 optimizer state, scheduler and counters, RNG states, data position) into a fresh job; ``attach``
@@ -24,6 +28,7 @@ calls them with ``restore=``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 import logging
 import queue
@@ -37,9 +42,9 @@ import torch.distributed as dist
 
 from ..config.ddp import reducer_params
 from ..config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec
-from ..config.training import GROUP_OPTIONS, LRScheduleSpec, OptimizerSpec, ParamGroupSpec, TrainingSpec
+from ..config.training import GROUP_OPTIONS, ClipSpec, LRScheduleSpec, OptimizerSpec, ParamGroupSpec, TrainingSpec
 from ..updater.dcp_keys import dumps, loads
-from ..updater.optim import resolve
+from ..updater.optim import resolve, state_keys
 from . import gockpt
 from . import messages as m
 from .endpoint import ControlClient
@@ -102,6 +107,29 @@ def _options(g: dict, name: str, scheduler) -> dict:
     return out
 
 
+def implementation(optimizer: torch.optim.Optimizer) -> dict:
+    """The implementation the optimizer's step actually runs: {foreach, fused, device}. An unset
+    ``foreach`` is torch's default for these parameters (foreach on CUDA tensors, the for-loop on
+    CPU ones), resolved by torch's own rule."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    g0 = optimizer.param_groups[0]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    fused, foreach = bool(g0.get("fused") or False), g0.get("foreach")
+    if foreach is None and not fused:
+        _, foreach = _default_to_fused_or_foreach(params, bool(g0.get("differentiable", False)), use_fused=False)
+        if foreach and isinstance(g0.get("lr"), torch.Tensor) and not g0.get("capturable", False):
+            foreach = False  # torch's exception to its own default
+    return {"foreach": bool(foreach) and not fused, "fused": fused,
+            "device": params[0].device.type if params else "cpu"}
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor ``torch.nn.utils.clip_grads_with_norm_`` multiplies the gradients by, formed by
+    the same operations on the same device (torch 2.13)."""
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+
 def training_spec(optimizer: torch.optim.Optimizer, scheduler=None, grad_dtype: str = "float32",
                   names: dict[int, str] | None = None) -> TrainingSpec:
     """The TrainingSpec of a torch optimizer (and scheduler): what the replica rebuilds.
@@ -112,15 +140,14 @@ def training_spec(optimizer: torch.optim.Optimizer, scheduler=None, grad_dtype: 
     groups = optimizer.param_groups
     base = _options(groups[0], name, scheduler)
     g0 = groups[0]
-    opt = OptimizerSpec(name=name, foreach=bool(g0.get("foreach") or False), fused=bool(g0.get("fused") or False),
-                        **base)
+    opt = OptimizerSpec(name=name, **implementation(optimizer), **base)
     param_groups = None
     if len(groups) > 1:
         if names is None:
             raise ValueError("several param groups: the parameters' names are needed")
         param_groups = []
         for g in groups:
-            if bool(g.get("foreach") or False) != opt.foreach or bool(g.get("fused") or False) != opt.fused:
+            if g.get("foreach") != g0.get("foreach") or bool(g.get("fused") or False) != opt.fused:
                 raise ValueError("param groups with different foreach/fused settings are not reproduced")
             own = _options(g, name, scheduler)
             param_groups.append(ParamGroupSpec([names[id(p)] for p in g["params"]],
@@ -274,6 +301,7 @@ class LinkStats:
     fallbacks: list[dict] = field(default_factory=list)  # one record per finished checkpoint
     fingerprints_sent: int = 0
     step_meta_dropped: int = 0
+    skipped_steps: int = 0  # optimizer steps a GradScaler skipped (inf/nan), reported as such
 
 
 class TrainerLink:
@@ -295,6 +323,7 @@ class TrainerLink:
         self.model_params = [p for _, p in named]
         self.masters = self._masters(optimizer)
         self.grad_dtype = _DTYPE_NAMES[self.model_params[0].dtype]
+        self._auto_training = training is None  # read from the optimizer: clipping is learned from the first step
         self.training = training or training_spec(optimizer, scheduler, self.grad_dtype,
                                                   {id(p): n for n, p in zip(self.names, self.masters)})
         self._plateau = self.training.lr_schedule.needs_metrics and scheduler is not None
@@ -310,12 +339,16 @@ class TrainerLink:
         self._request: dict | None = None
         self._run: FallbackRun | None = None
         self._fp_pending: tuple[int, gockpt.Copy] | None = None
+        self._clip: tuple | None = None  # (total_norm, coef) tensors of this iteration's clip
         self._lock = threading.Lock()
         self.copier = gockpt.copier_for(self.masters)
         self.client: ControlClient | None = None
         self._sendq: queue.Queue = queue.Queue()
         self._sender: threading.Thread | None = None
         self._hooks = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+        self._scaler_update = None
+        if scaler is not None and self.leader:
+            self._wrap_scaler(scaler)
         if self.leader and appliance is not None:
             for i, p in enumerate(self.model_params):
                 self._ready_hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready.append(i)))
@@ -334,6 +367,72 @@ class TrainerLink:
             return list(self.model_params)  # fp32: the optimizer steps the model's own parameters
         return opt  # fp32 masters of a low-precision model: its groups, concatenated, in model order
 
+
+    # ---------------------------------------------------------------- what the wire does not carry
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's (master) parameters, with the
+        coefficient it applied sent to the appliance in this step's STEP_META."""
+        grads = [p.grad for p in self.masters if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(self.masters, max_norm, total, foreach)
+        self.note_clip(total, max_norm, norm_type)
+        return total
+
+    def note_clip(self, total_norm, max_norm: float, norm_type: float = 2.0) -> None:
+        """Report a clip done with torch's own ``clip_grad_norm_`` (its returned ``total_norm``):
+        the coefficient is formed exactly as torch forms it, on the same device (no host sync
+        here; the sender thread reads it)."""
+        total = torch.as_tensor(total_norm).detach()
+        self._clip = (total, clip_coefficient(total, max_norm), float(max_norm), float(norm_type))
+
+    def _wrap_scaler(self, scaler) -> None:
+        """GradScaler skips ``optimizer.step()`` on inf/nan, so the hooks never see that iteration;
+        its ``update`` (called every iteration) does: report the skip from there."""
+        orig = scaler.update
+
+        def update(new_scale=None):
+            st = getattr(scaler, "_per_optimizer_states", {}).get(id(self.optimizer), {})
+            found = st.get("found_inf_per_device") or {}
+            skipped = not self._stepped and bool(sum(float(v.item()) for v in found.values()))  # synced by step
+            orig(new_scale)
+            self._stepped = False
+            if skipped:
+                self._skipped_step()
+        scaler.update = update
+        self._scaler_update = orig
+        self._stepped = False
+
+    def _plan_bytes(self, layout: JobLayout, parts: int) -> list[int]:
+        """Sizes of the host copies one fallback makes: part j's state once, its gradients in
+        each of the steps N+j..N+k-1."""
+        keys = state_keys(self.training.optimizer)
+        plan = gockpt.split(layout, parts)
+        out = []
+        for j, part in enumerate(plan):
+            for i in part:
+                nb = 4 * layout.params[i].numel
+                out += [nb] * (1 + len(plan) - j) + [4 if k == "step" else nb for k in keys]
+        return out
+
+    def _skipped_step(self) -> None:
+        self.iterations_done += 1
+        self.stats.skipped_steps += 1
+        self._clip = None
+        if not (self.leader and self.client is not None):
+            return
+        self._release_meta()
+        if self._run is not None:
+            log.warning("GoCkpt checkpoint from step %d abandoned: step %d was skipped (inf/nan)", self._run.start,
+                        self.iterations_done)
+            self._run = None
+        t = self.iterations_done
+        self._boundary = {"rng": {k: v.clone() for k, v in rng_states().items()},
+                          "data_position": self.data.state_dict() if self.data is not None else None,
+                          "lr": hyper_parameters(self.optimizer)[0]["lr"], "hparams": hyper_parameters(self.optimizer),
+                          "skipped": True}
+        self._held_meta = (t, self._boundary, float(self.scaler.get_scale()))
+        self._release_meta()
 
     # ---------------------------------------------------------------- messages
     def _emit(self, build, copy: gockpt.Copy | None = None) -> None:
@@ -379,6 +478,9 @@ class TrainerLink:
         parts = max(1, min(gockpt.MAX_PARTS, msg.body["parts"]))
         with self._lock:
             self._request = {"parts": parts, "reason": msg.body["reason"], "at": msg.body["step"]}
+            layout = self.layout
+        if layout is not None:  # pinned buffers for the whole plan, here and not in the training thread
+            self.copier.reserve(self._plan_bytes(layout, parts))
         log.info("fallback requested by the appliance (%s) at its step %d, %d parts",
                  msg.body["reason"], msg.body["step"], parts)
 
@@ -393,7 +495,8 @@ class TrainerLink:
                 step, c = self._fp_pending
                 self._fp_pending = None
                 self.copier.fence(c)
-                self._emit(lambda fps, step=step: m.make(m.FINGERPRINT, step=step, fingerprints=fps), c)
+                self._emit(lambda d, step=step: m.make(m.FINGERPRINT, gockpt.digest_tensors(d), step=step,
+                                                       fingerprints=d.words), c)
                 self.stats.fingerprints_sent += 1
             if self._run is not None:
                 self._pre_fallback(self._run, t0)
@@ -406,6 +509,8 @@ class TrainerLink:
         order = list(dict.fromkeys(self._ready))
         if sorted(order) != list(range(len(self.model_params))):
             order = list(reversed(range(len(self.model_params))))  # no backward seen: DDP's default
+        if self._auto_training and self.training.clip is None and self._clip is not None:
+            self.training = dataclasses.replace(self.training, clip=ClipSpec(self._clip[2], self._clip[3]))
         with self._lock:
             self.layout = ddp_layout(self.ddp_model, self.model_params, self.names, order)
             fresh = self.iterations_done == 0 and not any(self.optimizer.state.get(p) for p in self.masters)
@@ -416,12 +521,16 @@ class TrainerLink:
         t0 = time.perf_counter()
         self.iterations_done += 1
         self.stats.steps += 1
+        self._stepped = True
+        clip, self._clip = self._clip, None
         if self.leader and self.client is not None:
             t = self.iterations_done
             hp = hyper_parameters(optimizer)  # what step t used: the scheduler moves them only after
             self._boundary = {"rng": {k: v.clone() for k, v in rng_states().items()},
                               "data_position": self.data.state_dict() if self.data is not None else None,
-                              "lr": hp[0]["lr"], "hparams": hp}
+                              "lr": hp[0]["lr"], "hparams": hp, "clip": clip,
+                              # a fused step given GradScaler's found_inf skips inside the kernel
+                              "found_inf": kwargs.get("found_inf")}
             self._held_meta = (t, self._boundary,
                                float(self.scaler.get_scale()) if self.scaler is not None else None)
             if not self._plateau:
@@ -439,7 +548,7 @@ class TrainerLink:
                 with self._lock:
                     self._request = req  # not registered yet: start after the first step
             if self._run is None and self.fingerprint_every and t % self.fingerprint_every == 0:
-                self._fp_pending = (t, self.copier.run(self._fingerprints))
+                self._fp_pending = (t, self.copier.digest(self._named_state(), t))
         self.stats.hook_seconds += time.perf_counter() - t0
 
     def _release_meta(self) -> None:
@@ -450,12 +559,22 @@ class TrainerLink:
             return
         t, meta, scale = held
         extra = {"lr_scheduler": dumps(self.scheduler.state_dict(), "lr_scheduler")} if self._plateau else {}
-        self._emit(lambda _t: m.make(m.STEP_META, {gockpt.rng_key(k): v for k, v in meta["rng"].items()},
-                                     step=t, lr=meta["lr"], loss_scale=scale,
-                                     data_position=meta["data_position"], **extra))
 
-    def _fingerprints(self) -> dict[str, int]:
-        return gockpt.state_fingerprints(self.names, self.masters, self.optimizer)
+        def build(_t):  # the sender thread: reading the clip and found_inf tensors waits there
+            out = dict(extra)
+            if meta.get("clip") is not None:
+                total, coef = meta["clip"][:2]
+                out["clip"] = {"total_norm": float(total.item()), "coef": float(coef.item())}
+            if meta.get("skipped"):
+                out["skipped"] = True
+            elif meta.get("found_inf") is not None:
+                out["skipped"] = bool(meta["found_inf"].item())
+            return m.make(m.STEP_META, {gockpt.rng_key(k): v for k, v in meta["rng"].items()},
+                          step=t, lr=meta["lr"], loss_scale=scale, data_position=meta["data_position"], **out)
+        self._emit(build)
+
+    def _named_state(self) -> dict[str, torch.Tensor]:
+        return gockpt._named_state(self.names, self.masters, self.optimizer)
 
     # ---------------------------------------------------------------- GoCkpt (trainer half)
     def _part_state(self, j: int, plan) -> dict[str, torch.Tensor]:
@@ -505,7 +624,7 @@ class TrainerLink:
             run.state_copy = self.copier.copy(self._part_state(j + 1, run.plan))
         else:
             run.held = (j, state, grads, hp)
-            run.fingerprint = self.copier.run(self._fingerprints)
+            run.fingerprint = self.copier.digest(self._named_state(), t)
         run.stall += time.perf_counter() - t0
 
     def _part_builder(self, run: FallbackRun, j: int, state, grads, hparams: list, tail: dict | None):
@@ -540,7 +659,8 @@ class TrainerLink:
         self._emit(self._part_builder(run, j, state, grads, hp, self._tail()), _Both(state, grads))
         fps = run.fingerprint
         final = run.start + run.parts
-        self._emit(lambda f: m.make(m.GOCKPT_DONE, step=final, parts=run.parts, fingerprints=f), fps)
+        self._emit(lambda d: m.make(m.GOCKPT_DONE, gockpt.digest_tensors(d), step=final, parts=run.parts,
+                                    fingerprints=d.words), fps)
         self._run = None
         rec = {"start": run.start, "parts": run.parts, "stall_s": run.stall, "blocked_parts": run.blocked_parts,
                "seconds": time.perf_counter() - run.t0}
@@ -570,6 +690,9 @@ class TrainerLink:
             else:
                 log.warning("GoCkpt checkpoint from step %d abandoned at close", run.start)
                 self._run = None
+        if self._scaler_update is not None:
+            self.scaler.update = self._scaler_update
+            self._scaler_update = None
         for h in self._hooks + self._ready_hooks:
             h.remove()
         self._hooks, self._ready_hooks = [], []

@@ -72,12 +72,14 @@ class Appliance:
     """``training`` may be a function of the layout (a replay that learns the gradient dtype from
     the wire). ``pipelined``: step each bucket's parameters as soon as the bucket is final (where
     the step is separable; otherwise its gradients wait in the replica's buffers), so the
-    iteration's step ends soon after its last packet."""
+    iteration's step ends soon after its last packet. ``impl``: the replica's optimizer
+    implementation (updater.numeric)."""
 
     def __init__(self, layout: JobLayout | None, training: TrainingSpec | Callable[[JobLayout], TrainingSpec],
                  persist: PersistSpec | None = None, replica: Replica | None = None, on_stale=None,
-                 on_iteration=None, pipelined: bool = True):
+                 on_iteration=None, pipelined: bool = True, impl: str = "mirror"):
         self.layout = layout
+        self.impl = impl
         self.pipelined = pipelined
         self._by_buckets: int | None = None  # the last iteration stepped bucket by bucket
         self.training = training
@@ -101,7 +103,7 @@ class Appliance:
         if callable(self.training):
             self.training = self.training(w.layout)
         self.layout = w.layout
-        self.replica = Replica.from_initial_weights(w.layout, self.training, w.values)
+        self.replica = Replica.from_initial_weights(w.layout, self.training, w.values, self.impl)
         log.info("replica started from the initial weights on the wire (%d parameters)", w.layout.total_numel)
 
     def bucket(self, b: ReducedBucket) -> None:

@@ -14,9 +14,12 @@ manifest.json fields:
     tensors           {dcp key: {sha256, dtype, shape}}; sha256 of the tensor's little-endian
                       bytes (bf16 as its 16-bit patterns, as updater.fingerprint.tensor_bytes)
     job               the job's name, when it has one
-    verified          absent, or {step, source, fingerprints, unix}: the state was proven equal
-                      to the trainer's (its per-tensor fingerprints, updater.fingerprint, at this
-                      step); added after the commit by an atomic rewrite of the manifest
+    verified          absent, or {step, source, fingerprints, unix, match, distance, ...}: the
+                      state was proven equal to the trainer's (its per-tensor fingerprints,
+                      updater.fingerprint, at this step): ``match`` "exact" (bit for bit) or
+                      "tolerance" (a trainer whose arithmetic differs: ``distance`` measured,
+                      ``tolerance`` allowed, ``steps_since_exact``, ``largest`` per tensor; see
+                      updater.numeric); added after the commit by an atomic rewrite of the manifest
     manifest_sha256   sha256 of the canonical JSON of all the other fields
 """
 

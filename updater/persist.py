@@ -358,12 +358,17 @@ class Persister:
         self.stats.unstaged_seconds += time.monotonic() - t0
         return True
 
-    def mark_verified(self, step: int, fingerprints: dict, source: str = "fingerprint") -> None:
+    def mark_verified(self, step: int, fingerprints: dict, source: str = "fingerprint",
+                      numeric: dict | None = None) -> None:
         """The replica's state at ``step`` was proven equal to the trainer's (per-tensor
-        ``fingerprints`` as updater.fingerprint, keyed by DCP flat key). The checkpoint this
-        persister took at that step, if any, records it in its manifest."""
+        ``fingerprints`` as updater.fingerprint, keyed by DCP flat key), bit for bit or, with
+        ``numeric`` (updater.numeric.Verdict.record: match, distance, tolerance...), within the
+        tolerance of a trainer whose arithmetic differs. The checkpoint this persister took at
+        that step, if any, records it in its manifest."""
         info = {"step": int(step), "source": source, "unix": time.time(),
-                "fingerprints": {str(k): int(v) for k, v in fingerprints.items()}}
+                "fingerprints": {str(k): int(v) for k, v in fingerprints.items()},
+                "match": "exact", "distance": 0.0}
+        info.update(numeric or {})
         self.last_verified_step = max(step, self.last_verified_step if self.last_verified_step is not None else step)
         self._put(("verify", self._taken.get(step), info))
 

@@ -8,6 +8,7 @@ applied: the replica turns stale and refuses every later iteration until ``resyn
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +20,12 @@ from ..config.layout import BucketSpec, JobLayout, numpy_dtype
 from ..config.training import TrainingSpec
 from ..parser.iteration import ReducedIteration
 from . import fingerprint as fp
+from . import numeric
 from .dcp_keys import ReplicaState, rng_tensor, to_checkpoint
 from .optim import LossScaler, build_optimizer, build_scheduler, fresh_state, step_scheduler
 
 MASTER_DTYPES = ("float32", "bfloat16", "float16")  # model dtypes; the masters are always fp32
+_OWN_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,7 +79,11 @@ class _Pending:
 
 
 class Replica:
-    def __init__(self, layout: JobLayout, training: TrainingSpec, initial_params):
+    """``impl``: the optimizer implementation the replica runs ("mirror": the trainer's, see
+    updater.numeric); it decides, with where the trainer steps, whether the replica is expected
+    bit-exact or within a tolerance (``policy``)."""
+
+    def __init__(self, layout: JobLayout, training: TrainingSpec, initial_params, impl: str = "mirror"):
         if layout.grad_dtype != training.grad_dtype:
             raise LayoutMismatch(f"layout grad_dtype {layout.grad_dtype!r} differs from training "
                                  f"grad_dtype {training.grad_dtype!r}")
@@ -91,6 +98,10 @@ class Replica:
         self.params = [torch.zeros(p.shape, dtype=torch.float32) for p in layout.params]
         self._grads = [torch.empty_like(p) for p in self.params]
         self.separable = training.separable
+        self.impl = impl
+        self.policy = numeric.policy(training.optimizer, impl)
+        self.synced_at = 0  # optimizer step at which the state was last the trainer's own
+        self.decisions_overridden = 0  # skip decisions of the trainer that our own check disagreed with
         self._fresh_optimizer()
         self.iterations_done = 0
         self.step = 0
@@ -105,11 +116,12 @@ class Replica:
             self._set_params(initial_params)
 
     @classmethod
-    def from_initial_weights(cls, layout: JobLayout, training: TrainingSpec, flat_or_dict) -> Replica:
+    def from_initial_weights(cls, layout: JobLayout, training: TrainingSpec, flat_or_dict,
+                             impl: str = "mirror") -> Replica:
         """Weights seen on the wire (e.g. DDP's start-up broadcast), fresh optimizer at step 0.
         A flat buffer holds the parameters concatenated in layout order (bf16 as uint16 bits)."""
         if isinstance(flat_or_dict, dict):
-            return cls(layout, training, flat_or_dict)
+            return cls(layout, training, flat_or_dict, impl)
         flat = flat_or_dict
         is_bf16 = (isinstance(flat, np.ndarray) and flat.dtype in (np.uint16, np.int16)) or (
             isinstance(flat, torch.Tensor) and flat.dtype in (torch.bfloat16, torch.int16, torch.uint16))
@@ -120,7 +132,7 @@ class Replica:
         for p in layout.params:
             out[p.name] = t[pos:pos + p.numel].view(p.shape)
             pos += p.numel
-        return cls(layout, training, out)
+        return cls(layout, training, out, impl)
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -138,7 +150,8 @@ class Replica:
         self._order = [index[n] for names, _ in groups for n in names]  # optimizer position -> layout index
         self._group_names = [list(names) for names, _ in groups]
         self._specs = {index[n]: gs for names, gs in groups for n in names}  # layout index -> its group's spec
-        self.optimizer = build_optimizer(self.training.optimizer, self.params,
+        spec = dataclasses.replace(self.training.optimizer, **numeric.replica_flags(self.training.optimizer, self.impl))
+        self.optimizer = build_optimizer(spec, self.params,
                                          [([self.params[index[n]] for n in names], gs) for names, gs in groups])
         self.scheduler = build_scheduler(self.training.lr_schedule, self.optimizer)
         self.scaler = LossScaler(self.training.loss_scale) if self.training.loss_scale else None
@@ -189,6 +202,7 @@ class Replica:
             elif state.iterations_done > 0:
                 raise LayoutMismatch("fp16 state without loss-scale state after iteration 0")
         self.iterations_done, self.step = int(state.iterations_done), int(state.step)
+        self.synced_at = self.step
         self.rng = {k: rng_tensor(v, f"rng.{k}") for k, v in (state.rng or {}).items()}
         self.data_position = state.data_position
         self._pending = None
@@ -210,13 +224,17 @@ class Replica:
         index = {n: i for i, n in enumerate(self.names)}
         pos = {self.names[i]: k for k, i in enumerate(self._order)}
         out_groups = []
-        for g, want in zip(groups, self._group_names):
+        own = self.optimizer.param_groups
+        for k, (g, want) in enumerate(zip(groups, self._group_names)):
             gnames = list(g.get("params", []))
             if sorted(gnames) != sorted(want):
                 bad = sorted(set(gnames) ^ set(want))[:5]
                 raise LayoutMismatch(f"optimizer param group does not list the parameters of the training "
                                      f"spec's group (differs in {bad})")
             group = {k: v for k, v in g.items() if k != "params"}
+            for flag in _OWN_FLAGS:  # the replica's implementation, whoever wrote the state
+                if flag in own[k]:
+                    group[flag] = own[k][flag]
             group["params"] = [pos[n] for n in want]  # torch pairs them with our group's order
             out_groups.append(group)
         unknown = [n for n in st if n not in index]
@@ -270,16 +288,28 @@ class Replica:
     def state_sha256(self) -> tuple[str, str]:
         return fp.state_sha256(self.params, self.optimizer)
 
-    def fingerprints(self, optimizer: bool = False) -> dict[str, int]:
-        """updater.fingerprint.fingerprint per tensor, keyed by DCP flat key ("model.<name>" and,
-        with ``optimizer``, "optim.state.<name>.<key>")."""
-        out = {f"model.{n}": fp.fingerprint(p) for n, p in zip(self.names, self.params)}
+    def named_tensors(self, optimizer: bool = True) -> dict[str, torch.Tensor]:
+        """Every state tensor by DCP flat key ("model.<name>" and, with ``optimizer``,
+        "optim.state.<name>.<key>"), by reference."""
+        out = {f"model.{n}": p for n, p in zip(self.names, self.params)}
         if optimizer:
             for n, p in zip(self.names, self.params):
                 for k, v in sorted(self.optimizer.state.get(p, {}).items()):
                     if isinstance(v, torch.Tensor):
-                        out[f"optim.state.{n}.{k}"] = fp.fingerprint(v)
+                        out[f"optim.state.{n}.{k}"] = v
         return out
+
+    def fingerprints(self, optimizer: bool = False) -> dict[str, int]:
+        """updater.fingerprint.fingerprint per tensor of ``named_tensors``."""
+        return {k: fp.fingerprint(t) for k, t in self.named_tensors(optimizer).items()}
+
+    def digest(self) -> numeric.Digest:
+        """Exact and distance fingerprints of the whole state at this step (updater.numeric)."""
+        return numeric.digest(self.named_tensors(), self.iterations_done)
+
+    def check(self, want: numeric.Digest) -> numeric.Verdict:
+        """The trainer's digest at this step against ours, under the replica's numeric policy."""
+        return numeric.compare(want, self.digest(), self.policy, self.iterations_done, self.step - self.synced_at)
 
     # ---- applying iterations ---------------------------------------------------------------
 
@@ -328,25 +358,38 @@ class Replica:
             idx.append(i)
         return idx
 
-    def _optimizer_step(self, idx: list[int]):
-        """optimizer.step() over the parameters ``idx``; the others carry no gradient and are skipped."""
+    def _optimizer_step(self, idx: list[int], meta: dict | None = None):
+        """optimizer.step() over the parameters ``idx``; the others carry no gradient and are skipped.
+        Clipping multiplies by the trainer's own coefficient when it sent one (its norm's reduction
+        order is its device's); else the norm is computed here."""
         for i in idx:
             self.params[i].grad = self._grads[i]
         try:
             if self.training.clip is not None:
                 c = self.training.clip
-                torch.nn.utils.clip_grad_norm_([self.params[i] for i in idx], c.max_norm, c.norm_type)
+                given = (meta or {}).get("clip")
+                if given is not None:
+                    coef = torch.tensor(float(given["coef"]), dtype=torch.float32)
+                    for i in idx:
+                        self._grads[i].mul_(coef)  # what clip_grads_with_norm_ does: one exact-rounded product
+                else:
+                    torch.nn.utils.clip_grad_norm_([self.params[i] for i in idx], c.max_norm, c.norm_type)
             self.optimizer.step()
         finally:
             for i in idx:
                 self.params[i].grad = None
 
-    def _step_all(self) -> bool:
-        """The trainer's step over all parameters once every gradient is loaded; False if fp16 skipped."""
+    def _step_all(self, meta: dict | None = None) -> bool:
+        """The trainer's step over all parameters once every gradient is loaded; False if skipped.
+        The trainer's skip decision (its inf/nan check) is taken as given when it sent one."""
         idx = list(range(len(self.params)))
         found_inf = self.scaler.unscale_(self._grads) if self.scaler is not None else False
+        given = (meta or {}).get("skipped")
+        if given is not None and bool(given) != found_inf:
+            self.decisions_overridden += 1
+            found_inf = bool(given)
         if not found_inf:
-            self._optimizer_step(idx)
+            self._optimizer_step(idx, meta)
         if self.scaler is not None:
             self.scaler.update(found_inf)
         return not found_inf
@@ -354,7 +397,8 @@ class Replica:
     def _finish(self, index: int, stepped: bool, meta: dict):
         if stepped:
             self.step += 1
-        if self.scheduler is not None and (stepped or self.scaler.spec.scheduler_step_on_skip):
+        on_skip = self.scaler is None or self.scaler.spec.scheduler_step_on_skip
+        if self.scheduler is not None and (stepped or on_skip):
             step_scheduler(self.scheduler, self.training.lr_schedule, meta)
         self.iterations_done = index + 1
         rng = (meta or {}).get("rng")
@@ -382,7 +426,7 @@ class Replica:
         flats = self._check_buckets(it)
         for spec, flat in zip(self.layout.bucket_list(it.layout_iteration), flats):
             self._load_grads(spec, flat)
-        stepped = self._step_all()
+        stepped = self._step_all(it.meta)
         self._finish(it.index, stepped, it.meta)
         return stepped
 
@@ -415,7 +459,7 @@ class Replica:
         p.meta.update(meta or {})
         if len(p.done) < len(p.buckets):
             return False
-        stepped = True if self.separable else self._step_all()
+        stepped = True if self.separable else self._step_all(p.meta)
         self._pending = None
         self._finish(iteration, stepped, p.meta)
         return True
