@@ -438,12 +438,12 @@ class AppliancePlane:
                 if not 1 <= b["parts"] <= gockpt.MAX_PARTS:
                     raise Refused(f"parts must be in 1..{gockpt.MAX_PARTS}")
                 rb = gockpt.Rebuild(self.layout, self.training, b["parts"])
-                rb.add_part(b["step"], 0, b["parts"], b.get("slices", {}), msg.tensors)
+                rb.add_part(b["step"], 0, b["parts"], b.get("slices", {}), msg.tensors, own=True)
                 f.rebuild = rb
             else:
                 if f.rebuild is None:
                     raise Refused(f"part {b['index']} before part 0")
-                f.rebuild.add_part(b["step"], b["index"], b["parts"], b.get("slices", {}), msg.tensors)
+                f.rebuild.add_part(b["step"], b["index"], b["parts"], b.get("slices", {}), msg.tensors, own=True)
 
     def _on_done(self, msg: m.Message, peer) -> None:
         b = msg.body
@@ -458,7 +458,7 @@ class AppliancePlane:
             want = b.get("fingerprints")
             if not want:
                 raise Refused("GOCKPT_DONE without fingerprints: the rebuilt state cannot be verified")
-            rep = Replica(self.layout, self.training, rb.state())
+            rep = Replica(self.layout, self.training, rb.state(), adopt=True)  # the rebuild's tensors, no copy
             have = rep.fingerprints(optimizer=True)
             diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
             if diff:
@@ -503,6 +503,14 @@ class AppliancePlane:
                     (want is None or want == r.iterations_done):
                 st = r.state()
                 source = "memory"
+                if _state_bytes(st) > self._copy_budget():
+                    # no room for a copy: sent from the replica itself while the plane waits
+                    reply = restore_message(st, source)
+                    reply.re = msg.rid
+                    peer.send(reply)
+                    self.stats.restores[source] += 1
+                    log.info("restore: state of step %d sent from memory, uncopied", st.iterations_done)
+                    return None
                 state = _cloned(st)
         if state is None and self.persist is not None:
             from ..updater.restore import read_state
@@ -521,7 +529,19 @@ class AppliancePlane:
         return restore_message(state, source)
 
 
+    def _copy_budget(self) -> int:
+        """Bytes a restore may copy the state into: the persist memory budget (unbounded without)."""
+        return self.persist.memory_budget_bytes if self.persist is not None else 1 << 62
+
+
 # ------------------------------------------------------------------------ helpers
+
+def _state_bytes(st) -> int:
+    n = sum(v.numel() * v.element_size() for v in st.params.values())
+    for s in st.optim["state"].values():
+        n += sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor))
+    return n
+
 
 def _warm_up() -> None:
     p = torch.zeros(1, requires_grad=True)
