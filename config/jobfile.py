@@ -99,7 +99,7 @@ SCHEMA = {
                "source": (_str(), False)},
     "persist": {"directory": (_str(), True), "every_iterations": (_int(1), False),
                 "every_seconds": (_num(0), False), "keep_last": (_int(1), False),
-                "memory_budget_bytes": (_int(0), False)},
+                "memory_budget_bytes": (_int(0), False), "writer_threads": (_int(1), False)},
     "control": {"listen": (_str(), False), "secret_file": (_str(), False), "fallback_parts": (_int(1), False),
                 "fingerprint_every": (_int(1), False), "tls_cert": (_str(), False), "tls_key": (_str(), False),
                 "tls_ca": (_str(), False)},

@@ -285,6 +285,7 @@ class PersistSpec:
     keep_last: int = 3
     memory_budget_bytes: int = 4 << 30  # staging copies in flight may not exceed this
     job_name: str | None = None  # recorded in the root's identity; another job's name is refused
+    writer_threads: int = 2  # DCP writer threads (one data file each) and hashing threads of a commit
 
     def __post_init__(self):
         w = "persist"
@@ -301,6 +302,9 @@ class PersistSpec:
               f"memory_budget_bytes must be a positive integer, got {self.memory_budget_bytes!r}")
         _need(self.job_name is None or (isinstance(self.job_name, str) and self.job_name != ""), w,
               f"job_name must be a non-empty string, got {self.job_name!r}")
+        _need(isinstance(self.writer_threads, int) and not isinstance(self.writer_threads, bool)
+              and 1 <= self.writer_threads <= 64, w,
+              f"writer_threads must be an integer in 1..64, got {self.writer_threads!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

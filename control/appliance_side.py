@@ -466,12 +466,12 @@ class AppliancePlane:
                 if not 1 <= b["parts"] <= gockpt.MAX_PARTS:
                     raise Refused(f"parts must be in 1..{gockpt.MAX_PARTS}")
                 rb = gockpt.Rebuild(self.layout, self.training, b["parts"], impl=self.replica_impl)
-                rb.add_part(b["step"], 0, b["parts"], b.get("slices", {}), msg.tensors)
+                rb.add_part(b["step"], 0, b["parts"], b.get("slices", {}), msg.tensors, own=True)
                 f.rebuild = rb
             else:
                 if f.rebuild is None:
                     raise Refused(f"part {b['index']} before part 0")
-                f.rebuild.add_part(b["step"], b["index"], b["parts"], b.get("slices", {}), msg.tensors)
+                f.rebuild.add_part(b["step"], b["index"], b["parts"], b.get("slices", {}), msg.tensors, own=True)
 
     def _on_done(self, msg: m.Message, peer) -> None:
         b = msg.body
@@ -489,7 +489,8 @@ class AppliancePlane:
                 want = gockpt.digest_of(b["fingerprints"], msg.tensors)
             except gockpt.PartError as e:
                 raise Refused(f"GOCKPT_DONE: {e}") from None
-            rep = Replica(self.layout, self.training, rb.state(), self.replica_impl)
+            # the rebuild's tensors become the replica's (no copy)
+            rep = Replica(self.layout, self.training, rb.state(), self.replica_impl, adopt=True)
             rep.synced_at = max(0, rep.step - rb.parts)  # each part took up to k steps of our own arithmetic
             v = rep.check(want)
             diff = v.differing
@@ -538,6 +539,14 @@ class AppliancePlane:
                     (want is None or want == r.iterations_done):
                 st = r.state()
                 source = "memory"
+                if _state_bytes(st) > self._copy_budget():
+                    # no room for a copy: sent from the replica itself while the plane waits
+                    reply = restore_message(st, source)
+                    reply.re = msg.rid
+                    peer.send(reply)
+                    self.stats.restores[source] += 1
+                    log.info("restore: state of step %d sent from memory, uncopied", st.iterations_done)
+                    return None
                 state = _cloned(st)
         if state is None and self.persist is not None:
             from ..updater.restore import read_state
@@ -556,7 +565,19 @@ class AppliancePlane:
         return restore_message(state, source)
 
 
+    def _copy_budget(self) -> int:
+        """Bytes a restore may copy the state into: the persist memory budget (unbounded without)."""
+        return self.persist.memory_budget_bytes if self.persist is not None else 1 << 62
+
+
 # ------------------------------------------------------------------------ helpers
+
+def _state_bytes(st) -> int:
+    n = sum(v.numel() * v.element_size() for v in st.params.values())
+    for s in st.optim["state"].values():
+        n += sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor))
+    return n
+
 
 def _warm_up() -> None:
     p = torch.zeros(1, requires_grad=True)

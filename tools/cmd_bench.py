@@ -33,6 +33,8 @@ SECTIONS = {
     "goodput": ("mirrorckpt.benchmarks.bench_goodput", "run", {}, {"steps": 120, "mtbf_s": 3.0, "every": 10}),
     "joint": ("mirrorckpt.benchmarks.bench_joint", "run", {"nparams": 16_000_000}, {"nparams": 4_000_000, "reps": 2}),
     "e2e": ("mirrorckpt.benchmarks.bench_e2e", "run", {}, {"repeat": 2, "memory_steps": None}),
+    "large": ("mirrorckpt.benchmarks.bench_large", "run_all", {},
+              {"sizes": (1_000_000, 4_000_000, 10_000_000), "commit_params": 10_000_000}),
 }
 
 
@@ -361,6 +363,31 @@ def _render_e2e(name, r) -> list[str]:
 
 def protocols_present(r: dict, protos: list[str]) -> list[str]:
     return [p for p in protos if isinstance(r.get(p), dict) and "runs" in r[p]]
+
+
+def _render_large(name, r) -> list[str]:
+    lines = ["## Large states: fallback, restore, commit (issue 15)", "",
+             "A one-part GoCkpt fallback of an fp32 AdamW job (two param groups, OneCycleLR), trainer and "
+             "appliance in one process over loopback: from the request to the verified resync, two or three "
+             "training steps included; the restore is `restore_from_appliance` into a fresh job (64 MiB frames). "
+             "State: parameters and Adam's two moments, 12 bytes per parameter.", "",
+             "| parameters | state MB | fallback s | trainer stall ms | restore s | restore GB/s |",
+             "|---|---|---|---|---|---|"]
+    for x in r["fallback"]:
+        lines.append(f"| {x['nparams'] / 1e6:.0f} M | {x['state_bytes'] / 1e6:.0f} | {x['fallback_s']:.2f} | "
+                     f"{1e3 * x['trainer_stall_s']:.1f} | {x['restore_s']:.2f} | {x['restore_GBps']:.2f} |")
+    c = r["commit"]
+    lines += ["", f"A committed checkpoint of {c['nparams'] / 1e6:.0f} M parameters ({c['state_bytes'] / 1e6:.0f} MB: "
+              "DCP files, sha256 of every tensor, file and byte range, fsyncs, pointer) against a plain sequential "
+              "write + fsync of the same bytes, one run; `[persist] writer_threads` defaults to "
+              f"{c['default_threads']}.",
+              "", "| write | seconds | GB/s | ratio |", "|---|---|---|---|",
+              f"| plain sequential write + fsync | {c['plain_s']:.2f} | {c['plain_GBps']:.2f} | 1x |"]
+    for x in c["commits"]:
+        lines.append(f"| committed checkpoint, {x['threads']} writer thread(s) | {x['seconds']:.2f} | "
+                     f"{x['GBps']:.2f} | "
+                     f"{x['ratio_to_plain']:.2f}x |")
+    return lines
 
 
 def _render_generic(name, r) -> list[str]:

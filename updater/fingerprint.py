@@ -23,16 +23,22 @@ import torch
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """Little-endian bytes of a tensor as stored (bf16 as its 16-bit patterns)."""
+    return _view(t).tobytes()
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy where it is contiguous on the CPU (hashing 80M
+    parameters must not copy them)."""
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return t.numpy().tobytes()
+    return memoryview(t.numpy().reshape(-1).view("u1"))
 
 
 def params_sha256(params: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for p in params:
-        h.update(tensor_bytes(p))
+        h.update(_view(p))
     return h.hexdigest()
 
 
@@ -44,7 +50,7 @@ def optim_sha256(states: list[dict]) -> str:
             v = st[k]
             h.update(k.encode() + b"\0")
             if isinstance(v, torch.Tensor):
-                h.update(tensor_bytes(v))
+                h.update(_view(v))
             else:
                 h.update(repr(v).encode())
     return h.hexdigest()
@@ -56,17 +62,33 @@ def state_sha256(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -
 
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+_CHUNK = 1 << 20  # words per pass: the uint64 temporaries stay small whatever the tensor's size
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as little-endian 32-bit words (a view when they need no padding)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    b = t.numpy().reshape(-1).view(np.uint8)
+    if b.size % 4:
+        b = np.concatenate([b, np.zeros(4 - b.size % 4, np.uint8)])
+    return b.view("<u4")
 
 
 def fingerprint(t: torch.Tensor) -> int:
-    """Weighted sum of the tensor's 32-bit words mod 2**64 (16-bit tensors padded with a zero word)."""
-    b = np.frombuffer(tensor_bytes(t), dtype=np.uint8)
-    if b.size % 4:
-        b = np.concatenate([b, np.zeros(4 - b.size % 4, np.uint8)])
-    w = b.view("<u4").astype(np.uint64)
-    weights = np.arange(w.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    """Weighted sum of the tensor's 32-bit words mod 2**64 (16-bit tensors padded with a zero word).
+    Computed in chunks: a chunk from word ``lo`` adds sum((2j+1) w_j) + 2 lo sum(w_j)."""
+    words = _words(t)
+    weights = np.arange(min(words.size, _CHUNK), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    total = np.uint64(0)
     with np.errstate(over="ignore"):
-        return int(np.sum(w * weights, dtype=np.uint64) & _MASK)
+        for lo in range(0, words.size, _CHUNK):
+            w = words[lo:lo + _CHUNK].astype(np.uint64)
+            part = np.sum(w * weights[:w.size], dtype=np.uint64)
+            total = total + part + np.uint64(2 * lo) * np.sum(w, dtype=np.uint64)
+    return int(total & _MASK)
+
 
 
 # ------------------------------------------------------------------------------ distance fingerprints

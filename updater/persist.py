@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ class CheckpointExists(FileExistsError):
 
 
 def write_checkpoint(root, state_dict: dict, keep_last: int | None = None, job: str | None = None,
-                     verified: dict | None = None) -> Path:
+                     verified: dict | None = None, threads: int = 1) -> Path:
     """Commit one checkpoint of the nested DCP ``state_dict`` (updater.dcp_keys layout) under
     ``root`` and return its directory. Synchronous; the Persister calls it from its thread.
     A root that belongs to another job (ckptdir.check_identity) is refused before anything is
@@ -66,7 +67,7 @@ def write_checkpoint(root, state_dict: dict, keep_last: int | None = None, job: 
     tmp = root / f"{ckptdir.PARTIAL}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _write_partial(tmp, state_dict, job, verified)
+        _write_partial(tmp, state_dict, job, verified, threads)
         os.rename(tmp, final)  # fails on an existing non-empty directory: no overwrite
         ckptdir.fsync_dir(root)
     except BaseException:
@@ -78,25 +79,43 @@ def write_checkpoint(root, state_dict: dict, keep_last: int | None = None, job: 
     return final
 
 
-def _write_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict | None) -> None:
+def _write_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict | None, threads: int = 1) -> None:
+    """DCP files, then the manifest. ``threads`` DCP writer threads (one data file each); the
+    tensors are hashed by as many threads while DCP writes, and the files read back in parallel
+    (hashlib releases the GIL)."""
     dcp = ckptdir.dcp_module()
     flat = flatten(state_dict)
-    tensors = {k: {"sha256": tensor_sha256(v), "dtype": dtype_name(v), "shape": list(v.shape)}
-               for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
-    md = dcp.save(state_dict, storage_writer=writer, no_dist=True)
-    stored = {k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
-    if stored != set(tensors):
-        raise RuntimeError(f"DCP stored tensor keys differ from ours: {sorted(stored ^ set(tensors))[:5]}")
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="mirrorckpt-hash") as pool:
+        keys = [k for k, v in flat.items() if isinstance(v, torch.Tensor)]
+        sums = pool.map(tensor_sha256, [flat[k] for k in keys])  # overlaps the write below
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=max(1, threads),
+                                      overwrite=False)
+        md = dcp.save(state_dict, storage_writer=writer, no_dist=True)
+        tensors = {k: {"sha256": h, "dtype": dtype_name(flat[k]), "shape": list(flat[k].shape)}
+                   for k, h in zip(keys, sums)}
+        stored = {k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
+        if stored != set(tensors):
+            raise RuntimeError(f"DCP stored tensor keys differ from ours: {sorted(stored ^ set(tensors))[:5]}")
+        hashed = _hash_files(pool, tmp, md)
+    _finish_partial(tmp, state_dict, job, verified, tensors, hashed)
+
+
+def _hash_files(pool, tmp: Path, md):
     ranges: dict[str, list] = {}
     where: dict[str, tuple] = {}
     for idx, info in md.storage_data.items():
         key = idx.fqn if idx.offset is None or not any(idx.offset) else f"{idx.fqn}@{list(idx.offset)}"
         ranges.setdefault(info.relative_path, []).append((key, info.offset, info.length))
         where[key] = (info.relative_path, info.offset, info.length)
+    names = sorted(os.listdir(tmp))
+    return names, where, list(pool.map(lambda n: hash_file(tmp / n, ranges.get(n, ())), names))
+
+
+def _finish_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict | None, tensors: dict,
+                    hashed) -> None:
+    names, where, results = hashed
     files, items = {}, {}
-    for name in sorted(os.listdir(tmp)):
-        size, sha, parts = hash_file(tmp / name, ranges.get(name, ()))
+    for name, (size, sha, parts) in zip(names, results):
         files[name] = {"size": size, "sha256": sha}
         for key, h in parts.items():
             f, off, n = where[key]
@@ -390,7 +409,8 @@ class Persister:
         """One write (writer thread, or the caller for an unstaged snapshot); failures are counted
         and logged, never raised: later snapshots must still be written."""
         try:
-            path = write_checkpoint(self.root, sd, keep_last=self.spec.keep_last, job=self.job)
+            path = write_checkpoint(self.root, sd, keep_last=self.spec.keep_last, job=self.job,
+                                    threads=self.spec.writer_threads)
             self._landed.add(seq)
             self.stats.committed += 1
             self.stats.last_committed = str(path)

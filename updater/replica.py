@@ -83,7 +83,10 @@ class Replica:
     updater.numeric); it decides, with where the trainer steps, whether the replica is expected
     bit-exact or within a tolerance (``policy``)."""
 
-    def __init__(self, layout: JobLayout, training: TrainingSpec, initial_params, impl: str = "mirror"):
+    def __init__(self, layout: JobLayout, training: TrainingSpec, initial_params, impl: str = "mirror",
+                 adopt: bool = False):
+        """``adopt``: the float32 tensors of a ReplicaState given as ``initial_params`` become the
+        replica's own (no copy; the caller hands them over), as a fallback's rebuild does."""
         if layout.grad_dtype != training.grad_dtype:
             raise LayoutMismatch(f"layout grad_dtype {layout.grad_dtype!r} differs from training "
                                  f"grad_dtype {training.grad_dtype!r}")
@@ -95,8 +98,9 @@ class Replica:
             raise LayoutMismatch("layout parameter names are not unique")
         self.layout, self.training = layout, training
         self.names = names
-        self.params = [torch.zeros(p.shape, dtype=torch.float32) for p in layout.params]
-        self._grads = [torch.empty_like(p) for p in self.params]
+        # empty: every construction fills them (or adopts tensors); untouched pages cost no memory
+        self.params = [torch.empty(p.shape, dtype=torch.float32) for p in layout.params]
+        self._grads = [torch.empty_like(p) for p in self.params]  # touched by the first mirror step
         self.separable = training.separable
         self.impl = impl
         self.policy = numeric.policy(training.optimizer, impl)
@@ -111,7 +115,7 @@ class Replica:
         self.rng: dict[str, torch.Tensor] = {}
         self.data_position = None
         if isinstance(initial_params, (ReplicaState, str, Path)):
-            self.load_state(initial_params)
+            self.load_state(initial_params, adopt=adopt)
         else:
             self._set_params(initial_params)
 
@@ -157,7 +161,7 @@ class Replica:
         self.scaler = LossScaler(self.training.loss_scale) if self.training.loss_scale else None
 
     @torch.no_grad()
-    def _set_params(self, tensors: dict):
+    def _set_params(self, tensors: dict, adopt: bool = False):
         if not isinstance(tensors, dict):
             raise TypeError(f"initial parameters must be a dict name -> tensor, a ReplicaState or a "
                             f"checkpoint path, got {type(tensors).__name__}")
@@ -172,12 +176,17 @@ class Replica:
                 v = wire_tensor(v, "bfloat16" if v.dtype in (np.uint16, np.int16) else "float32")
             if v.numel() != spec.numel or (v.dim() > 1 and tuple(v.shape) != spec.shape):
                 raise LayoutMismatch(f"parameter {spec.name}: shape {tuple(v.shape)}, layout says {spec.shape}")
-            p.copy_(v.reshape(spec.shape))  # exact widening for bf16/fp16
+            if adopt and v.dtype == torch.float32 and v.is_contiguous() and tuple(v.shape) == spec.shape:
+                p.set_(v)  # handed over: the replica's from now on
+            else:
+                p.copy_(v.reshape(spec.shape))  # exact widening for bf16/fp16
 
     @torch.no_grad()
-    def load_state(self, state) -> None:
+    def load_state(self, state, adopt: bool = False) -> None:
         """Replace the whole state (params, optimizer, scheduler, loss scale, counters) from a
-        ReplicaState (a trainer registration) or a checkpoint directory / root."""
+        ReplicaState (a trainer registration) or a checkpoint directory / root. The optimizer
+        state's tensors are always taken as they are (torch's load_state_dict keeps them);
+        ``adopt`` takes the parameters too."""
         if isinstance(state, (str, Path)):
             from .restore import read_state
 
@@ -186,7 +195,7 @@ class Replica:
         if tr is not None and tr != self.training.optimizer.name:
             raise LayoutMismatch(f"state was made by optimizer {tr!r}, the training spec says "
                                  f"{self.training.optimizer.name!r}")
-        self._set_params(state.params)
+        self._set_params(state.params, adopt)
         self._fresh_optimizer()  # scheduler built before the optimizer state is loaded, as torch expects
         self.optimizer.load_state_dict(self._indexed_optim(state.optim))
         if self.scheduler is not None:

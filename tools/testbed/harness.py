@@ -302,9 +302,9 @@ class HarnessState:
     """Per rank: the ring, and on rank 0 the packetiser and its frame stream."""
 
     def __init__(self, world: int, rank: int, frames: tuple[str, int] | None, seed: int = 1,
-                 drop: set[tuple[int, int]] | None = None, group=None):
+                 drop: set[tuple[int, int]] | None = None, group=None, protocol: str = "LL"):
         self.world, self.rank, self.group = world, rank, group
-        self.ring, self.topo = ring_for(world, seed)
+        self.ring, self.topo = ring_for(world, seed, protocol)
         self.drop = set(drop or ())
         self.iteration = 0
         self.calls = 0
@@ -367,10 +367,11 @@ mirror_allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=Harne
                                              **{"return": torch.futures.Future[torch.Tensor]})
 
 
-def register(ddp_model, frames: tuple[str, int] | None, *, seed: int = 1, drop=None) -> HarnessState:
+def register(ddp_model, frames: tuple[str, int] | None, *, seed: int = 1, drop=None,
+             protocol: str = "LL") -> HarnessState:
     """Install the hook on ``ddp_model``; ``frames`` is the appliance's frame-stream address
     (used by rank 0)."""
-    state = HarnessState(dist.get_world_size(), dist.get_rank(), frames, seed, drop)
+    state = HarnessState(dist.get_world_size(), dist.get_rank(), frames, seed, drop, protocol=protocol)
     ddp_model.register_comm_hook(state, mirror_allreduce_hook)
     return state
 
@@ -409,8 +410,10 @@ def build_model(dims, seed: int) -> nn.Module:
 
 def digest(link_or_none, module, optimizer, scheduler, shard) -> dict:
     """The five state components of a rank, hashed: parameters, optimizer state, schedule and
-    counters, RNG state, data position."""
-    from mirrorckpt.control.trainer import reducer_params
+    counters, RNG state, data position; ``groups`` and ``sched_state`` are every param group's
+    hyper-parameters and the scheduler's whole state, as the checkpoint's tagged JSON."""
+    from mirrorckpt.control.trainer import group_dicts, reducer_params
+    from mirrorckpt.updater.dcp_keys import dumps
     from mirrorckpt.updater.fingerprint import state_sha256
 
     params = [p for _, p in reducer_params(module)]
@@ -418,7 +421,24 @@ def digest(link_or_none, module, optimizer, scheduler, shard) -> dict:
     return {"params": ps, "optim": os_, "lr": optimizer.param_groups[0]["lr"],
             "sched": scheduler.state_dict()["last_epoch"] if scheduler is not None else None,
             "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
-            "data": shard.state_dict()}
+            "data": shard.state_dict(),
+            "groups": dumps(group_dicts(optimizer), "param_groups"),
+            "sched_state": dumps(scheduler.state_dict(), "lr_scheduler") if scheduler is not None else None}
+
+
+def build_recipe(name: str, ddp, total_steps: int):
+    """(optimizer, scheduler) of a recipe: ``adam-steplr`` (one group, StepLR) or ``llm``: AdamW in
+    two param groups, weight decay on the weights (matrices) only, OneCycleLR (cycled beta1)."""
+    if name == "adam-steplr":
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, foreach=False)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    if name != "llm":
+        raise ValueError(f"unknown recipe {name!r}")
+    decay = [p for p in ddp.parameters() if p.dim() >= 2]
+    plain = [p for p in ddp.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=total_steps, pct_start=0.25)
 
 
 def main(argv=None) -> None:
@@ -438,6 +458,11 @@ def main(argv=None) -> None:
     ap.add_argument("--restore", default="", help="'appliance' or a checkpoint root")
     ap.add_argument("--step-delay", type=float, default=0.0)
     ap.add_argument("--wait-file", default="", help="before each step, wait while this file exists")
+    ap.add_argument("--recipe", default="adam-steplr", choices=("adam-steplr", "llm"))
+    ap.add_argument("--total-steps", type=int, default=1000, help="the llm recipe's OneCycleLR total_steps")
+    ap.add_argument("--protocol", default="LL", choices=("LL", "LL128", "Simple"), help="NCCL protocol on the wire")
+    ap.add_argument("--digest-ranks", default="all", choices=("all", "0"), help="ranks that record digests")
+    ap.add_argument("--digest-restored", action="store_true", help="record the restored state before any step")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -457,9 +482,9 @@ def main(argv=None) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, **({"bucket_cap_mb": a.bucket_cap_mb} if a.bucket_cap_mb else {}))
     drop = {tuple(int(v) for v in d.split(":")) for d in a.drop.split(",") if d}
-    hs = register(ddp, ("127.0.0.1", a.frames_port) if a.frames_port else None, seed=1, drop=drop)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, foreach=False)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    hs = register(ddp, ("127.0.0.1", a.frames_port) if a.frames_port else None, seed=1, drop=drop,
+                  protocol=a.protocol)
+    opt, sched = build_recipe(a.recipe, ddp, a.total_steps)
     shard = Shard(dims, a.seed, a.rank)
     link = None
     appliance = ("127.0.0.1", a.control_port) if a.control_port else None
@@ -469,7 +494,10 @@ def main(argv=None) -> None:
                       restore=a.restore or None, connect_timeout=10.0,
                       client_options={"backoff_max": 0.2})
     start = link.iterations_done if link is not None else 0
+    digests = a.digest_ranks == "all" or a.rank == 0
     rec = open(out / f"digests_rank{a.rank}.jsonl", "a")
+    if a.restore and a.digest_restored and digests:  # the state as restored, before any step
+        rec.write(json.dumps({"step": start, "restored": True, **digest(link, model, opt, sched, shard)}) + "\n")
     for _ in range(a.steps):
         while a.wait_file and os.path.exists(a.wait_file):
             time.sleep(0.01)
@@ -481,8 +509,9 @@ def main(argv=None) -> None:
         opt.step()
         sched.step()
         start += 1
-        rec.write(json.dumps({"step": start, **digest(link, model, opt, sched, shard)}) + "\n")
-        rec.flush()
+        if digests:
+            rec.write(json.dumps({"step": start, **digest(link, model, opt, sched, shard)}) + "\n")
+            rec.flush()
         if a.step_delay:
             time.sleep(a.step_delay)
     rec.close()
