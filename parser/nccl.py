@@ -59,6 +59,9 @@ class NcclSend:
     ts_ns: int = 0
     length_known: bool = True
     stream: int = 0  # which mirror stream (capture source) carried it
+    psn: int | None = None  # first PSN (unwrapped) of its WRITEs on ``qp``; None when unknown
+    npkts: int = 0  # PSNs its WRITEs cover on ``qp``
+    pmtu: int = 0  # path MTU of ``qp`` as seen so far (0: not yet known)
 
     @property
     def complete(self) -> bool:
@@ -103,6 +106,7 @@ class NcclDecoder:
         self.conns: dict[ConnKey, _Conn] = {}
         self.cts_posts = 0
         self.orphan_bulk = 0  # split-form pieces whose closing immediate never came
+        self.pmtu: dict[QpKey, int] = {}  # per QP: path MTU shown by its messages
         self.merged_tails = 0  # sends recovered from the end of messages run together by loss
 
     def _conn(self, key: ConnKey) -> _Conn:
@@ -115,6 +119,7 @@ class NcclDecoder:
         # CTS first: a receiver posts it before the data it announces, whatever the QP order.
         data_msgs = []
         for m in messages:
+            self._learn_pmtu(m)
             if not self._take_cts(m):
                 data_msgs.append(m)
         out = []
@@ -129,6 +134,16 @@ class NcclDecoder:
             if c.bulk:
                 out.append(self._join(c, None))
         return out
+
+    def _learn_pmtu(self, m: RdmaMessage) -> None:
+        """Every packet but a message's last carries one PMTU (a power of two), so a message of L
+        bytes in n >= 2 packets shows it as the power of two at or above L/n; a one-packet message
+        only bounds it from below. The largest value seen is kept."""
+        if m.dlen and m.length_known and m.npkts:
+            per = -(-m.dlen // m.npkts)
+            p = 1 << (per - 1).bit_length()
+            if p > self.pmtu.get(m.qp, 0):
+                self.pmtu[m.qp] = p
 
     # -- CTS -----------------------------------------------------------------------------------
 
@@ -224,7 +239,7 @@ class NcclDecoder:
         if flag is None or (head_flags == flag).any():
             return None  # one send after all (or no flag to place it by): the immediate is what is wrong
         self.merged_tails += 1
-        return self._make(c, wire, holes, [m], size, None, "normal", True)
+        return self._make(c, wire, holes, [m], size, None, "normal", True, psn_known=False)
 
     def _contradiction(self, what: str, seen: nccl_versions.WireFamily) -> None:
         """Stop on traffic that the stated version (or this stream's earlier traffic) rules out."""
@@ -295,7 +310,8 @@ class NcclDecoder:
         return self._make(c, data, holes, pieces + ([close] if close is not None else []), size, va,
                           "split", known)
 
-    def _make(self, c: _Conn, wire: np.ndarray, wire_holes, msgs, size, va, form, length_known) -> NcclSend:
+    def _make(self, c: _Conn, wire: np.ndarray, wire_holes, msgs, size, va, form, length_known,
+              psn_known: bool = True) -> NcclSend:
         cts = self._match_cts(c, va)
         # An empty step has no bytes to tell its protocol: it takes its connection's.
         flag = None
@@ -308,11 +324,14 @@ class NcclDecoder:
         else:
             proto = self.protocol or c.protocol
         user, holes, flag = decode(proto, wire, wire_holes, flag)
+        qp = msgs[0].qp if msgs else None
         return NcclSend(
             connection=c.key, qp=msgs[0].qp if msgs else None, protocol=proto, data=user, holes=holes,
             wire_bytes=len(wire), size=size, va=va, form=form, flag=flag,
             seq=cts.idx if cts else None, cts=cts, ts_ns=min(m.ts_ns for m in msgs) if msgs else 0,
             length_known=length_known, stream=self.stream,
+            psn=msgs[0].psn if msgs and psn_known else None, npkts=sum(m.npkts for m in msgs),
+            pmtu=self.pmtu.get(qp, 0),
         )
 
 

@@ -91,6 +91,7 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--duplicate", default=0.0, type=float)
 @click.option("--corrupt", default=0.0, type=float)
 @click.option("--truncate", default=0.0, type=float)
+@click.option("--message-loss", default=0.0, type=float, help="Rate per RDMA WRITE message of losing all its frames.")
 @click.option("--fault-seed", default=0, show_default=True, type=int)
 @click.option("--no-send-truth", is_flag=True, help="Leave the per-send records out of truth.json (big runs).")
 def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders, mtu, ipv6, grad_dtype,
@@ -98,7 +99,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
         dampening, nesterov, amsgrad, maximize, foreach, lr_schedule, lr_schedule_kwargs, clip_norm,
         clip_norm_type, loss_scale, growth_interval, force_overflow_at, mirror, fmt, adaptive_routing,
         ar_threshold, write_only_train, psn_start, line_rate_gbps, p2p_fill, noise, noise_rate, loss, reorder,
-        duplicate, corrupt, truncate, fault_seed, no_send_truth):
+        duplicate, corrupt, truncate, message_loss, fault_seed, no_send_truth):
     """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
     from mirrorckpt.config.training import (
         ClipSpec,
@@ -139,7 +140,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
             wire=WireOptions(pmtu=int(mtu), ipv6=ipv6, adaptive_routing=adaptive_routing, ar_threshold=ar_threshold,
                              write_only_train=write_only_train, initial_psn=psn_start, line_rate_gbps=line_rate_gbps),
             noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
-            faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed),
+            faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
             p2p_fill=p2p_fill, send_truth=not no_send_truth)
         truth = generate(cfg, out_dir)
     except (ValueError, SpecError, json.JSONDecodeError) as e:
