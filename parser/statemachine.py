@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mirrorckpt.config.ddp import CollSpec
-from mirrorckpt.parser import schedule
+from mirrorckpt.parser import nccl_versions, schedule
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.nccl import ConnKey, NcclSend
 from mirrorckpt.parser.reassembly import QpKey
@@ -245,11 +245,15 @@ class RingStateMachine:
         if s.psn is None:
             self.counts["unplaced_unconfirmed"] += 1
             return None
+        # Several QPs: a message cut over them has a piece on every QP; whole messages go to QP
+        # ``m mod nqps`` (nccl_versions.data_qp), so a QP carries every nqps-th message.
+        stride = 1 if s.cut or s.nqps == 1 else s.nqps
         cur = self.cursors.get((s.stream, s.qp))
         if cur is not None:
-            m, end = cur.m + 1, cur.end
+            m, end = cur.m + stride, cur.end
         elif self.model.from_start:
-            m, end = 0, 0  # a capture that starts with the job: NCCL's first PSN is 0
+            # a capture that starts with the job: NCCL's first PSN is 0
+            m, end = (0 if stride == 1 else s.qp_index), 0
         else:
             self.counts["unplaced_no_step"] += 1
             return None
@@ -262,8 +266,13 @@ class RingStateMachine:
             if hit is None:
                 break
             w = hit[1].wire_bytes
-            gap -= max(1, -(-w // s.pmtu)) + (1 if split and w > AR_THRESHOLD else 0)
-            m += 1
+            if s.cut:  # this QP's piece of it
+                k = nccl_versions.qp_piece_bytes(w, s.nqps)
+                nb = max(0, min(k, w - s.qp_index * k))
+            else:
+                nb = w
+            gap -= max(1, -(-nb // s.pmtu)) + (1 if split and w > AR_THRESHOLD else 0)
+            m += stride
         if gap:
             self.counts["unplaced_psn_gap"] += 1
             return None
