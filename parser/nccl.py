@@ -257,6 +257,10 @@ class NcclDecoder:
         # piece never gets it (lost whole), so it goes out with that piece as a hole.
         for key in [k for k, v in c.cut.items() if i not in v and k != (size, addr)]:
             out.append(self._emit_cut(c, key))
+        if i in c.cut.get((size, addr), ()):
+            # the same slot and size again (NCCL reuses a slot every few messages): this QP has
+            # moved on, so the earlier message is as complete as it will be
+            out.append(self._emit_cut(c, (size, addr)))
         got = c.cut.setdefault((size, addr), {})
         got[i] = p
         if len(got) == len(g.qps):
@@ -471,9 +475,10 @@ class NcclDecoder:
     def _make(self, c: _Conn, wire: np.ndarray, wire_holes, msgs, size, va, form, length_known,
               psn_known: bool = True) -> NcclSend:
         cts = self._match_cts(c, va)
-        # An empty step has no bytes to tell its protocol: it takes its connection's.
+        # An empty step, or one whose bytes are all lost, has nothing to tell its protocol: it
+        # takes its connection's (all-zero bytes are no evidence of Simple).
         flag = None
-        if len(wire):
+        if len(wire) and sum(n for _, n in wire_holes) < len(wire):
             if self.protocol:
                 proto = self.protocol
             else:

@@ -15,6 +15,7 @@ describe the traffic.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from mirrorckpt.parser.schedule import RingStep
 MAX_AHEAD_STEPS = 1 << 20
 # Planned messages walked to account for a PSN gap before a flagless send; past it, unplaced.
 MAX_GAP_MESSAGES = 1 << 14
+# Sends placed per QP kept to count PSN gaps from (they come out of order by at most a few).
+MAX_ANCHORS = 64
 # NCCL_IB_AR_THRESHOLD's default: larger sends use the split form on a QP that uses it at all.
 AR_THRESHOLD = 8192
 
@@ -78,7 +81,8 @@ class RingStateMachine:
         self.channels = channels
         self.tracks: dict[tuple[int, int], _Track] = {}
         self.last: dict[tuple[int, ConnKey], tuple[int, int]] = {}  # (stream, conn) -> (t, message) last placed
-        self.cursors: dict[tuple[int, QpKey], _Cursor] = {}  # (stream, QP) -> last send placed on it
+        # (stream, QP) -> the last sends placed on it, by PSN
+        self.cursors: dict[tuple[int, QpKey], list[_Cursor]] = {}
         self.split_qps: set[tuple[int, QpKey]] = set()  # QPs that carried a split-form send
         self.counts = Counter()  # placed, mismatch, unplaced reasons
         self.mismatches: list[str] = []
@@ -248,7 +252,7 @@ class RingStateMachine:
         # Several QPs: a message cut over them has a piece on every QP; whole messages go to QP
         # ``m mod nqps`` (nccl_versions.data_qp), so a QP carries every nqps-th message.
         stride = 1 if s.cut or s.nqps == 1 else s.nqps
-        cur = self.cursors.get((s.stream, s.qp))
+        cur = self._anchor(s)
         if cur is not None:
             m, end = cur.m + stride, cur.end
         elif self.model.from_start:
@@ -278,10 +282,19 @@ class RingStateMachine:
             return None
         return m
 
+    def _anchor(self, s: NcclSend) -> _Cursor | None:
+        """The send placed on ``s``'s QP that ends last at or before ``s`` begins (sends of a QP
+        can come out of order: a message cut over QPs waits for its slowest piece)."""
+        got = self.cursors.get((s.stream, s.qp))
+        if not got:
+            return None
+        k = bisect.bisect_right(got, s.psn, key=lambda c: c.end) - 1
+        return got[k] if k >= 0 else None
+
     def _slot_agrees(self, s: NcclSend, proto: str, kind: str, t: int) -> bool:
         """A flagless send's receive address against the last one placed on its QP in the same
         protocol's buffer: NCCL writes step t into slot t mod 8."""
-        cur = self.cursors.get((s.stream, s.qp))
+        cur = self._anchor(s)
         v = self.model.ring.nccl_version
         if cur is None or cur.va is None or s.va is None or cur.proto != proto or not v:
             return True
@@ -293,11 +306,14 @@ class RingStateMachine:
             self.split_qps.add((s.stream, s.qp))
         if s.psn is None or s.qp is None:
             return
-        key = (s.stream, s.qp)
-        cur = self.cursors.get(key)
-        end = s.psn + s.npkts
-        if cur is None or end > cur.end:
-            self.cursors[key] = _Cursor(m, t, end, s.va, proto)
+        got = self.cursors.setdefault((s.stream, s.qp), [])
+        c = _Cursor(m, t, s.psn + s.npkts, s.va, proto)
+        k = bisect.bisect_right(got, c.end, key=lambda x: x.end)
+        if k and got[k - 1].end == c.end:
+            return  # placed once already (a copy)
+        got.insert(k, c)
+        if len(got) > MAX_ANCHORS:
+            del got[0]
 
     @staticmethod
     def _unwrap_flag(t32: int, ref: int) -> int:

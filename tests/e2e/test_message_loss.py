@@ -5,7 +5,8 @@ when only egress ports are mirrored) has no number of its own: it is placed as t
 the last one placed on its QP. When whole messages are lost, the next one of the same size used to
 be placed in the first lost one's slot, and iterations were reported complete with wrong values
 (10 of 12 single-message drops of this job). The QP's PSNs now prove how many messages are
-missing. Each trial replays the job with whole messages lost at random on both streams and checks
+missing; with several QPs per connection (round robin 2.20+, cut over the QPs <= 2.19) per QP.
+Frames are also lost one by one now and then. Each trial replays the job with whole messages lost at random on both streams and checks
 every iteration reported complete against the trainer's digests; some must be complete, some not.
 """
 
@@ -19,6 +20,7 @@ from mirrorckpt.config.jobfile import load_job
 from mirrorckpt.tools import cmd_replay
 from mirrorckpt.tools.generator.faults import FaultOptions
 from mirrorckpt.tools.generator.gen import GenConfig, generate
+from mirrorckpt.tools.generator.wire import WireOptions
 
 EGRESS = ["rank0_egress.pcapng", "rank1_egress.pcapng"]
 STEPS = 6
@@ -28,14 +30,15 @@ def sha(a) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-@pytest.mark.parametrize("version,qps", [("2.18", 1), ("2.29", 1)])
+@pytest.mark.parametrize("version,qps", [("2.18", 1), ("2.29", 1), ("2.23", 2), ("2.18", 2), ("2.30", 4)])
 def test_lost_messages_never_complete_an_iteration_wrongly(tmp_path, version, qps):
     complete = incomplete = 0
     for seed in range(4):
         out = tmp_path / f"s{seed}"
         truth = generate(GenConfig(ranks=2, channels=1, protocol="Simple", nccl_version=version,
                                    model="linear:100000", steps=STEPS, seed=3, mirrors="0:egress,1:egress",
-                                   faults=FaultOptions(message_loss=0.06, seed=seed), send_truth=False), out)
+                                   faults=FaultOptions(loss=0.001, message_loss=0.06, seed=seed), send_truth=False,
+                                   wire=WireOptions(qps_per_connection=qps)), out)
         assert any(f["kind"] == "message_loss" for f in truth["wire"]["faults"])
         _, _, its, _ = cmd_replay.run([str(out / f) for f in EGRESS], job=load_job(out / "job.toml"))
         for it in its:
