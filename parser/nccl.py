@@ -97,7 +97,8 @@ class _Conn:
     key: ConnKey
     cts: dict[int, Cts] = field(default_factory=dict)  # idx -> entry
     by_addr: dict[int, list[int]] = field(default_factory=dict)  # addr -> unmatched idx, in order
-    bulks: dict[QpKey, list[RdmaMessage]] = field(default_factory=dict)  # per QP: split-form pieces awaiting their close
+    # per QP: split-form pieces awaiting their close
+    bulks: dict[QpKey, list[RdmaMessage]] = field(default_factory=dict)
     protocol: str | None = None
     split_seen: bool = False  # the connection has used the split (adaptive-routing) form
     cut: dict[tuple[int, int], dict[int, _Piece]] = field(default_factory=dict)  # (size, addr) -> QP index -> piece

@@ -468,7 +468,8 @@ IB_WRITE_CHUNK_ALIGN = 128  # pieces are multiples of 128 B so LL/LL128 lines st
 def qp_piece_bytes(size: int, nqps: int) -> int:
     """Bytes of each QP's piece when a ``size``-byte message is cut over ``nqps`` QPs
     (roundUp(divUp(size, nqps), 128)); the last pieces may be shorter or empty."""
-    return -(-(-(-size // nqps)) // IB_WRITE_CHUNK_ALIGN) * IB_WRITE_CHUNK_ALIGN
+    per_qp = -(-size // nqps)
+    return -(-per_qp // IB_WRITE_CHUNK_ALIGN) * IB_WRITE_CHUNK_ALIGN
 
 
 def data_qp(v: str | NcclVersion, split: bool, nqps: int, msg: int, piece: int = 0) -> int:
