@@ -5,10 +5,10 @@ when only egress ports are mirrored) has no number of its own: it is placed as t
 the last one placed on its QP. When whole messages are lost, the next one of the same size used to
 be placed in the first lost one's slot, and iterations were reported complete with wrong values
 (10 of 12 single-message drops of this job). The QP's PSNs now prove how many messages are
-missing; with several QPs per connection (round robin 2.20+, cut over the QPs <= 2.19), per
-QP.
-Frames are also lost one by one now and then. Each trial replays the job with whole messages lost at random on both streams and checks
-every iteration reported complete against the trainer's digests; some must be complete, some not.
+missing (per QP, with several QPs per connection: whole messages round robin 2.20+, cut over
+the QPs <= 2.19). Each trial replays the job with whole messages lost at random on both streams,
+and single frames now and then, and checks every iteration reported complete against the
+trainer's digests; some must be complete, some not.
 """
 
 from __future__ import annotations
