@@ -7,6 +7,15 @@ WITH IMMEDIATE (immediate = size), or in the split form a bulk WRITE without imm
 a 0-byte WRITE WITH IMMEDIATE at VA 0. The k-th CTS of a connection announces the buffer of its
 k-th send, which gives the send number (``seq``) and slot when the receiver's egress is mirrored;
 LL and LL128 sends also carry their connection step in every line's flag.
+
+With NCCL_IB_QPS_PER_CONNECTION > 1 a connection has several QP pairs, each with its own UDP port,
+and the CTS uses QP 0 only. Their WRITEs land in the same receive buffers, so they carry the same
+rkeys (a buffer's registration is the connection's alone): QPs are joined into one connection by
+the rkeys they write with (and a CTS by the rkey it announces), and numbered by QP number (the
+receiver creates them one after the other). Cut messages (<= 2.19, or NCCL_IB_SPLIT_DATA_ON_QPS=1)
+come back as one piece per QP at ``addr + i·piece`` with the full size as immediate and are
+joined here; a lost piece is a hole in its own bytes only. Whole messages round robin (2.20+)
+need no joining.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from mirrorckpt.parser import nccl_versions, protocols
 from mirrorckpt.parser.errors import VersionMismatch
 from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
 from mirrorckpt.parser.reassembly import QpKey, RdmaMessage
+
+nv_piece = nccl_versions.qp_piece_bytes
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,12 @@ class NcclSend:
     ts_ns: int = 0
     length_known: bool = True
     stream: int = 0  # which mirror stream (capture source) carried it
+    psn: int | None = None  # first PSN (unwrapped) of its WRITEs on ``qp``; None when unknown
+    npkts: int = 0  # PSNs its WRITEs cover on ``qp``
+    pmtu: int = 0  # path MTU of ``qp`` as seen so far (0: not yet known)
+    qp_index: int = 0  # which of the connection's QPs ``qp`` is (by QP number)
+    nqps: int = 1  # QPs of the connection seen so far
+    cut: bool = False  # joined from pieces cut over the QPs (``qp``, ``psn``: the first piece's)
 
     @property
     def complete(self) -> bool:
@@ -80,9 +97,36 @@ class _Conn:
     key: ConnKey
     cts: dict[int, Cts] = field(default_factory=dict)  # idx -> entry
     by_addr: dict[int, list[int]] = field(default_factory=dict)  # addr -> unmatched idx, in order
-    bulk: list[RdmaMessage] = field(default_factory=list)  # split-form pieces awaiting their close
+    # per QP: split-form pieces awaiting their close
+    bulks: dict[QpKey, list[RdmaMessage]] = field(default_factory=dict)
     protocol: str | None = None
     split_seen: bool = False  # the connection has used the split (adaptive-routing) form
+    cut: dict[tuple[int, int], dict[int, _Piece]] = field(default_factory=dict)  # (size, addr) -> QP index -> piece
+    qp_mode: str | None = None  # several QPs: "cut" (each message over all) or "whole"; None: undecided
+    held: list = field(default_factory=list)  # WRITE sequences waiting for the mode to be decided
+
+
+@dataclass
+class _Group:
+    """The QPs of one connection (several with NCCL_IB_QPS_PER_CONNECTION > 1)."""
+
+    key: ConnKey
+    qps: set[QpKey] = field(default_factory=set)
+    order: int = 0  # creation order: of two groups found to be one, the older keeps its key
+
+    def index(self, qp: QpKey) -> int:
+        return sorted(q.dqp for q in self.qps).index(qp.dqp) if qp in self.qps else 0
+
+
+@dataclass
+class _Piece:
+    """One QP's part of a message cut over the QPs: its bytes as that QP's WRITEs gave them."""
+
+    data: np.ndarray
+    holes: list
+    msgs: list
+    length_known: bool
+    split: bool  # closed by the adaptive-routing form
 
 
 class NcclDecoder:
@@ -103,6 +147,10 @@ class NcclDecoder:
         self.conns: dict[ConnKey, _Conn] = {}
         self.cts_posts = 0
         self.orphan_bulk = 0  # split-form pieces whose closing immediate never came
+        self.pmtu: dict[QpKey, int] = {}  # per QP: path MTU shown by its messages
+        self._qp_group: dict[QpKey, _Group] = {}
+        self._rkey_group: dict[tuple[bytes, bytes, int], _Group] = {}
+        self.cut_pieces = 0  # pieces of messages cut over several QPs
         self.merged_tails = 0  # sends recovered from the end of messages run together by loss
 
     def _conn(self, key: ConnKey) -> _Conn:
@@ -115,20 +163,147 @@ class NcclDecoder:
         # CTS first: a receiver posts it before the data it announces, whatever the QP order.
         data_msgs = []
         for m in messages:
+            self._learn_pmtu(m)
             if not self._take_cts(m):
                 data_msgs.append(m)
+        # QPs are joined before any of them is decoded: a connection's first messages on its
+        # several QPs usually come in one batch. In time order, so the first QP seen names it.
+        data_msgs.sort(key=lambda m: (m.ts_ns, m.qp.dqp))
+        for m in data_msgs:
+            self._link(m)
         out = []
         for m in data_msgs:
             out += self._data(m)
         return out
 
     def flush(self) -> list[NcclSend]:
-        """Split-form pieces never closed become incomplete sends of unknown size."""
+        """Split-form pieces never closed become incomplete sends of unknown size; messages cut
+        over QPs that still miss pieces go out with those pieces as holes."""
         out = []
-        for c in self.conns.values():
-            if c.bulk:
-                out.append(self._join(c, None))
+        for c in list(self.conns.values()):
+            for qp in list(c.bulks):
+                if c.bulks[qp]:
+                    out += self._piece_or_send(c, *self._join(c, qp, None))
+            for key in list(c.cut):
+                out.append(self._emit_cut(c, key))
+            out += [self._make(c, *a) for a in c.held]
+            c.held = []
         return out
+
+    # -- connections of several QPs ----------------------------------------------------------------
+
+    def _group_for(self, sender: bytes, receiver: bytes, rkey: int | None, qp: QpKey | None, key: ConnKey) -> _Group:
+        """The connection of ``qp`` / of buffer ``rkey``; groups found to be one are merged."""
+        g = self._qp_group.get(qp) if qp is not None else None
+        rk = (sender, receiver, rkey) if rkey else None
+        h = self._rkey_group.get(rk) if rk is not None else None
+        if g is None and h is None:
+            g = _Group(key, order=len(self._rkey_group) + len(self._qp_group))
+        elif g is None:
+            g = h
+        elif h is not None and h is not g:
+            old, new = (g, h) if g.order <= h.order else (h, g)
+            for q in new.qps:
+                self._qp_group[q] = old
+            old.qps |= new.qps
+            for k, v in self._rkey_group.items():
+                if v is new:
+                    self._rkey_group[k] = old
+            g = old
+        if qp is not None:
+            g.qps.add(qp)
+            self._qp_group[qp] = g
+        if rk is not None:
+            self._rkey_group[rk] = g
+        return g
+
+    def _link(self, m: RdmaMessage) -> None:
+        self._group_for(m.qp.src, m.qp.dst, m.rkey, m.qp, ConnKey(m.qp.src, m.qp.dst, m.sport))
+
+    def _piece_or_send(self, c: _Conn, data, holes, msgs, size, va, form, length_known) -> list[NcclSend]:
+        """A WRITE sequence of one QP: a whole send, or one QP's piece of a message cut over the
+        QPs. Which of the two a connection of several QPs does shows in its first message bigger
+        than a piece (whole on one QP), or its first piece shorter than its immediate (cut); small
+        and empty messages before that are held."""
+        g = self._qp_group.get(msgs[0].qp) if msgs else None
+        args = (data, holes, msgs, size, va, form, length_known)
+        if g is None or len(g.qps) == 1:
+            return [self._make(c, *args)]
+        if c.qp_mode is None:
+            c.qp_mode = _qp_mode(len(g.qps), data, size, length_known)
+            if c.qp_mode is None:
+                c.held.append(args)
+                return []
+            out = []
+            for a in c.held:
+                out += self._route(c, g, *a)
+            c.held = []
+            return out + self._route(c, g, *args)
+        return self._route(c, g, *args)
+
+    def _route(self, c: _Conn, g: _Group, data, holes, msgs, size, va, form, length_known) -> list[NcclSend]:
+        if c.qp_mode == "cut" and size is not None and va is not None and length_known:
+            n = len(g.qps)
+            chunk = nv_piece(size, n)
+            i = g.index(msgs[0].qp)
+            if len(data) == max(0, min(chunk, size - i * chunk)):
+                return self._add_piece(c, g, i, size, va - i * chunk,
+                                       _Piece(data, holes, msgs, length_known, form == "split"))
+        return [self._make(c, data, holes, msgs, size, va, form, length_known)]
+
+    def _add_piece(self, c: _Conn, g: _Group, i: int, size: int, addr: int, p: _Piece) -> list[NcclSend]:
+        self.cut_pieces += 1
+        out = []
+        # A QP delivers its pieces in message order: a message still waiting for this QP's
+        # piece never gets it (lost whole), so it goes out with that piece as a hole.
+        for key in [k for k, v in c.cut.items() if i not in v and k != (size, addr)]:
+            out.append(self._emit_cut(c, key))
+        if i in c.cut.get((size, addr), ()):
+            # the same slot and size again (NCCL reuses a slot every few messages): this QP has
+            # moved on, so the earlier message is as complete as it will be
+            out.append(self._emit_cut(c, (size, addr)))
+        got = c.cut.setdefault((size, addr), {})
+        got[i] = p
+        if len(got) == len(g.qps):
+            out.append(self._emit_cut(c, (size, addr)))
+        return out
+
+    def _emit_cut(self, c: _Conn, key: tuple[int, int]) -> NcclSend:
+        size, addr = key
+        got = c.cut.pop(key)
+        g = self._qp_group.get(next(iter(got.values())).msgs[0].qp)
+        n = len(g.qps)
+        chunk = nv_piece(size, n)
+        data = np.zeros(size, np.uint8)
+        holes, msgs, known, split = [], [], True, False
+        for i in range(n):
+            lo, hi = i * chunk, min(size, (i + 1) * chunk)
+            p = got.get(i)
+            if p is None:
+                if hi > lo:
+                    holes.append((lo, hi - lo))
+                continue
+            data[lo:lo + len(p.data)] = p.data
+            holes += [(lo + a, k) for a, k in p.holes]
+            msgs += p.msgs
+            known &= p.length_known
+            split |= p.split
+        holes.sort()
+        i0 = min(got)  # the QP whose PSNs place the send: the first piece that came
+        s = self._make(c, data, holes, got[i0].msgs, size, addr, "split" if split else "normal", known)
+        s.ts_ns = min(m.ts_ns for m in msgs)
+        s.qp_index, s.nqps, s.cut = i0, n, True
+        return s
+
+    def _learn_pmtu(self, m: RdmaMessage) -> None:
+        """Every packet but a message's last carries one PMTU (a power of two), so a message of L
+        bytes in n >= 2 packets shows it as the power of two at or above L/n; a one-packet message
+        only bounds it from below. The largest value seen is kept."""
+        if m.dlen and m.length_known and m.npkts:
+            per = -(-m.dlen // m.npkts)
+            p = 1 << (per - 1).bit_length()
+            if p > self.pmtu.get(m.qp, 0):
+                self.pmtu[m.qp] = p
 
     # -- CTS -----------------------------------------------------------------------------------
 
@@ -154,7 +329,8 @@ class NcclDecoder:
                                     f"{address_text(m.qp.dst)} idx {int(e['idx'])})",
                                     nccl_versions.WireFamily(h, None))
             self.seen_cts = h
-        conn = self._conn(ConnKey(m.qp.dst, m.qp.src, m.sport))
+        g = self._group_for(m.qp.dst, m.qp.src, int(e["rkey"]), None, ConnKey(m.qp.dst, m.qp.src, m.sport))
+        conn = self._conn(g.key)
         cts = Cts(idx=int(e["idx"]), addr=int(e["addr"]), size=int(e["size"]), rkey=int(e["rkey"]),
                   nreqs=int(e["nreqs"]), tag=int(e["tag"]))
         conn.cts[cts.idx] = cts
@@ -173,7 +349,9 @@ class NcclDecoder:
     # -- data ----------------------------------------------------------------------------------
 
     def _data(self, m: RdmaMessage) -> list[NcclSend]:
-        c = self._conn(ConnKey(m.qp.src, m.qp.dst, m.sport))
+        g = self._qp_group[m.qp]
+        c = self._conn(g.key)
+        bulk = c.bulks.setdefault(m.qp, [])
         out = []
         # A bulk piece of the split form: closed without immediate, or (its closing packet lost)
         # on a connection that uses the split form, with a known VA. A message that lost its
@@ -181,24 +359,24 @@ class NcclDecoder:
         # run two sends together.
         piece = m.with_imm is False or (m.with_imm is None and m.va is not None and c.split_seen)
         if piece:
-            if c.bulk and not self._continues(c.bulk, m):
-                out.append(self._join(c, None))
-            c.bulk.append(m)
+            if bulk and not self._continues(bulk, m):
+                out += self._piece_or_send(c, *self._join(c, m.qp, None))
+            c.bulks[m.qp].append(m)
             return out
-        size = self._imm(m, m.dlen if m.length_known and m.dlen and not c.bulk else None)
+        size = self._imm(m, m.dlen if m.length_known and m.dlen and not bulk else None)
         if m.va == 0 and m.dlen == 0 and m.rkey == 0 and size:
             c.split_seen = True
-            out.append(self._join(c, m))  # the 0-byte closing WRITE of the split form
+            out += self._piece_or_send(c, *self._join(c, m.qp, m))  # the 0-byte closing WRITE of the split form
             return out
-        if c.bulk:
-            out.append(self._join(c, None))
+        if bulk:
+            out += self._piece_or_send(c, *self._join(c, m.qp, None))
         if m.with_imm and size and m.length_known and size < len(m.data):
             tail = self._merged_tail(c, m, size)
             if tail is not None:
                 out.append(tail)
                 return out
-        out.append(self._make(c, m.data, m.holes, [m], size, m.va,
-                              "empty" if (m.dlen == 0 and not size) else "normal", m.length_known))
+        out += self._piece_or_send(c, m.data, m.holes, [m], size, m.va,
+                                   "empty" if (m.dlen == 0 and not size) else "normal", m.length_known)
         return out
 
     def _merged_tail(self, c: _Conn, m: RdmaMessage, size: int) -> NcclSend | None:
@@ -224,7 +402,7 @@ class NcclDecoder:
         if flag is None or (head_flags == flag).any():
             return None  # one send after all (or no flag to place it by): the immediate is what is wrong
         self.merged_tails += 1
-        return self._make(c, wire, holes, [m], size, None, "normal", True)
+        return self._make(c, wire, holes, [m], size, None, "normal", True, psn_known=False)
 
     def _contradiction(self, what: str, seen: nccl_versions.WireFamily) -> None:
         """Stop on traffic that the stated version (or this stream's earlier traffic) rules out."""
@@ -268,10 +446,11 @@ class NcclDecoder:
             return False  # no proof that it continues: keep the sends apart
         return m.va == bulk[0].va + sum(len(p.data) for p in bulk)
 
-    def _join(self, c: _Conn, close: RdmaMessage | None) -> NcclSend:
-        pieces, c.bulk = c.bulk, []
-        known_len = close is not None and all(p.length_known and p.complete for p in c.bulk)
-        size = self._imm(close, sum(len(p.data) for p in c.bulk) if known_len else None) \
+    def _join(self, c: _Conn, qp: QpKey, close: RdmaMessage | None):
+        """The bulk WRITEs of one QP and their closing immediate, as ``_piece_or_send``'s arguments."""
+        pieces, c.bulks[qp] = c.bulks.get(qp, []), []
+        known_len = close is not None and all(p.length_known and p.complete for p in pieces)
+        size = self._imm(close, sum(len(p.data) for p in pieces) if known_len else None) \
             if close is not None else None
         pos = 0
         holes: list[tuple[int, int]] = []
@@ -292,12 +471,13 @@ class NcclDecoder:
         if close is None:
             self.orphan_bulk += len(pieces)
         va = pieces[0].va if pieces else None
-        return self._make(c, data, holes, pieces + ([close] if close is not None else []), size, va,
-                          "split", known)
+        return data, holes, pieces + ([close] if close is not None else []), size, va, "split", known
 
-    def _make(self, c: _Conn, wire: np.ndarray, wire_holes, msgs, size, va, form, length_known) -> NcclSend:
+    def _make(self, c: _Conn, wire: np.ndarray, wire_holes, msgs, size, va, form, length_known,
+              psn_known: bool = True) -> NcclSend:
         cts = self._match_cts(c, va)
-        # An empty step has no bytes to tell its protocol: it takes its connection's.
+        # An empty step, or one whose bytes are all lost, has nothing to tell its protocol: it
+        # takes its connection's (all-zero bytes are no evidence of Simple).
         flag = None
         # The common case (no lost bytes, every line intact) in one compiled pass; else the careful path.
         fast = protocols.decode_intact(wire, self.protocol) if len(wire) and not wire_holes else None
@@ -306,7 +486,7 @@ class NcclDecoder:
             holes = []
             c.protocol = proto
         else:
-            if len(wire):
+            if len(wire) and sum(n for _, n in wire_holes) < len(wire):
                 if self.protocol:
                     proto = self.protocol
                 else:
@@ -315,12 +495,28 @@ class NcclDecoder:
             else:
                 proto = self.protocol or c.protocol
             user, holes, flag = decode(proto, wire, wire_holes, flag)
+        qp = msgs[0].qp if msgs else None
+        g = self._qp_group.get(qp) if qp is not None else None
         return NcclSend(
             connection=c.key, qp=msgs[0].qp if msgs else None, protocol=proto, data=user, holes=holes,
             wire_bytes=len(wire), size=size, va=va, form=form, flag=flag,
             seq=cts.idx if cts else None, cts=cts, ts_ns=min(m.ts_ns for m in msgs) if msgs else 0,
             length_known=length_known, stream=self.stream,
+            psn=msgs[0].psn if msgs and psn_known else None, npkts=sum(m.npkts for m in msgs),
+            pmtu=self.pmtu.get(qp, 0), qp_index=g.index(qp) if g else 0, nqps=len(g.qps) if g else 1,
         )
+
+
+def _qp_mode(n: int, data, size: int | None, length_known: bool) -> str | None:
+    """"cut", "whole" or None (cannot tell) from one QP's WRITE sequence on a connection of ``n``
+    QPs: a cut message's pieces are at most ``qp_piece_bytes`` and carry the full size."""
+    if size is None or not length_known:
+        return None
+    if size > len(data):
+        return "cut"
+    if size == len(data) and size > nv_piece(size, n):
+        return "whole"
+    return None
 
 
 def _cts_entry(h, m: RdmaMessage):

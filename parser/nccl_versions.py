@@ -459,6 +459,33 @@ def split_data_on_qps_default(v: str | NcclVersion) -> bool:
     return version(v) <= "2.19"
 
 
+# NCCL_IB_SPLIT_DATA_ON_QPS exists from 2.18 (v2.18.6-1:src/transport/net_ib.cc:1021); before it
+# every message is cut over all QPs.
+SPLIT_PARAM_SINCE = "2.18"
+IB_WRITE_CHUNK_ALIGN = 128  # pieces are multiples of 128 B so LL/LL128 lines stay whole
+
+
+def qp_piece_bytes(size: int, nqps: int) -> int:
+    """Bytes of each QP's piece when a ``size``-byte message is cut over ``nqps`` QPs
+    (roundUp(divUp(size, nqps), 128)); the last pieces may be shorter or empty."""
+    per_qp = -(-size // nqps)
+    return -(-per_qp // IB_WRITE_CHUNK_ALIGN) * IB_WRITE_CHUNK_ALIGN
+
+
+def data_qp(v: str | NcclVersion, split: bool, nqps: int, msg: int, piece: int = 0) -> int:
+    """QP index carrying piece ``piece`` of the connection's message ``msg`` (0-based send count,
+    NCCL's fifoHead), one NIC. Split: every message starts on QP 0 (<= 2.28: ``qpIndex`` advances
+    once per piece, nqps times per message, v2.18.6-1:src/transport/net_ib.cc:1042, v2.21.5-1:1613;
+    2.30: ``(id·nqps + i) % nqps``, v2.30.7-1:src/transport/net_ib/common.h:394), except 2.29
+    where it rotates, ``(id + i) % nqps`` (v2.29.7-1:src/transport/net_ib/common.h:326). Whole
+    messages: one per QP in turn, ``msg % nqps`` in every version."""
+    if not split:
+        return msg % nqps
+    if version(v).minor == 29 and version(v).major == 2:
+        return (msg + piece) % nqps
+    return piece % nqps
+
+
 # --- what the wire tells about the version ------------------------------------------------------
 
 # CTS layouts in version order, with the releases that write them (cts_header).

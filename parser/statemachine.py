@@ -4,8 +4,11 @@ Each ring connection (channel ``ch``, sender at ring position ``r``) has one ste
 by every collective that uses it. Walking the job's collective sequence with NCCL's plans gives,
 per connection, the step range and the message count of every collective, so a send is placed
 by its connection step: from its LL/LL128 flag (``t = flag - 1``), else from its CTS index (the
-connection's message number), else as the message after the last one placed there, which is
-only accepted when its receive slot (VA) and size confirm it. A send whose size disagrees with
+connection's message number), else as the message after the last one placed on its QP. That
+last case has no number of its own, so it is proven from the QP's PSNs: NCCL starts every QP at
+PSN 0 and each message takes ceil(bytes / PMTU) PSNs, so the PSNs between the last placed send
+and this one must be exactly those of the planned messages in between (lost, or not placed), and
+its receive slot (VA) and size must then agree with the plan. A send whose size disagrees with
 the plan is never placed: it is counted as a mismatch, since it means the configuration does not
 describe the traffic.
 """
@@ -17,13 +20,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from mirrorckpt.config.ddp import CollSpec
-from mirrorckpt.parser import schedule
+from mirrorckpt.parser import nccl_versions, schedule
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.reassembly import QpKey
 from mirrorckpt.parser.schedule import RingStep
 
 # A send more than this many steps ahead of its connection is taken for garbage, not followed.
 MAX_AHEAD_STEPS = 1 << 20
+# Planned messages walked to account for a PSN gap before a flagless send; past it, unplaced.
+MAX_GAP_MESSAGES = 1 << 14
+# Sends placed per QP kept to count PSN gaps from (they come out of order by at most a few).
+MAX_ANCHORS = 64
+# NCCL_IB_AR_THRESHOLD's default: larger sends use the split form on a QP that uses it at all.
+AR_THRESHOLD = 8192
 
 
 @dataclass
@@ -35,6 +45,17 @@ class Placement:
     rank_pos: int
     send: NcclSend
     t: int  # absolute connection step
+
+
+@dataclass
+class _Cursor:
+    """The last send placed on one QP of one mirror stream."""
+
+    m: int  # its connection message number
+    t: int  # its connection step
+    end: int  # the PSN after it
+    va: int | None
+    proto: str
 
 
 @dataclass
@@ -59,6 +80,9 @@ class RingStateMachine:
         self.channels = channels
         self.tracks: dict[tuple[int, int], _Track] = {}
         self.last: dict[tuple[int, ConnKey], tuple[int, int]] = {}  # (stream, conn) -> (t, message) last placed
+        # (stream, QP) -> the last sends placed on it, by PSN
+        self.cursors: dict[tuple[int, QpKey], list[_Cursor]] = {}
+        self.split_qps: set[tuple[int, QpKey]] = set()  # QPs that carried a split-form send
         self.counts = Counter()  # placed, mismatch, unplaced reasons
         self.mismatches: list[str] = []
 
@@ -170,18 +194,15 @@ class RingStateMachine:
             t = self._unwrap_flag(s.flag - 1, last[0] if last else 0)
         elif s.seq is not None:
             m = s.seq - 1  # one CTS per message: its index counts the connection's messages
-        if t is None and m is None:
+        by_psn = t is None and m is None
+        if by_psn:
             if not s.length_known:
                 # Neither flag, CTS nor size to confirm it: maybe several messages run together
                 # after a loss. Its bytes are lost, never placed by guess.
                 self.counts["unplaced_unconfirmed"] += 1
                 return None
-            if last is not None:
-                m = last[1] + 1  # the next message; confirmed below by size
-            elif self.model.from_start:
-                m = 0  # a capture that starts with the job: its first message (size-checked)
-            else:
-                self.counts["unplaced_no_step"] += 1
+            m = self._next_on_qp(s, ch, pos)
+            if m is None:
                 return None
         if t is not None:
             if last is not None and t > last[0] + MAX_AHEAD_STEPS:
@@ -200,6 +221,9 @@ class RingStateMachine:
                 return None
             coll, st, t = hit
         proto = self.model.protocol(self.model[coll])
+        if by_psn and not self._slot_agrees(s, proto, self.model[coll].kind, t):
+            self.counts["unplaced_slot"] += 1
+            return None
         if s.protocol is not None and len(s.data) and s.protocol != proto:
             # e.g. an LL message whose lines were read as raw bytes: never data of this collective
             self.counts["protocol_mismatch"] += 1
@@ -212,8 +236,83 @@ class RingStateMachine:
                     f"{st.wire_bytes} ({self.model[coll].label} #{coll}, {st.phase} chunk {st.chunk})")
             return None
         self.last[key] = (t, m) if last is None or t >= last[0] else last
+        self._advance(s, m, t, proto)
         self.counts["placed"] += 1
         return Placement(coll, self.model[coll], st, ch, pos, s, t)
+
+    # -- the message after the last one, proven by PSNs -----------------------------------------
+
+    def _next_on_qp(self, s: NcclSend, ch: int, pos: int) -> int | None:
+        """Connection message number of a flagless, CTS-less send: the planned messages between the
+        last send placed on its QP and it must use exactly the PSNs between them."""
+        if s.psn is None:
+            self.counts["unplaced_unconfirmed"] += 1
+            return None
+        # Several QPs: a message cut over them has a piece on every QP; whole messages go to QP
+        # ``m mod nqps`` (nccl_versions.data_qp), so a QP carries every nqps-th message.
+        stride = 1 if s.cut or s.nqps == 1 else s.nqps
+        cur = self._anchor(s)
+        if cur is not None:
+            m, end = cur.m + stride, cur.end
+        elif self.model.from_start:
+            # a capture that starts with the job: NCCL's first PSN is 0
+            m, end = (0 if stride == 1 else s.qp_index), 0
+        else:
+            self.counts["unplaced_no_step"] += 1
+            return None
+        gap = s.psn - end
+        split = (s.stream, s.qp) in self.split_qps
+        for _ in range(MAX_GAP_MESSAGES):
+            if gap <= 0 or not s.pmtu:
+                break
+            hit = self.by_message(ch, pos, m)
+            if hit is None:
+                break
+            w = hit[1].wire_bytes
+            if s.cut:  # this QP's piece of it
+                k = nccl_versions.qp_piece_bytes(w, s.nqps)
+                nb = max(0, min(k, w - s.qp_index * k))
+            else:
+                nb = w
+            gap -= max(1, -(-nb // s.pmtu)) + (1 if split and w > AR_THRESHOLD else 0)
+            m += stride
+        if gap:
+            self.counts["unplaced_psn_gap"] += 1
+            return None
+        return m
+
+    def _anchor(self, s: NcclSend) -> _Cursor | None:
+        """The send placed on ``s``'s QP that ends last at or before ``s`` begins (sends of a QP
+        can come out of order: a message cut over QPs waits for its slowest piece)."""
+        got = self.cursors.get((s.stream, s.qp))
+        if not got:
+            return None
+        k = bisect.bisect_right(got, s.psn, key=lambda c: c.end) - 1
+        return got[k] if k >= 0 else None
+
+    def _slot_agrees(self, s: NcclSend, proto: str, kind: str, t: int) -> bool:
+        """A flagless send's receive address against the last one placed on its QP in the same
+        protocol's buffer: NCCL writes step t into slot t mod 8."""
+        cur = self._anchor(s)
+        v = self.model.ring.nccl_version
+        if cur is None or cur.va is None or s.va is None or cur.proto != proto or not v:
+            return True
+        return s.va - cur.va == (schedule.recv_slot(t, proto, kind, v).offset
+                                 - schedule.recv_slot(cur.t, proto, kind, v).offset)
+
+    def _advance(self, s: NcclSend, m: int, t: int, proto: str) -> None:
+        if s.form == "split":
+            self.split_qps.add((s.stream, s.qp))
+        if s.psn is None or s.qp is None:
+            return
+        got = self.cursors.setdefault((s.stream, s.qp), [])
+        c = _Cursor(m, t, s.psn + s.npkts, s.va, proto)
+        k = bisect.bisect_right(got, c.end, key=lambda x: x.end)
+        if k and got[k - 1].end == c.end:
+            return  # placed once already (a copy)
+        got.insert(k, c)
+        if len(got) > MAX_ANCHORS:
+            del got[0]
 
     @staticmethod
     def _unwrap_flag(t32: int, ref: int) -> int:

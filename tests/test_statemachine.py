@@ -63,6 +63,8 @@ def walk(model: JobModel, ncoll: int) -> dict[tuple[int, int], list[tuple[int, s
     out = defaultdict(list)
     for i in range(ncoll):
         c = model[i]
+        if c is None:
+            break
         plan, proto = model.plan(c), model.protocol(c)
         for ch in range(r.nchannels):
             for pos in range(r.nranks):
@@ -75,9 +77,26 @@ def walk(model: JobModel, ncoll: int) -> dict[tuple[int, int], list[tuple[int, s
     return out
 
 
+PMTU = 1024
+_psns: dict[int, tuple[JobModel, dict]] = {}
+
+
+def npkts(wire_bytes: int) -> int:
+    return max(1, -(-wire_bytes // PMTU))
+
+
+def psn_of(model: JobModel, ch: int, pos: int, m: int) -> int:
+    """First PSN of connection message ``m`` on its QP (NCCL starts at 0; one QP per connection)."""
+    if id(model) not in _psns:
+        _psns[id(model)] = (model, walk(model, model.first_of_iteration(ITERATIONS)))
+    msgs = _psns[id(model)][1][ch, pos]
+    return sum(npkts(st.wire_bytes) for _, st, _ in msgs[:m]) + max(0, m - len(msgs))
+
+
 def make_send(model: JobModel, ch: int, pos: int, st: schedule.RingStep, t: int, m: int, route: str,
-              stream: int = 0, wire_bytes: int | None = None) -> NcclSend:
-    """The send a decoder yields for message ``st`` at step ``t`` (connection message ``m``).
+              stream: int = 0, wire_bytes: int | None = None, psn: int | None = None) -> NcclSend:
+    """The send a decoder yields for message ``st`` at step ``t`` (connection message ``m``, at PSN
+    ``psn``: by default where it lies when every message before it went out).
 
     route "flag": LL/LL128 flag (an empty step has no line to carry one), "cts": the CTS index,
     "next": neither (sender's egress alone, Simple)."""
@@ -91,7 +110,8 @@ def make_send(model: JobModel, ch: int, pos: int, st: schedule.RingStep, t: int,
                     np.zeros(st.nbytes, np.uint8), [], wb, wb, RECV_BASE + slot.alloc_offset,
                     "empty" if empty else "normal",
                     flag=schedule.flag(proto, t) if route == "flag" and not empty else None,
-                    seq=m + 1 if route == "cts" else None, stream=stream)
+                    seq=m + 1 if route == "cts" else None, stream=stream,
+                    psn=psn_of(model, ch, pos, m) if psn is None else psn, npkts=npkts(wb), pmtu=PMTU)
 
 
 def all_sends(model: JobModel, route: str, ncoll: int | None = None, stream: int = 0):
@@ -203,8 +223,9 @@ def test_a_size_the_plan_does_not_expect_is_a_mismatch_never_placed():
     assert sm.counts["mismatch"] == 31 and len(sm.mismatches) == 20
 
 
-def test_a_flagless_send_after_a_lost_message_of_another_size_is_refused():
-    """Without flag or CTS the next message is a guess that only its size confirms."""
+def test_a_flagless_send_after_a_lost_message_is_placed_by_the_psns_in_between():
+    """Without flag or CTS the next message is proven by its QP's PSNs: the gap after the last send
+    placed must be exactly the planned messages in between."""
     model = ddp_model("Simple")
     sm = RingStateMachine(model, model.ring.ranks_by_address(), channel_map(model.ring))
     msgs = walk(model, model.first_of_iteration(ITERATIONS))[0, 0]
@@ -215,17 +236,26 @@ def test_a_flagless_send_after_a_lost_message_of_another_size_is_refused():
         s = make_send(model, 0, 0, st, t, m, "next")
         check(sm.place(s), model, s, (i, st, 0, 0, t))
     i, st, t = msgs[k + 1]  # message k lost
-    assert sm.place(make_send(model, 0, 0, st, t, k + 1, "next")) is None
-    assert sm.counts["mismatch"] == 1 and sm.counts["placed"] == k
+    s = make_send(model, 0, 0, st, t, k + 1, "next")
+    # a PSN one off: another message by the PSNs (refused by its slot), or none at all
+    for off in (-1, 1):
+        bad = make_send(model, 0, 0, st, t, k + 1, "next", psn=s.psn + off)
+        assert sm.place(bad) is None
+    assert sm.counts["placed"] == k and sm.counts["unplaced_slot"] + sm.counts["unplaced_psn_gap"] == 2
+    bad = make_send(model, 0, 0, st, t, k + 1, "next", psn=s.psn + 10**6)
+    assert sm.place(bad) is None and sm.counts["unplaced_psn_gap"] >= 1
+    check(sm.place(s), model, s, (i, st, 0, 0, t))
+    # a send claiming to follow the last one directly, with the lost one's size: its PSN proves it
+    # is message k, and its slot (VA) is checked too
+    i, st, t = msgs[k + 2]
+    s = make_send(model, 0, 0, st, t, k + 2, "next")
+    check(sm.place(s), model, s, (i, st, 0, 0, t))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "statemachine: the module doc says a send placed as 'the message after the last one' is accepted only when "
-    "its receive slot (VA) and size confirm it, but place() checks the size alone. A flagless send (Simple, "
-    "sender's egress without the receiver's CTS) after whole lost messages is placed at the first lost one's "
-    "place when their sizes agree, though its VA names another slot: with the generator (2 ranks, Simple, "
-    "linear:100000, egress of both ranks) dropping one whole message reports later iterations complete and wrong"))
-def test_a_flagless_send_after_lost_messages_of_the_same_size_is_refused():
+def test_a_flagless_send_after_lost_messages_of_the_same_size_is_placed_at_its_own_message():
+    """The silent corruption this guards against: a flagless send (Simple, sender's egress without
+    the receiver's CTS) after whole lost messages was placed at the first lost one's place when
+    their sizes agreed. Its PSN shows how many messages were lost, its VA names its slot."""
     model = ddp_model("Simple")
     sm = RingStateMachine(model, model.ring.ranks_by_address(), channel_map(model.ring))
     msgs = walk(model, model.first_of_iteration(ITERATIONS))[0, 0]
@@ -240,8 +270,15 @@ def test_a_flagless_send_after_lost_messages_of_the_same_size_is_refused():
         i, st, t = msgs[m]
         assert sm.place(make_send(model, 0, 0, st, t, m, "next")) is not None
     i, st, t = msgs[k + j]  # messages k .. k+j-1 lost
-    p = sm.place(make_send(model, 0, 0, st, t, k + j, "next"))
-    assert p is None or (p.coll, p.step) == (i, st)
+    s = make_send(model, 0, 0, st, t, k + j, "next")
+    check(sm.place(s), model, s, (i, st, 0, 0, t))
+    # the same bytes at message k's PSN (a sender that skipped nothing) but k+j's slot: the VA refuses
+    sm = RingStateMachine(model, model.ring.ranks_by_address(), channel_map(model.ring))
+    for m in range(k):
+        i0, st0, t0 = msgs[m]
+        sm.place(make_send(model, 0, 0, st0, t0, m, "next"))
+    assert sm.place(make_send(model, 0, 0, st, t, k + j, "next", psn=psn_of(model, 0, 0, k))) is None
+    assert sm.counts["unplaced_slot"] == 1
 
 
 def test_a_send_in_another_protocol_is_never_data_of_the_collective():

@@ -81,6 +81,10 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--write-only-train", is_flag=True, help="Split form as one WRITE ONLY per packet (NIC behaviour).")
 @click.option("--psn-start", default="zero", show_default=True, type=click.Choice(["zero", "random", "wrap"]),
               help="Initial PSNs: NCCL's 0, random, or just below 2^24 (wrap-around early).")
+@click.option("--qps-per-connection", default=1, show_default=True, type=int,
+              help="NCCL_IB_QPS_PER_CONNECTION: QPs per connection.")
+@click.option("--split-data-on-qps/--no-split-data-on-qps", default=None,
+              help="NCCL_IB_SPLIT_DATA_ON_QPS: cut each message over the QPs (default: yes up to 2.19, no from 2.20).")
 @click.option("--line-rate-gbps", default=100.0, show_default=True, type=float)
 @click.option("--p2p-fill", is_flag=True, help="After each gradient all-reduce, rank 0 sends its next rank the "
               "final values its egress lacks, point to point (as the iter_40000_p2p_iter10 capture does).")
@@ -91,14 +95,16 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--duplicate", default=0.0, type=float)
 @click.option("--corrupt", default=0.0, type=float)
 @click.option("--truncate", default=0.0, type=float)
+@click.option("--message-loss", default=0.0, type=float, help="Rate per RDMA WRITE message of losing all its frames.")
 @click.option("--fault-seed", default=0, show_default=True, type=int)
 @click.option("--no-send-truth", is_flag=True, help="Leave the per-send records out of truth.json (big runs).")
 def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders, mtu, ipv6, grad_dtype,
         bucket_cap_mb, model, steps, seed, batch_size, threads, optimizer, lr, betas, eps, weight_decay, momentum,
         dampening, nesterov, amsgrad, maximize, foreach, lr_schedule, lr_schedule_kwargs, clip_norm,
         clip_norm_type, loss_scale, growth_interval, force_overflow_at, mirror, fmt, adaptive_routing,
-        ar_threshold, write_only_train, psn_start, line_rate_gbps, p2p_fill, noise, noise_rate, loss, reorder,
-        duplicate, corrupt, truncate, fault_seed, no_send_truth):
+        ar_threshold, write_only_train, psn_start, qps_per_connection, split_data_on_qps, line_rate_gbps, p2p_fill,
+        noise, noise_rate, loss, reorder,
+        duplicate, corrupt, truncate, message_loss, fault_seed, no_send_truth):
     """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
     from mirrorckpt.config.training import (
         ClipSpec,
@@ -137,9 +143,10 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
             bucket_cap_mb=bucket_cap_mb, training=training, threads=threads, force_overflow_at=force_overflow_at,
             mirrors=mirror, fmt=fmt,
             wire=WireOptions(pmtu=int(mtu), ipv6=ipv6, adaptive_routing=adaptive_routing, ar_threshold=ar_threshold,
-                             write_only_train=write_only_train, initial_psn=psn_start, line_rate_gbps=line_rate_gbps),
+                             write_only_train=write_only_train, initial_psn=psn_start, line_rate_gbps=line_rate_gbps,
+                             qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps),
             noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
-            faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed),
+            faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
             p2p_fill=p2p_fill, send_truth=not no_send_truth)
         truth = generate(cfg, out_dir)
     except (ValueError, SpecError, json.JSONDecodeError) as e:

@@ -13,30 +13,37 @@ from mirrorckpt.tools import cmd_replay
 from mirrorckpt.tools.cli import main
 from mirrorckpt.tools.generator import tuning
 from mirrorckpt.tools.generator.gen import GenConfig, generate
+from mirrorckpt.tools.generator.wire import WireOptions
 
 EGRESS = ["rank0_egress.pcapng", "rank1_egress.pcapng"]
 
-# (id, ranks, channels, protocol, release, model, DDP bucket cap in MB)
+# (id, ranks, channels, protocol, release, model, DDP bucket cap in MB, QPs per connection)
 JOBS = [
-    ("simple-r4-ch2-v229", 4, 2, "Simple", "2.29", "mlp:64,128,10", 0.01),
-    ("auto-r2-ch1-v218", 2, 1, "auto", "2.18", "mlp:512,1024,200", 0.5),
-    ("auto-r3-ch2-v223", 3, 2, "auto", "2.23", "mlp:600,64,8", 0.002),
-    ("ll128-r4-ch1-v226", 4, 1, "LL128", "2.26", "mlp:40,64,8", 0.004),
-    ("auto-r3-ch1-v230", 3, 1, "auto", "2.30", "mlp:600,64,8", 0.002),
+    ("simple-r4-ch2-v229", 4, 2, "Simple", "2.29", "mlp:64,128,10", 0.01, 1),
+    ("auto-r2-ch1-v218", 2, 1, "auto", "2.18", "mlp:512,1024,200", 0.5, 1),
+    ("auto-r3-ch2-v223", 3, 2, "auto", "2.23", "mlp:600,64,8", 0.002, 1),
+    ("ll128-r4-ch1-v226", 4, 1, "LL128", "2.26", "mlp:40,64,8", 0.004, 1),
+    ("auto-r3-ch1-v230", 3, 1, "auto", "2.30", "mlp:600,64,8", 0.002, 1),
+    # several QPs: whole messages round robin (2.20+), messages cut over the QPs (<= 2.19)
+    ("auto-r3-ch2-qp2-v223", 3, 2, "auto", "2.23", "mlp:600,64,8", 0.002, 2),
+    ("auto-r4-ch4-qp2-v218", 4, 4, "auto", "2.18", "mlp:512,1024,200", 0.5, 2),
+    ("simple-r3-ch1-qp2-v229", 3, 1, "Simple", "2.29", "mlp:64,128,10", 0.01, 2),
+    ("simple-r2-ch1-qp4-v218", 2, 1, "Simple", "2.18", "mlp:64,128,10", 0.01, 4),
 ]
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=[j[0] for j in JOBS])
 def job(request, tmp_path_factory):
-    name, R, nch, proto, v, model, cap = request.param
+    name, R, nch, proto, v, model, cap, qps = request.param
     out = tmp_path_factory.mktemp(name)
     truth = generate(GenConfig(ranks=R, channels=nch, protocol=proto, nccl_version=v, model=model, steps=3,
-                               seed=R + nch, bucket_cap_mb=cap, mirrors="0:egress,1:egress", send_truth=False), out)
+                               seed=R + nch, bucket_cap_mb=cap, mirrors="0:egress,1:egress", send_truth=False,
+                               wire=WireOptions(qps_per_connection=qps)), out)
     return request.param, out, truth
 
 
 def test_replays_exactly_without_configuration(job):
-    (name, R, nch, proto, v, _, _), out, truth = job
+    (name, R, nch, proto, v, _, _, qps), out, truth = job
     js, results, iterations, _ = cmd_replay.run([str(out / f) for f in EGRESS], nccl_version=None)
     ars = [r for r in results if r.spec.kind == "allreduce"]
     want = [c for c in truth["collectives"] if c["kind"] == "all_reduce"]
@@ -54,6 +61,10 @@ def test_replays_exactly_without_configuration(job):
         assert js.model.protocol(spec) == la["protocol"], la["what"]
     if proto == "auto":
         assert len(used) > 1, "the job should mix protocols"
+    # several QPs: one connection each (joined by their rkeys), the pieces of cut messages joined
+    decs = js.streams.decoders
+    assert {len(g.qps) for d in decs for g in d._qp_group.values()} == {qps}
+    assert (sum(d.cut_pieces for d in decs) > 0) == (qps > 1 and nv.version(v) <= "2.19")
 
 
 def test_stated_release_contradicting_the_wire_is_an_error(job):

@@ -84,7 +84,9 @@ def _topology_facts(topo: topology.Topology, v6: bool) -> dict:
     return {
         "nics": [{"rank": n.rank, "mac": n.mac.hex(":"), "ip": n.ip_text(v6), "ipv4": n.ip_text(False)}
                  for n in topo.nics],
-        "ring": [dict(pair(k, p), channel=k[0], pos=k[1]) for k, p in sorted(topo.ring.items())],
+        "ring": [dict(pair(k, p), channel=k[0], pos=k[1], **({"more_qps": [list(q) for q in p.more_qps]}
+                                                              if p.more_qps else {}))
+                 for k, p in sorted(topo.ring.items())],
         "p2p": [pair(k, p) for k, p in sorted(topo.p2p.items())],
     }
 
@@ -94,7 +96,7 @@ def generate(cfg: GenConfig, out_dir) -> dict:
     out = Path(out_dir)
     ring = cfg.ring()
     mirrors = mirrors_mod.parse_mirrors(cfg.mirrors, cfg.ranks)
-    topo = topology.build(cfg.ranks, ring.orders(), cfg.seed, ring.nccl_version)
+    topo = topology.build(cfg.ranks, ring.orders(), cfg.seed, ring.nccl_version, nqps=cfg.wire.qps_per_connection)
     ring.addresses = {n.rank: n.ip_text(cfg.wire.ipv6) for n in topo.nics}
     captures = mirrors_mod.CaptureSet(out, mirrors, topo, cfg.wire.ipv6, cfg.fmt, cfg.noise, cfg.faults,
                                       cfg.wire.switch_ns)

@@ -4,8 +4,9 @@ Everything here is drawn once per run from the seed, so equal options give equal
 
 * one NIC per rank: a Mellanox-style MAC, the IPv6 link-local address derived from it (EUI-64,
   as the real captures use) and an IPv4 address;
-* one RC QP pair per NCCL connection (channel, ring position r -> r+1), QP numbers allocated per
-  NIC in NCCL's setup order (per channel: the receive connection, then the send connection);
+* one RC QP pair per NCCL connection (channel, ring position r -> r+1), or ``nqps`` of them
+  (NCCL_IB_QPS_PER_CONNECTION), QP numbers allocated per NIC in NCCL's setup order (per channel:
+  the receive connection's QPs one after the other, then the send connection's);
 * the UDP source port of a pair from its two QP numbers, as the Linux RDMA core computes it, so
   both directions of a pair (and their ACKs) share it;
 * per receiving connection one allocation holding the LL, LL128 and Simple buffers (each with its
@@ -83,6 +84,15 @@ class QpPair:
     rkeys: dict  # receiver: protocol -> rkey of that protocol's buffer ("p2p" for the shared buffer)
     fifo_va: int  # sender: VA of its CTS FIFO
     fifo_rkey: int
+    more_qps: tuple = ()  # QPs 1.. of the connection: (send_qpn, recv_qpn, sport) each
+
+    @property
+    def nqps(self) -> int:
+        return 1 + len(self.more_qps)
+
+    def data_qp(self, q: int) -> tuple[int, int, int]:
+        """(send_qpn, recv_qpn, sport) of QP ``q`` (0: the one the CTS also uses)."""
+        return (self.send_qpn, self.recv_qpn, self.sport) if q == 0 else self.more_qps[q - 1]
 
 
 @dataclass
@@ -133,10 +143,11 @@ class Topology:
         return start
 
     def _make_pair(self, sender: int, receiver: int, recv_qpn: int, send_qpn: int, recv_base: int,
-                   rkeys: dict, version) -> QpPair:
+                   rkeys: dict, version, more: tuple = ()) -> QpPair:
         fifo_bytes = nv.cts_fifo_slots(version) * nv.cts_fifo_stride(version)
+        more = tuple((s, r, udp_sport(s, r)) for s, r in more)
         return QpPair(sender, receiver, send_qpn, recv_qpn, udp_sport(send_qpn, recv_qpn), recv_base, rkeys,
-                      self._host_alloc(sender, fifo_bytes), self._rkey())
+                      self._host_alloc(sender, fifo_bytes), self._rkey(), more)
 
     def p2p_pair(self, sender: int, receiver: int, version) -> QpPair:
         """The point-to-point connection sender -> receiver (NCCL's connIndex 1: its own QPs),
@@ -150,8 +161,9 @@ class Topology:
         return self.p2p[key]
 
 
-def build(nranks: int, orders: list[list[int]], seed: int, version, arm: bool = False) -> Topology:
-    """NICs and the ring's QP pairs for ``orders`` (one ring order per channel, from rank 0)."""
+def build(nranks: int, orders: list[list[int]], seed: int, version, arm: bool = False, nqps: int = 1) -> Topology:
+    """NICs and the ring's QP pairs for ``orders`` (one ring order per channel, from rank 0),
+    ``nqps`` QPs per connection."""
     rng = np.random.default_rng([seed, 0x70B0])
     nics = []
     for r in range(nranks):
@@ -170,11 +182,13 @@ def build(nranks: int, orders: list[list[int]], seed: int, version, arm: bool = 
         recv_side = {}
         for pos in range(nranks):
             receiver = order[(pos + 1) % nranks]
-            qpn = topo._qpn(receiver)
+            qpns = [topo._qpn(receiver) for _ in range(nqps)]
             base = topo._gpu_alloc(receiver, alloc)
-            recv_side[pos] = (qpn, base, {p: topo._rkey() for p in nv.PROTOCOLS})
+            recv_side[pos] = (qpns, base, {p: topo._rkey() for p in nv.PROTOCOLS})
         for pos in range(nranks):
             sender, receiver = order[pos], order[(pos + 1) % nranks]
-            qpn, base, rkeys = recv_side[pos]
-            topo.ring[(ch, pos)] = topo._make_pair(sender, receiver, qpn, topo._qpn(sender), base, rkeys, version)
+            qpns, base, rkeys = recv_side[pos]
+            sends = [topo._qpn(sender) for _ in range(nqps)]
+            topo.ring[(ch, pos)] = topo._make_pair(sender, receiver, qpns[0], sends[0], base, rkeys, version,
+                                                   tuple(zip(sends[1:], qpns[1:])))
     return topo

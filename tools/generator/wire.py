@@ -13,7 +13,10 @@ after its upstream neighbour). Per connection and message, following doc section
   collective's last message; the sender ACKs every CTS;
 * the sender WRITEs the message to that address, normal or split form
   (``nccl_versions.uses_split_write``), immediate = size (``encode_imm``), LL/LL128 flag from the
-  connection step ``t = conn_step_start(...) + msg.conn_step``;
+  connection step ``t = conn_step_start(...) + msg.conn_step``; with several QPs per connection
+  (doc 6.5) either cut into ``qp_piece_bytes`` pieces, one per QP at ``addr + i·piece``, each
+  closed by its own immediate carrying the full size, or whole on QP ``data_qp(...)`` in turn;
+  the CTS stays on QP 0;
 * the receiver ACKs the message (PSN of its last packet, MSN = RDMA messages completed, syndrome =
   receive credits left: the receives posted and not yet consumed by a WRITE WITH IMM).
 
@@ -56,6 +59,8 @@ class WireOptions:
     ar_threshold: int = nv.AR_THRESHOLD_DEFAULT
     write_only_train: bool = False  # split form: one WRITE ONLY per packet (NIC behaviour)
     initial_psn: str = "zero"  # zero (NCCL), random, wrap (just below 2^24)
+    qps_per_connection: int = 1  # NCCL_IB_QPS_PER_CONNECTION
+    split_data_on_qps: bool | None = None  # NCCL_IB_SPLIT_DATA_ON_QPS; None: the version's default
     line_rate_gbps: float = 100.0
     switch_ns: int = 600  # mirror port to mirror port: a frame's ingress time after its egress time
     step_ns: int = 1500  # between the end of a slot and the start of the next
@@ -72,6 +77,18 @@ class WireOptions:
             raise ValueError(f"initial PSN {self.initial_psn!r} is not zero, random or wrap")
         if self.line_rate_gbps <= 0:
             raise ValueError("line rate must be positive")
+        if not 1 <= self.qps_per_connection <= 16:
+            raise ValueError(f"{self.qps_per_connection} QPs per connection: NCCL takes 1 to 16")
+
+    def split_on_qps(self, v) -> bool:
+        """Whether messages are cut over the QPs for release ``v`` (checked: before 2.18 they
+        always are)."""
+        if self.split_data_on_qps is None:
+            return nv.split_data_on_qps_default(v)
+        if not self.split_data_on_qps and nv.version(v) < nv.SPLIT_PARAM_SINCE:
+            raise ValueError(f"NCCL {nv.version(v)} always cuts messages over the QPs "
+                             f"(NCCL_IB_SPLIT_DATA_ON_QPS exists from {nv.SPLIT_PARAM_SINCE})")
+        return self.split_data_on_qps
 
     def pkt_ns(self) -> int:
         """Line time of one full-MTU data frame."""
@@ -80,15 +97,19 @@ class WireOptions:
 
 @dataclass
 class ConnState:
-    """One connection's counters (both directions of its QP pair)."""
+    """One connection's counters (both directions of its QP pairs)."""
     qp: QpPair
-    data_psn: int  # next PSN sender -> receiver
-    cts_psn: int  # next PSN receiver -> sender
-    data_msn: int = 0  # RDMA messages the receiver completed
+    data_psn: list  # per QP: next PSN sender -> receiver
+    cts_psn: int  # next PSN receiver -> sender (QP 0)
+    data_msn: list = None  # per QP: RDMA messages the receiver completed
     cts_msn: int = 0  # CTS WRITEs the sender completed
     step: int = 0  # NCCL connection step counter
     posted: int = 0  # receives posted = last CTS idx
     received: int = 0  # sends received (receives consumed)
+
+    def __post_init__(self):
+        if self.data_msn is None:
+            self.data_msn = [0] * len(self.data_psn)
 
 
 @dataclass
@@ -141,11 +162,14 @@ class Wire:
         self.sends: list[dict] = []  # truth: every captured send
         self._slots: dict[tuple, schedule.RecvSlot] = {}  # (protocol, kind, t mod 8) -> receive slot
         self._split: dict[int, bool] = {}  # wire bytes -> split WRITE form
+        self.split_qps = opts.split_on_qps(self.version)
 
     def conn(self, key, qp: QpPair) -> ConnState:
         c = self.conns.get(key)
         if c is None:
-            c = self.conns[key] = ConnState(qp, self._psn0(), self._psn0())
+            psn0 = self._psn0()
+            cts = self._psn0()
+            c = self.conns[key] = ConnState(qp, [psn0] + [self._psn0() for _ in qp.more_qps], cts)
         return c
 
     def _psn0(self) -> int:
@@ -244,15 +268,11 @@ class Wire:
             split = self._split[wire_len] = nv.uses_split_write(
                 self.version, wire_len, adaptive_routing=opts.adaptive_routing, ar_threshold=opts.ar_threshold)
         form = (TRAIN if opts.write_only_train else SPLIT) if split else NORMAL
-        npk = packet_count(form, wire_len, opts.pmtu)
-        psn = c.data_psn
-        c.data_psn = (c.data_psn + npk) % PSN_MODULUS
-        c.data_msn += rdma_messages(form, wire_len, opts.pmtu)
-        c.received += 1
         seq = w.first_idx + k + 1  # the CTS idx this send answers
-        last_ts = ts0 + (npk - 1) * dt
         va, _, rkey = self._recv_slot(w, layer, t)
+        c.received += 1
         captured = self.sink.wants(qp.sender, qp.receiver)
+        wire = None
         if captured:
             flag = None if layer.p2p else schedule.flag(proto, t)
             user = source.payload(w, msg)
@@ -260,17 +280,38 @@ class Wire:
             padded = np.zeros(cap, np.uint8)
             padded[:user.size] = user
             wire = protocols.encode(proto, padded, flag or 0)
-            log.add(form, qp.sender, qp.receiver, qp.sport, qp.recv_qpn, psn, ts0, length=wire_len,
-                    pmtu=opts.pmtu, va=va, rkey=rkey, imm=nv.encode_imm(wire_len, self.version),
-                    pay_off=log.payload(wire), dt=dt)
             if self.send_truth:
                 self._truth(w, msg, layer, label, t, seq, flag, form, wire_len, padded, user.size)
-        arrive = last_ts + opts.switch_ns
-        ack_ts = arrive + opts.ack_ns
-        if self.sink.wants(qp.receiver, qp.sender):
-            log.add(ACK, qp.receiver, qp.sender, qp.sport, qp.send_qpn, (psn + npk - 1) % PSN_MODULUS, ack_ts,
-                    syndrome=credit_code(c.posted - c.received), msn=c.data_msn % PSN_MODULUS)
-        end = max(ack_ts, last_ts)
+        # the pieces: (QP, offset, bytes); one whole piece with one QP
+        n = qp.nqps
+        if n == 1:
+            pieces = [(0, 0, wire_len)]
+        elif self.split_qps:
+            chunk = nv.qp_piece_bytes(wire_len, n)
+            pieces = [(nv.data_qp(self.version, True, n, seq - 1, i), i * chunk,
+                       max(0, min(chunk, wire_len - i * chunk))) for i in range(n)]
+        else:
+            pieces = [(nv.data_qp(self.version, False, n, seq - 1), 0, wire_len)]
+        imm = nv.encode_imm(wire_len, self.version)
+        ts, end = ts0, ts0
+        for q, off, nb in pieces:
+            send_qpn, recv_qpn, sport = qp.data_qp(q)
+            npk = packet_count(form, nb, opts.pmtu)
+            psn = c.data_psn[q]
+            c.data_psn[q] = (psn + npk) % PSN_MODULUS
+            c.data_msn[q] += rdma_messages(form, nb, opts.pmtu)
+            last_ts = ts + (npk - 1) * dt
+            if captured:
+                log.add(form, qp.sender, qp.receiver, sport, recv_qpn, psn, ts, length=nb,
+                        pmtu=opts.pmtu, va=va + off, rkey=rkey, imm=imm, pay_off=log.payload(wire[off:off + nb]),
+                        dt=dt)
+            arrive = last_ts + opts.switch_ns
+            ack_ts = arrive + opts.ack_ns
+            if self.sink.wants(qp.receiver, qp.sender):
+                log.add(ACK, qp.receiver, qp.sender, sport, send_qpn, (psn + npk - 1) % PSN_MODULUS, ack_ts,
+                        syndrome=credit_code(c.posted - c.received), msn=c.data_msn[q] % PSN_MODULUS)
+            end = max(end, ack_ts, last_ts)
+            ts = last_ts + dt
         if c.posted - w.first_idx < len(w.msgs):  # one in, one more posted: the proxy stays `depth` ahead
             end = max(end, self._post_cts(w, layer, arrive + opts.cts_ns))
         return end
@@ -281,6 +322,8 @@ class Wire:
                    step=t, flag=flag, protocol=layer.protocol, form=("normal", "split", "split")[form],
                    nbytes=nbytes, wire_bytes=wire_len,
                    offset=msg.offset, nelem=msg.nelem)
+        if qp.nqps > 1:
+            rec["qps"] = qp.nqps
         if isinstance(msg, RingStep):
             rec.update(phase=msg.phase, chunk=msg.chunk, loop=msg.loop, ring_step=msg.step, slice=msg.slice)
         # what a decoder yields: LL/LL128 whole lines/groups, the tail zero as written

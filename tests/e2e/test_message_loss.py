@@ -1,0 +1,52 @@
+"""Whole lost messages (the generator's ``message_loss`` fault) never turn into wrong iterations.
+
+A flagless send (Simple, seen at the sender's egress without the receiver's CTS: the usual setup
+when only egress ports are mirrored) has no number of its own: it is placed as the message after
+the last one placed on its QP. When whole messages are lost, the next one of the same size used to
+be placed in the first lost one's slot, and iterations were reported complete with wrong values
+(10 of 12 single-message drops of this job). The QP's PSNs now prove how many messages are
+missing (per QP, with several QPs per connection: whole messages round robin 2.20+, cut over
+the QPs <= 2.19). Each trial replays the job with whole messages lost at random on both streams,
+and single frames now and then, and checks every iteration reported complete against the
+trainer's digests; some must be complete, some not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from mirrorckpt.config.jobfile import load_job
+from mirrorckpt.tools import cmd_replay
+from mirrorckpt.tools.generator.faults import FaultOptions
+from mirrorckpt.tools.generator.gen import GenConfig, generate
+from mirrorckpt.tools.generator.wire import WireOptions
+
+EGRESS = ["rank0_egress.pcapng", "rank1_egress.pcapng"]
+STEPS = 6
+
+
+def sha(a) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("version,qps", [("2.18", 1), ("2.29", 1), ("2.23", 2), ("2.18", 2), ("2.30", 4)])
+def test_lost_messages_never_complete_an_iteration_wrongly(tmp_path, version, qps):
+    complete = incomplete = 0
+    for seed in range(4):
+        out = tmp_path / f"s{seed}"
+        truth = generate(GenConfig(ranks=2, channels=1, protocol="Simple", nccl_version=version,
+                                   model="linear:100000", steps=STEPS, seed=3, mirrors="0:egress,1:egress",
+                                   faults=FaultOptions(loss=0.001, message_loss=0.06, seed=seed), send_truth=False,
+                                   wire=WireOptions(qps_per_connection=qps)), out)
+        assert any(f["kind"] == "message_loss" for f in truth["wire"]["faults"])
+        _, _, its, _ = cmd_replay.run([str(out / f) for f in EGRESS], job=load_job(out / "job.toml"))
+        for it in its:
+            if it.complete:
+                assert [sha(b) for b in it.buckets] == truth["iterations"][it.index]["buckets_sha256"], \
+                    f"seed {seed}: iteration {it.index} reported complete with wrong values"
+                complete += 1
+            else:
+                incomplete += 1
+    assert complete and incomplete, (complete, incomplete)
