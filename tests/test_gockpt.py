@@ -191,7 +191,8 @@ def test_malformed_parts_change_nothing(mutate, text):
     with pytest.raises(gockpt.PartError, match=text):
         rb.add_part(10, 0, 2, s, t)
     assert rb.received == 0 and rb.start is None
-    assert all(torch.equal(a, b) for a, b in zip(before, rb.params))
+    # bit for bit: the buffers are allocated empty, and garbage may hold NaN (never equal to itself)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(before, rb.params))
     assert not rb.optimizer.state
 
 

@@ -194,9 +194,11 @@ class _Checkpoints:
 class _Incarnation:
     """The appliance's parser for one incarnation of the job: a restarted job's NCCL sets up new
     connections, so each incarnation gets its own frame stream and parser, in front of one control
-    plane whose replica outlives them. Its iterations are numbered from the step the incarnation
-    registered at (the restored step). Once the incarnation is killed, a torn last iteration is not
-    a mirror loss: incomplete iterations after the kill are dropped, not applied."""
+    plane whose replica outlives them. Each incarnation registers with its own run id, so the plane
+    re-arms: it numbers the incarnation's iterations from the step it registered at and lays its
+    first one out in DDP's first buckets; this parser tags its iterations with the plane's run
+    counter at that registration. Once the incarnation is killed, a torn last iteration is not a
+    mirror loss: incomplete iterations after the kill are dropped, not applied."""
 
     def __init__(self, plane, world: int, registered_before: int):
         from mirrorckpt.tools.testbed import harness
@@ -206,7 +208,7 @@ class _Incarnation:
         self.frames = harness.FrameStreamServer(world)
         self.registered_before = registered_before
         self.over = threading.Event()
-        self.offset: int | None = None
+        self.run: int | None = None  # the plane's run counter once this incarnation registered
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="incarnation-parser", daemon=True)
         self.thread.start()
@@ -223,10 +225,10 @@ class _Incarnation:
         from mirrorckpt.updater.appliance import drive
 
         try:
-            while (step := self._registered()) is None:
+            while self._registered() is None:
                 if self.over.wait(0.005):
                     return
-            self.offset = step
+            self.run = self.plane.run
             streams = MirrorStreams(self.frames.sources())
             for path in getattr(streams, "paths", []):
                 path.reassembler.psn_window = 16
@@ -248,24 +250,8 @@ class _Incarnation:
     def apply(self, it) -> None:
         if self.over.is_set() and not it.complete:
             return
-        if it.index == 0 and it.complete:
-            self._relay_first(it)
-        it.index += self.offset
+        it.run = self.run
         self.plane.apply(it)
-
-    def _relay_first(self, it) -> None:
-        """A restarted DDP all-reduces its first iteration in DDP's first buckets again, but the
-        replica lays an iteration out by its index (``JobLayout.bucket_list``), and this one's index
-        is the restored step: its gradients are put into the rebuilt buckets' order."""
-        lay = self.plane.layout
-        if self.offset == 0 or lay.first_buckets is None or \
-                [b.params for b in lay.first_buckets] == [b.params for b in lay.buckets]:
-            return
-        grads = {}
-        for spec, flat in zip(lay.first_buckets, it.buckets):
-            for i, a, z in lay.bucket_slices(spec):
-                grads[i] = flat[a:z]
-        it.buckets = [np.concatenate([grads[i] for i in spec.params]) for spec in lay.buckets]
 
     def end(self) -> None:
         self.over.set()
