@@ -10,6 +10,37 @@ from pathlib import Path
 import click
 
 
+def interface_problem(spec: str) -> str | None:
+    """Why ``IFACE`` or ``IFACE@NETNS`` (an afpacket source) cannot be captured, or None. The
+    interface is looked up inside its namespace, from a thread that enters it (as the capture does)."""
+    import socket
+    import threading
+
+    from mirrorckpt.capture.afpacket import in_netns
+    from mirrorckpt.capture.batch import CaptureError
+
+    iface, _, netns = spec.partition("@")
+    if not iface or (_ and not netns):
+        return f"{spec!r}: expected IFACE or IFACE@NETNS"
+    out: list = []
+
+    def look():
+        try:
+            with in_netns(netns):
+                socket.if_nametoindex(iface)
+        except CaptureError as e:
+            out.append(str(e))
+        except OSError:
+            out.append(f"interface {iface!r} does not exist in network namespace {netns!r}")
+
+    if not netns:
+        return None if (Path("/sys/class/net") / iface).exists() else f"interface {iface!r} does not exist"
+    t = threading.Thread(target=look)
+    t.start()
+    t.join()
+    return out[0] if out else None
+
+
 def check_sources(job) -> list[str]:
     """Problems with the configured mirror sources, each naming the [[mirror]] entry."""
     errors = []
@@ -18,11 +49,11 @@ def check_sources(job) -> list[str]:
     for i, m in enumerate(job.mirrors):
         where = f"[[mirror]] #{i + 1} source"
         if not m.source:
-            errors.append(f"{where}: missing (afpacket:IFACE, dpdk:VDEV or a capture file)")
+            errors.append(f"{where}: missing (afpacket:IFACE[@NETNS], dpdk:VDEV or a capture file)")
         elif m.source.startswith("afpacket:"):
-            iface = m.source.split(":", 1)[1]
-            if not (Path("/sys/class/net") / iface).exists():
-                errors.append(f"{where}: interface {iface!r} does not exist")
+            problem = interface_problem(m.source.split(":", 1)[1])
+            if problem:
+                errors.append(f"{where}: {problem}")
         elif not m.source.startswith("dpdk:") and not Path(m.source.removeprefix("file:")).is_file():
             errors.append(f"{where}: no capture file {m.source!r}")
     return errors
