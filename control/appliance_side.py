@@ -225,8 +225,8 @@ class AppliancePlane:
             if it.run != self.run:
                 self.stats.dropped_other_run += 1
                 return  # the wire of a run that ended (its tail, flushed after the restart)
-            if self.wire_base:
-                it = dataclasses.replace(it, index=it.index + self.wire_base)
+            if self.wire_base:  # a restarted job: its DDP counts (and lays out buckets) from 0 again
+                it = dataclasses.replace(it, index=it.index + self.wire_base, wire_index=it.index)
             self.poll()
             r = self.replica
             if self.app is None:
