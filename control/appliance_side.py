@@ -39,6 +39,7 @@ import torch
 from ..config.layout import JobLayout, RingSpec
 from ..config.training import PersistSpec, TrainingSpec
 from ..parser.iteration import InitialWeights, ReducedIteration
+from ..updater import ckptdir
 from ..updater.appliance import Appliance
 from ..updater.dcp_keys import ReplicaState, dumps, loads
 from ..updater.optim import build_optimizer, plateau_state
@@ -377,6 +378,11 @@ class AppliancePlane:
         self._event("rearmed", {"step": step, "run": self.run, "replica": "kept" if kept else "needs a resync"})
         log.warning("the job restarted from step %d (run %d): following its new communicator%s", step, self.run,
                     ", from the replica as it is" if kept else "; the replica needs a resync")
+        newest = ckptdir.latest(self.persist.directory) if self.persist is not None else None
+        if newest is not None and ckptdir.parse_step(newest.name) > step:
+            log.warning("the job resumed before the newest checkpoint %s of the run that ended: a diverged "
+                        "history is never written into the same root, so checkpoints resume after that step",
+                        newest.name)
         if self.on_rearm is not None:
             self.on_rearm(self.run)
 

@@ -7,14 +7,17 @@ wire still delivers."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
-from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
+from mirrorckpt.config.training import OptimizerSpec, PersistSpec, TrainingSpec
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.parser.iteration import ReducedIteration
+from mirrorckpt.updater import ckptdir
 from mirrorckpt.updater.replica import Replica
 
 SECRET = "unit-secret-0123456789abcdef-xyz"
@@ -67,16 +70,20 @@ def reference(steps: int) -> Replica:
     return r
 
 
-@pytest.fixture
-def plane():
-    """A plane whose replica followed run "a" for 3 steps."""
-    p = AppliancePlane(SECRET, parts=2)  # no layout configured: the REGISTER brings it
+def follow(p: AppliancePlane) -> AppliancePlane:
+    """``p`` with its replica following run "a" for 3 steps."""
     p.rearmed = []
     p.on_rearm = p.rearmed.append
     assert p._on_register(register("a", 0, state=True), None).body["info"] == {"step": 0}
     for i in range(3):
         feed(p, iteration(i, i + 1, first=i == 0), i + 1)
     assert p.replica.iterations_done == 3 and p.replica.state_sha256() == reference(3).state_sha256()
+    return p
+
+
+@pytest.fixture
+def plane():
+    p = follow(AppliancePlane(SECRET, parts=2))  # no layout configured: the REGISTER brings it
     yield p
     p.stop()
 
@@ -117,6 +124,18 @@ def test_new_run_at_another_step_asks_for_a_fallback(plane):
     before = r.state_sha256()
     feed(plane, iteration(0, 3, first=True, run=1), 3)  # waits for the fallback
     assert r.state_sha256() == before and r.iterations_done == 3
+
+
+def test_resuming_before_the_newest_checkpoint_is_said(tmp_path, caplog):
+    p = follow(AppliancePlane(SECRET, parts=2, persist=PersistSpec(str(tmp_path), keep_last=10)))
+    try:
+        assert p.app.persister.flush(30) and ckptdir.latest(tmp_path).name == "step-00000003"
+        caplog.set_level(logging.WARNING, logger="mirrorckpt")
+        p._on_register(register("b", 2), None)
+        said = [r.getMessage() for r in caplog.records if "diverged history" in r.getMessage()]
+        assert len(said) == 1 and "step-00000003" in said[0], said
+    finally:
+        p.stop()
 
 
 def test_new_run_from_scratch_starts_from_its_registered_state(plane):
