@@ -66,3 +66,18 @@ def test_replayed_sends_are_bounded():
     q.put(("end", 0, None))
     first, second = passes(q, streams, rearm_after=5)
     assert len(first) == 5 and [s.ts_ns - t0 for s in second] == [3, 4]  # the newest that fit
+
+
+def test_sends_of_connections_the_pass_maps_are_not_kept():
+    q: queue.Queue = queue.Queue()
+    streams = QueueStreams(q, 1, Metrics(), threading.Event())
+    mapped: dict = {}
+    streams.ring_connections = lambda: mapped
+    q.put(("sends", 0, [send(OLD, 1, nbytes=1000)]))  # before the resolver placed its connection
+    q.put(("sends", 0, [send(OLD, 2, nbytes=1000)]))
+    q.put(("end", 0, None))
+    held = []
+    for _ in streams:
+        held.append(streams._outside_bytes)
+        mapped[OLD] = 0
+    assert held == [1000, 0]  # the pass's own start is not held for a replay

@@ -177,6 +177,7 @@ class QueueStreams:
         self.replay_bytes = replay_bytes
         self._outside: collections.deque[list] = collections.deque()
         self._outside_bytes = 0
+        self._ring_seen = 0
         self._old: frozenset = frozenset()
         self._replay: list[list] = []
         self.replayed = 0  # sends handed to a new pass from before its re-arm
@@ -209,7 +210,7 @@ class QueueStreams:
         self._replay = [kept for sends in self._outside
                         if (kept := [x for x in sends if x.connection not in self._old])]
         self._outside.clear()
-        self._outside_bytes = 0
+        self._outside_bytes = self._ring_seen = 0
         self.restart.clear()
         return sum(map(len, self._replay))
 
@@ -219,6 +220,11 @@ class QueueStreams:
             self.dropped_old += len(sends) - len(keep)
             sends = keep
         ring = self.ring_connections()
+        if len(ring) != self._ring_seen:  # connections were mapped: what they sent is the pass's own
+            self._ring_seen = len(ring)
+            self._outside = collections.deque(kept for sends in self._outside
+                                              if (kept := [x for x in sends if x.connection not in ring]))
+            self._outside_bytes = sum(x.data.nbytes for sends in self._outside for x in sends)
         outside = [x for x in sends if x.connection not in ring]
         if outside:
             self._outside.append(outside)
