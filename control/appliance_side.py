@@ -41,7 +41,7 @@ import torch
 from ..config.layout import JobLayout, RingSpec
 from ..config.training import PersistSpec, TrainingSpec
 from ..parser.iteration import InitialWeights, ReducedIteration
-from ..updater import numeric
+from ..updater import ckptdir, numeric
 from ..updater.appliance import Appliance
 from ..updater.dcp_keys import ReplicaState, dumps, loads
 from ..updater.numeric import Digest
@@ -234,8 +234,8 @@ class AppliancePlane:
             if it.run != self.run:
                 self.stats.dropped_other_run += 1
                 return  # the wire of a run that ended (its tail, flushed after the restart)
-            if self.wire_base:  # the restarted job's wire counts from 0; its bucket layout too
-                it = dataclasses.replace(it, index=it.index + self.wire_base, run_index=it.index)
+            if self.wire_base:  # a restarted job: its DDP counts (and lays out buckets) from 0 again
+                it = dataclasses.replace(it, index=it.index + self.wire_base, wire_index=it.index)
             self.poll()
             r = self.replica
             if self.app is None:
@@ -398,6 +398,11 @@ class AppliancePlane:
         self._event("rearmed", {"step": step, "run": self.run, "replica": "kept" if kept else "needs a resync"})
         log.warning("the job restarted from step %d (run %d): following its new communicator%s", step, self.run,
                     ", from the replica as it is" if kept else "; the replica needs a resync")
+        newest = ckptdir.latest(self.persist.directory) if self.persist is not None else None
+        if newest is not None and ckptdir.parse_step(newest.name) > step:
+            log.warning("the job resumed before the newest checkpoint %s of the run that ended: a diverged "
+                        "history is never written into the same root, so checkpoints resume after that step",
+                        newest.name)
         if self.on_rearm is not None:
             self.on_rearm(self.run)
 

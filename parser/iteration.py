@@ -20,13 +20,14 @@ class ReducedIteration:
     meta: dict = field(default_factory=dict)
     # which run of the job's communicator it came from (the daemon counts restarts; 0: the first)
     run: int = 0
-    # its index within that run: DDP lays out the first iteration of every run in one bucket, so
-    # the bucket layout follows this, not the job-wide ``index`` (None: the same as ``index``)
-    run_index: int | None = None
+    # iterations since DDP (re)started: decides the bucket layout (the first one may differ); None
+    # when ``index`` counts from the job's start (a restarted job counts ``index`` on from its step)
+    wire_index: int | None = None
 
     @property
-    def layout_iteration(self) -> int:
-        return self.index if self.run_index is None else self.run_index
+    def layout_index(self) -> int:
+        """The iteration number ``JobLayout.bucket_list`` takes."""
+        return self.index if self.wire_index is None else self.wire_index
 
 
 

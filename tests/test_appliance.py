@@ -124,7 +124,7 @@ def test_a_bucket_stepped_ahead_is_undone_when_its_iteration_is_incomplete(tmp_p
 
 def test_a_restarted_runs_first_iteration_follows_ddps_first_bucket_layout():
     """After a restart DDP lays out its first iteration in one bucket again, while the job-wide
-    iteration index goes on: the layout follows ``run_index``."""
+    iteration index goes on: the layout follows ``wire_index``."""
     from mirrorckpt.updater.replica import Replica
 
     layout = JobLayout(params=[ParamSpec("w", (8, 4), "float32"), ParamSpec("b", (8,), "float32")],
@@ -136,6 +136,6 @@ def test_a_restarted_runs_first_iteration_follows_ddps_first_bucket_layout():
     for r in (a, b):
         r.iterations_done = 3  # resumed at step 3
     a.apply(ReducedIteration(3, [g[:8], g[8:]]))  # the rebuilt layout: two buckets
-    b.apply(ReducedIteration(3, [g], run_index=0))  # a restarted run's first iteration: one bucket
+    b.apply(ReducedIteration(3, [g], wire_index=0))  # a restarted run's first iteration: one bucket
     for pa, pb in zip(a.params, b.params):
         assert torch.equal(pa, pb)

@@ -46,6 +46,7 @@ def render(m: dict) -> str:
                  f"{one('mirrorckpt_replica_iteration'):.0f}, lag {one('mirrorckpt_replica_lag_iterations'):.0f}, "
                  f"{'STALE (waiting for a fallback checkpoint)' if one('mirrorckpt_replica_stale') else 'in step'}")
     lines.append(f"fallbacks: {one('mirrorckpt_fallbacks_total'):.0f}")
+    lines.append(f"re-arms: {one('mirrorckpt_rearms_total'):.0f} (job restarts followed on a new communicator)")
     lines.append(f"last committed checkpoint: iteration {one('mirrorckpt_last_committed_step'):.0f}")
     snaps = by("mirrorckpt_persist_snapshots_total", "outcome")
     if snaps:

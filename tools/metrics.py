@@ -28,6 +28,8 @@ class Metrics:
         self.stale = Gauge("mirrorckpt_replica_stale", "1 while the replica waits for a resync", registry=r)
         self.fallbacks = Counter("mirrorckpt_fallbacks", "Fallback checkpoints requested from the trainer",
                                  registry=r)
+        self.rearms = Counter("mirrorckpt_rearms", "Restarts of the training job followed without an appliance "
+                              "restart (a REGISTER from a new run on a new communicator)", registry=r)
         self.persist_seconds = Histogram("mirrorckpt_persist_seconds", "Time to commit one checkpoint",
                                          registry=r, buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300))
         self.last_committed = Gauge("mirrorckpt_last_committed_step", "Iterations in the newest committed "

@@ -18,6 +18,8 @@ applied and committed, and the daemon exits 0.
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import logging
 import multiprocessing as mp
@@ -152,7 +154,7 @@ class QueueStreams:
     for files in one process)."""
 
     def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0,
-                 idle_seconds: float = 2.0):
+                 idle_seconds: float = 2.0, replay_bytes: int = 256 << 20):
         self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
         self.nstreams = nports
         self.stats = [StreamStats(f"port {k}") for k in range(nports)]
@@ -163,7 +165,23 @@ class QueueStreams:
         # the wire went quiet (end of the job, a pause).
         self.idle_seconds = idle_seconds
         self.stalled: set[int] = set()
-        self.restart = threading.Event()  # end this pass: the job restarted on new connections
+        # Re-arm (the job restarted on a new communicator): ``rearm`` ends the parser's pass. The
+        # restarted job's first collectives reach the wire before its REGISTER does, so the ended
+        # pass saw them on connections it does not follow (``ring_connections``: the pass's ring
+        # connections, set by the daemon); the sends of such connections are kept (newest
+        # ``replay_bytes``) and the next pass starts with them. It drops what the old connections
+        # still deliver from before the re-arm (the killed run's tail).
+        self.restart = threading.Event()
+        self.rearmed_ns = 0
+        self.ring_connections = dict  # () -> the current pass's ring connections (a container)
+        self.replay_bytes = replay_bytes
+        self._outside: collections.deque[list] = collections.deque()
+        self._outside_bytes = 0
+        self._ring_seen = 0
+        self._old: frozenset = frozenset()
+        self._replay: list[list] = []
+        self.replayed = 0  # sends handed to a new pass from before its re-arm
+        self.dropped_old = 0  # sends of the ended run's connections captured before the re-arm
         self.counters: dict[int, dict] = {}
         self.decoders: list = []  # CTS tags live in the workers; serve takes ranks from the config
 
@@ -180,9 +198,49 @@ class QueueStreams:
                 log.warning("mirror port silent: collectives no longer wait for it", extra={"port": k})
         return set(self.finished) | self.stalled
 
+    def rearm(self) -> None:
+        """The job restarted on new connections: end this pass (any thread)."""
+        self.rearmed_ns = time.time_ns()
+        self.restart.set()
+
+    def next_pass(self) -> int:
+        """Prepares the pass after a re-arm (the parser thread, once the ended pass is flushed);
+        returns the sends it will start with."""
+        self._old = frozenset(self.ring_connections())
+        self._replay = [kept for sends in self._outside
+                        if (kept := [x for x in sends if x.connection not in self._old])]
+        self._outside.clear()
+        self._outside_bytes = self._ring_seen = 0
+        self.restart.clear()
+        return sum(map(len, self._replay))
+
+    def _admit(self, sends: list) -> list:
+        if self._old:
+            keep = [x for x in sends if x.connection not in self._old or x.ts_ns >= self.rearmed_ns]
+            self.dropped_old += len(sends) - len(keep)
+            sends = keep
+        ring = self.ring_connections()
+        if len(ring) != self._ring_seen:  # connections were mapped: what they sent is the pass's own
+            self._ring_seen = len(ring)
+            self._outside = collections.deque(kept for sends in self._outside
+                                              if (kept := [x for x in sends if x.connection not in ring]))
+            self._outside_bytes = sum(x.data.nbytes for sends in self._outside for x in sends)
+        outside = [x for x in sends if x.connection not in ring]
+        if outside:
+            self._outside.append(outside)
+            self._outside_bytes += sum(x.data.nbytes for x in outside)
+            while self._outside_bytes > self.replay_bytes and len(self._outside) > 1:
+                self._outside_bytes -= sum(x.data.nbytes for x in self._outside.popleft())
+        return sends
+
     def __iter__(self):
         self.started = time.monotonic()
         unsettled = None  # time of the newest send since the wire last went quiet
+        replay, self._replay = self._replay, []
+        for sends in replay:
+            self.replayed += len(sends)
+            unsettled = time.monotonic()
+            yield sends
         while len(self.finished) < self.nports and not self.restart.is_set():
             if unsettled is not None and time.monotonic() - unsettled >= self.idle_seconds:
                 unsettled = None
@@ -194,7 +252,9 @@ class QueueStreams:
             if kind == "sends":
                 self.last_seen[port] = unsettled = time.monotonic()
                 self.stalled.discard(port)
-                yield payload
+                payload = self._admit(payload)
+                if payload:
+                    yield payload
             elif kind == "stats":
                 self._stats(port, payload)
             elif kind == "end":
@@ -234,6 +294,12 @@ class _UpdaterQueue:
         self.metrics.wire_iteration.set(it.index)
         self.q.put(it)
         self.metrics.queue_depth.labels("iterations").set(self.q.qsize())
+
+
+def _ring_connections(js) -> dict:
+    """The ring connections a job stream follows (mapped to channels so far)."""
+    a = js.assembler
+    return a.resolver.mapped if a is not None and a.resolver is not None else {}
 
 
 class Daemon:
@@ -279,14 +345,16 @@ class Daemon:
 
     def _on_rearm(self, run: int) -> None:
         """The job restarted (control plane thread): the parser starts over on the new connections."""
+        self.metrics.rearms.inc()
         if self.streams is not None:
-            self.streams.restart.set()
+            self.streams.rearm()
 
     def _parser(self) -> None:
         from mirrorckpt.parser.pipeline import JobStream
         from mirrorckpt.updater.appliance import drive
 
-        streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping)
+        streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping,
+                               replay_bytes=self.job.capture.get("queue_bytes", 256 << 20))
         self.streams = streams
         try:
             while not self.stopping.is_set():
@@ -298,11 +366,13 @@ class Daemon:
                 js = JobStream(streams, model=model, ranks=ring.ranks_by_address(),
                                nccl_version=self.job.ring.nccl_version, infer_after=2000)
                 self.jobstream = js
+                streams.ring_connections = functools.partial(_ring_connections, js)
                 drive(js, _UpdaterQueue(self.iters_q, self.metrics, run))
                 if not streams.restart.is_set():
                     return  # every capture source ended
-                streams.restart.clear()
-                log.info("parser restarted for the job's new communicator", extra={"run": run + 1})
+                early = streams.next_pass()
+                log.info("parser restarted for the job's new communicator",
+                         extra={"run": run + 1, "sends_before_rearm": early})
         except BaseException as e:  # a parser failure stops the daemon with the reason logged
             self.error = e
             log.exception("parser stopped")
@@ -316,11 +386,12 @@ class Daemon:
 
         if self.job.kind != "ddp" or self.job.layout is not None:
             return JobModel.from_job(self.job)
-        log.info("waiting for the trainer to register the job's layout")
-        while not self.control.registered.wait(0.2):
-            if self.stopping.is_set():
-                return None
-        log.info("layout registered: following the mirror", extra={"params": len(self.control.layout.params)})
+        if not self.control.registered.is_set():
+            log.info("waiting for the trainer to register the job's layout")
+            while not self.control.registered.wait(0.2):
+                if self.stopping.is_set():
+                    return None
+            log.info("layout registered: following the mirror", extra={"params": len(self.control.layout.params)})
         return JobModel.ddp(self.job.ring, self.control.layout, with_startup=self.job.startup)
 
     def _updater(self) -> None:

@@ -355,7 +355,7 @@ class Replica:
         return t
 
     def _check_buckets(self, it: ReducedIteration) -> list[torch.Tensor]:
-        buckets = self.layout.bucket_list(it.layout_iteration)
+        buckets = self.layout.bucket_list(it.layout_index)
         if len(it.buckets) != len(buckets):
             raise LayoutMismatch(f"iteration {it.index}: {len(it.buckets)} buckets, layout says {len(buckets)}")
         return [self._check_bucket(it.index, b, spec, flat) for b, (spec, flat) in enumerate(zip(buckets, it.buckets))]
@@ -433,7 +433,7 @@ class Replica:
         if not it.complete:
             self._go_stale(it.index, it.holes)
         flats = self._check_buckets(it)
-        for spec, flat in zip(self.layout.bucket_list(it.layout_iteration), flats):
+        for spec, flat in zip(self.layout.bucket_list(it.layout_index), flats):
             self._load_grads(spec, flat)
         stepped = self._step_all(it.meta)
         self._finish(it.index, stepped, it.meta)

@@ -451,6 +451,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dims", default="32,64,16")
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--ring-seed", type=int, default=1,
+                    help="the simulated fabric's draw (NIC addresses, QPs, ports): a restarted job's new communicator")
     ap.add_argument("--parts", type=int, default=3)
     ap.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's)")
     ap.add_argument("--fingerprint-every", type=int, default=2)
@@ -482,7 +484,7 @@ def main(argv=None) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, **({"bucket_cap_mb": a.bucket_cap_mb} if a.bucket_cap_mb else {}))
     drop = {tuple(int(v) for v in d.split(":")) for d in a.drop.split(",") if d}
-    hs = register(ddp, ("127.0.0.1", a.frames_port) if a.frames_port else None, seed=1, drop=drop,
+    hs = register(ddp, ("127.0.0.1", a.frames_port) if a.frames_port else None, seed=a.ring_seed, drop=drop,
                   protocol=a.protocol)
     opt, sched = build_recipe(a.recipe, ddp, a.total_steps)
     shard = Shard(dims, a.seed, a.rank)

@@ -1,0 +1,83 @@
+"""tools.serve.QueueStreams across a re-arm: the pass after it starts with the sends of the new
+connections that reached the wire before the restarted job's REGISTER (the ended pass did not
+follow them), and the old connections' sends captured before the re-arm are dropped."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+from mirrorckpt.parser.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.reassembly import QpKey
+from mirrorckpt.tools.metrics import Metrics
+from mirrorckpt.tools.serve import QueueStreams
+
+OLD = ConnKey(b"\x01" * 16, b"\x02" * 16, 0xC001)  # the killed run's ring connection
+NEW = ConnKey(b"\x03" * 16, b"\x04" * 16, 0xC002)  # the resumed run's
+
+
+def send(conn: ConnKey, ts_ns: int, nbytes: int = 64) -> NcclSend:
+    return NcclSend(conn, QpKey(conn.sender, conn.receiver, 1), "LL", np.zeros(nbytes, np.uint8), [], nbytes,
+                    nbytes, 0, "normal", ts_ns=ts_ns)
+
+
+def passes(q: queue.Queue, streams: QueueStreams, rearm_after: int) -> tuple[list, list]:
+    """Sends of the first pass (ended by a re-arm after ``rearm_after`` batches) and the second."""
+    first, second = [], []
+    for k, sends in enumerate(streams):
+        first += sends
+        if k + 1 == rearm_after:
+            streams.rearm()
+    streams.next_pass()
+    streams.ring_connections = dict
+    for sends in streams:
+        second += sends
+    return first, second
+
+
+def test_rearm_hands_the_new_runs_early_sends_to_the_next_pass():
+    q: queue.Queue = queue.Queue()
+    streams = QueueStreams(q, 1, Metrics(), threading.Event())
+    streams.ring_connections = lambda: {OLD: 0}  # what the first pass's resolver mapped
+    t0 = time.time_ns()
+    early = [send(NEW, t0 + 1), send(NEW, t0 + 2)]
+    q.put(("sends", 0, [send(OLD, t0)]))
+    q.put(("sends", 0, [send(OLD, t0 + 1), *early]))  # the restarted job's first collective
+    tail, late = send(OLD, t0 + 3), send(OLD, time.time_ns() + 10**9)  # captured before / after the re-arm
+    q.put(("sends", 0, [tail, late, send(NEW, t0 + 4)]))
+    q.put(("end", 0, None))
+    first, second = passes(q, streams, rearm_after=2)
+    assert len(first) == 4  # the re-arm ended the first pass after its second batch
+    # the early sends first, then the batch after the re-arm without the old tail captured before it
+    assert len(second) == 4 and all(a is b for a, b in zip(second, [*early, late]))
+    assert second[3].connection == NEW and not any(s is tail for s in second)
+    assert streams.replayed == 2 and streams.dropped_old == 1
+
+
+def test_replayed_sends_are_bounded():
+    q: queue.Queue = queue.Queue()
+    streams = QueueStreams(q, 1, Metrics(), threading.Event(), replay_bytes=1000)
+    streams.ring_connections = lambda: {OLD: 0}
+    t0 = time.time_ns()
+    for k in range(5):
+        q.put(("sends", 0, [send(NEW, t0 + k, nbytes=400)]))
+    q.put(("end", 0, None))
+    first, second = passes(q, streams, rearm_after=5)
+    assert len(first) == 5 and [s.ts_ns - t0 for s in second] == [3, 4]  # the newest that fit
+
+
+def test_sends_of_connections_the_pass_maps_are_not_kept():
+    q: queue.Queue = queue.Queue()
+    streams = QueueStreams(q, 1, Metrics(), threading.Event())
+    mapped: dict = {}
+    streams.ring_connections = lambda: mapped
+    q.put(("sends", 0, [send(OLD, 1, nbytes=1000)]))  # before the resolver placed its connection
+    q.put(("sends", 0, [send(OLD, 2, nbytes=1000)]))
+    q.put(("end", 0, None))
+    held = []
+    for _ in streams:
+        held.append(streams._outside_bytes)
+        mapped[OLD] = 0
+    assert held == [1000, 0]  # the pass's own start is not held for a replay
