@@ -15,13 +15,12 @@ import tempfile
 import time
 
 import torch
+from mirrorckpt.benchmarks.bench_updater import _iteration, _replica
 from mirrorckpt.config.training import PersistSpec
 from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.control.trainer import attach, restore_from_appliance
 from mirrorckpt.updater.persist import write_checkpoint
 from torch import nn
-
-from .bench_updater import _iteration, _replica
 
 SECRET = "bench-large-secret-0123456789abcdef"
 

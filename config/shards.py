@@ -19,7 +19,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .layout import BucketSpec, JobLayout, ParamSpec
+from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 
 
 def tp_range(size: int, tp: int, rank: int) -> tuple[int, int]:

@@ -37,19 +37,18 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
-from ..config.layout import JobLayout, RingSpec
-from ..config.training import PersistSpec, TrainingSpec
-from ..parser.iteration import InitialWeights, ReducedIteration
-from ..updater import ckptdir, numeric
-from ..updater.appliance import Appliance
-from ..updater.dcp_keys import ReplicaState, dumps, loads
-from ..updater.numeric import Digest
-from ..updater.optim import build_optimizer, plateau_state
-from ..updater.replica import Replica, ReplicaStale
-from . import gockpt
-from . import messages as m
-from .endpoint import ControlServer
+from mirrorckpt.config.layout import JobLayout, RingSpec
+from mirrorckpt.config.training import PersistSpec, TrainingSpec
+from mirrorckpt.control import gockpt
+from mirrorckpt.control import messages as m
+from mirrorckpt.control.endpoint import ControlServer
+from mirrorckpt.parser.iteration import InitialWeights, ReducedIteration
+from mirrorckpt.updater import ckptdir, numeric
+from mirrorckpt.updater.appliance import Appliance
+from mirrorckpt.updater.dcp_keys import ReplicaState, dumps, loads
+from mirrorckpt.updater.numeric import Digest
+from mirrorckpt.updater.optim import build_optimizer, plateau_state
+from mirrorckpt.updater.replica import Replica, ReplicaStale
 
 log = logging.getLogger("mirrorckpt.control.appliance")
 
@@ -554,7 +553,7 @@ class AppliancePlane:
                     return None
                 state = _cloned(st)
         if state is None and self.persist is not None:
-            from ..updater.restore import read_state
+            from mirrorckpt.updater.restore import read_state
 
             try:
                 state = read_state(self.persist.directory)

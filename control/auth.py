@@ -26,8 +26,8 @@ import hmac
 import secrets
 import struct
 
-from . import messages as m
-from .wire import TAG_LEN, AuthError, BadMac, ConnectionClosed, RawFrame, TruncatedFrame
+from mirrorckpt.control import messages as m
+from mirrorckpt.control.wire import TAG_LEN, AuthError, BadMac, ConnectionClosed, RawFrame, TruncatedFrame
 
 APPLIANCE_ROLE = "appliance"
 NONCE_LEN = 32

@@ -15,10 +15,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-
-from . import messages as m
-from . import wire
-from .wire import ConnectionClosed, FrameTooLarge, MalformedFrame, SequenceError
+from mirrorckpt.control import messages as m
+from mirrorckpt.control import wire
+from mirrorckpt.control.wire import ConnectionClosed, FrameTooLarge, MalformedFrame, SequenceError
 
 POLL = 0.1  # socket timeout: how often blocked reads and writes look at the stop flag
 

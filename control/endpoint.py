@@ -23,11 +23,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import auth, wire
-from . import messages as m
-from .channel import POLL, Channel, RemoteError, Replies, RequestTimeout, peer_name  # noqa: F401 - re-exported
-from .outbox import Outbox, OutboxClosed, QueueFull  # noqa: F401 - re-exported
-from .wire import ConnectionClosed, ProtocolError
+from mirrorckpt.control import auth, wire
+from mirrorckpt.control import messages as m
+from mirrorckpt.control.channel import POLL, Channel, RemoteError, Replies, RequestTimeout, peer_name  # noqa: F401 - re-exported
+from mirrorckpt.control.outbox import Outbox, OutboxClosed, QueueFull  # noqa: F401 - re-exported
+from mirrorckpt.control.wire import ConnectionClosed, ProtocolError
 
 LOGGER = "mirrorckpt.control"
 log = logging.getLogger(LOGGER)

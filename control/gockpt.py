@@ -44,14 +44,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from ..config.layout import JobLayout
-from ..config.training import GROUP_OPTIONS, TrainingSpec
-from ..updater.dcp_keys import ReplicaState, loads, rng_tensor
-from ..updater.fingerprint import STATS_LEN, stats
-from ..updater.numeric import Digest, replica_flags
-from ..updater.optim import build_optimizer, state_keys
-from .wire import as_numpy as wire_numpy
+from mirrorckpt.config.layout import JobLayout
+from mirrorckpt.config.training import GROUP_OPTIONS, TrainingSpec
+from mirrorckpt.control.wire import as_numpy as wire_numpy
+from mirrorckpt.updater.dcp_keys import ReplicaState, loads, rng_tensor
+from mirrorckpt.updater.fingerprint import STATS_LEN, stats
+from mirrorckpt.updater.numeric import Digest, replica_flags
+from mirrorckpt.updater.optim import build_optimizer, state_keys
 
 MAX_PARTS = 64
 

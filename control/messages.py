@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from ..config.layout import JobLayout, RingSpec
-from ..config.training import TrainingSpec
-from . import wire
-from .wire import SchemaError, UnknownMessageType
+from mirrorckpt.config.layout import JobLayout, RingSpec
+from mirrorckpt.config.training import TrainingSpec
+from mirrorckpt.control import wire
+from mirrorckpt.control.wire import SchemaError, UnknownMessageType
 
 HELLO = "HELLO"  # handshake: role and nonce
 AUTH = "AUTH"  # handshake: proof of the secret over both nonces and roles
@@ -221,7 +220,7 @@ def reply(request: Message, mtype: str = ACK, **body) -> Message:
 
 def fingerprints(step: int, named: dict[str, torch.Tensor]) -> Message:
     """FINGERPRINT message of ``{name: updater.fingerprint.fingerprint(tensor)}``."""
-    from ..updater.fingerprint import fingerprint
+    from mirrorckpt.updater.fingerprint import fingerprint
     return make(FINGERPRINT, step=step, fingerprints={n: fingerprint(t) for n, t in named.items()})
 
 

@@ -12,7 +12,7 @@ import collections
 import threading
 import time
 
-from . import messages as m
+from mirrorckpt.control import messages as m
 
 DROPPABLE = frozenset({m.STEP_META, m.PING})
 

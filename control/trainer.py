@@ -39,15 +39,21 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-from ..config.ddp import reducer_params
-from ..config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec
-from ..config.training import GROUP_OPTIONS, ClipSpec, LRScheduleSpec, OptimizerSpec, ParamGroupSpec, TrainingSpec
-from ..updater.dcp_keys import dumps, loads
-from ..updater.optim import resolve, state_keys
-from . import gockpt
-from . import messages as m
-from .endpoint import ControlClient
+from mirrorckpt.config.ddp import reducer_params
+from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec
+from mirrorckpt.config.training import (
+    GROUP_OPTIONS,
+    ClipSpec,
+    LRScheduleSpec,
+    OptimizerSpec,
+    ParamGroupSpec,
+    TrainingSpec,
+)
+from mirrorckpt.control import gockpt
+from mirrorckpt.control import messages as m
+from mirrorckpt.control.endpoint import ControlClient
+from mirrorckpt.updater.dcp_keys import dumps, loads
+from mirrorckpt.updater.optim import resolve, state_keys
 
 log = logging.getLogger("mirrorckpt.control.trainer")
 
@@ -802,7 +808,7 @@ def restore_from_appliance(model, optimizer, *, appliance: tuple[str, int], secr
 
 def restore_from_disk(model, optimizer, root, *, scheduler=None, data=None) -> Restored:
     """Load the latest committed checkpoint under ``root`` (verified) the same way."""
-    from ..updater.restore import load_into
+    from mirrorckpt.updater.restore import load_into
 
     r = load_into(unwrap(model), optimizer, root, scheduler=scheduler)
     set_rng_states(r.rng)

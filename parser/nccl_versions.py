@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache, total_ordering
 
 import numpy as np
-
-from .headers import CTS32, CTS64_V220, CTS64_V224, CTS64_V230, Header
+from mirrorckpt.parser.headers import CTS32, CTS64_V220, CTS64_V224, CTS64_V230, Header
 
 # --- versions ---------------------------------------------------------------------------------
 

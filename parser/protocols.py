@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from . import _place
-from .headers import (
+from mirrorckpt.parser import _place
+from mirrorckpt.parser.headers import (
     LL128_FLAG_OFFSET,
     LL128_GROUP_DATA,
     LL128_GROUP_WIRE,
@@ -22,7 +21,7 @@ from .headers import (
     LL_LINE,
     LL_LINE_BYTES,
 )
-from .nccl_versions import LL, LL128, SIMPLE, protocol
+from mirrorckpt.parser.nccl_versions import LL, LL128, SIMPLE, protocol
 
 _U32 = np.dtype("<u4")
 _U64 = np.dtype("<u8")

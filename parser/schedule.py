@@ -31,9 +31,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from . import nccl_versions as nv
-from .nccl_versions import ALLGATHER, ALLREDUCE, BROADCAST, CBD, CELLS, LL, LL128, LOOP, SIMPLE, WARP_SIZE
-from .protocols import wire_bytes
+from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.parser.nccl_versions import (
+    ALLGATHER,
+    ALLREDUCE,
+    BROADCAST,
+    CBD,
+    CELLS,
+    LL,
+    LL128,
+    LOOP,
+    SIMPLE,
+    WARP_SIZE,
+)
+from mirrorckpt.parser.protocols import wire_bytes
 
 OWN, PARTIAL, REDUCED, FORWARD = "own", "partial", "reduced", "forward"
 

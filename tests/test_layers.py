@@ -86,3 +86,16 @@ def test_the_walk_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
         p.unlink()
     assert any("_layer_probe.py:2 imports tools.appliance" in v for v in got), got
     assert any("_layer_probe.py:3 imports control.trainer" in v for v in got), got
+
+
+def test_one_import_style():
+    """Every import of the package names it in full (``from mirrorckpt.parser import ...``)."""
+    relative = []
+    for path in sorted(REPO.rglob("*.py")):
+        rel = path.relative_to(REPO)
+        if rel.parts[0] not in LAYER and rel.parts[0] != "benchmarks":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                relative.append(f"{rel}:{node.lineno}")
+    assert relative == []

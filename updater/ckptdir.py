@@ -26,7 +26,7 @@ import re
 import warnings
 from pathlib import Path
 
-from .manifest import ManifestError, fsync_write, quick_check, read_manifest
+from mirrorckpt.updater.manifest import ManifestError, fsync_write, quick_check, read_manifest
 
 POINTER = "latest"
 LOCK = ".lock"

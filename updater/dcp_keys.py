@@ -214,8 +214,8 @@ def unflatten(flat: dict[str, object], paths: dict[str, tuple]) -> dict:
 
 def required_keys(layout: dict, training: dict) -> list[str]:
     """Flat keys every committed checkpoint of this layout/training must hold."""
-    from ..config.training import TrainingSpec
-    from .optim import state_keys
+    from mirrorckpt.config.training import TrainingSpec
+    from mirrorckpt.updater.optim import state_keys
 
     names = [p["name"] for p in layout.get("params", [])]
     keys = [f"extra.{k}" for k in ("format", "iterations_done", "step", "layout", "training")]

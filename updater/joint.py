@@ -37,15 +37,14 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from mirrorckpt.config.shards import ShardedLayout
+from mirrorckpt.updater import ckptdir
+from mirrorckpt.updater.dcp_keys import _is_leaf, dumps, flatten, loads, map_leaves
+from mirrorckpt.updater.manifest import hash_file, tensor_sha256, write_manifest
+from mirrorckpt.updater.persist import prune, recover
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-
-from ..config.shards import ShardedLayout
-from . import ckptdir
-from .dcp_keys import _is_leaf, dumps, flatten, loads, map_leaves
-from .manifest import hash_file, tensor_sha256, write_manifest
-from .persist import prune, recover
 
 log = logging.getLogger(__name__)
 

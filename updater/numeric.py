@@ -21,9 +21,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from ..config.training import OptimizerSpec
-from . import fingerprint as fp
+from mirrorckpt.config.training import OptimizerSpec
+from mirrorckpt.updater import fingerprint as fp
 
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float64": 2.0 ** -53}
 # Largest measured distance / (u * sqrt(steps)) of the optimizer, times a margin of 4

@@ -7,8 +7,7 @@ from __future__ import annotations
 import importlib
 
 import torch
-
-from ..config.training import CALLABLE_ARGS, LossScaleSpec, LRScheduleSpec, OptimizerSpec, SpecError
+from mirrorckpt.config.training import CALLABLE_ARGS, LossScaleSpec, LRScheduleSpec, OptimizerSpec, SpecError
 
 
 def state_keys(spec: OptimizerSpec) -> tuple[str, ...]:

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from ..config.training import PersistSpec
-from . import ckptdir
-from .dcp_keys import flatten, loads, map_leaves
-from .manifest import MANIFEST_TMP, dtype_name, hash_file, set_verified, tensor_sha256, write_manifest
+from mirrorckpt.config.training import PersistSpec
+from mirrorckpt.updater import ckptdir
+from mirrorckpt.updater.dcp_keys import flatten, loads, map_leaves
+from mirrorckpt.updater.manifest import MANIFEST_TMP, dtype_name, hash_file, set_verified, tensor_sha256, write_manifest
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from ..config.layout import BucketSpec, JobLayout, numpy_dtype
-from ..config.training import TrainingSpec
-from ..parser.iteration import ReducedIteration
-from . import fingerprint as fp
-from . import numeric
-from .dcp_keys import ReplicaState, rng_tensor, to_checkpoint
-from .optim import LossScaler, build_optimizer, build_scheduler, fresh_state, step_scheduler
+from mirrorckpt.config.layout import BucketSpec, JobLayout, numpy_dtype
+from mirrorckpt.config.training import TrainingSpec
+from mirrorckpt.parser.iteration import ReducedIteration
+from mirrorckpt.updater import fingerprint as fp
+from mirrorckpt.updater import numeric
+from mirrorckpt.updater.dcp_keys import ReplicaState, rng_tensor, to_checkpoint
+from mirrorckpt.updater.optim import LossScaler, build_optimizer, build_scheduler, fresh_state, step_scheduler
 
 MASTER_DTYPES = ("float32", "bfloat16", "float16")  # model dtypes; the masters are always fp32
 _OWN_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -188,7 +187,7 @@ class Replica:
         state's tensors are always taken as they are (torch's load_state_dict keeps them);
         ``adopt`` takes the parameters too."""
         if isinstance(state, (str, Path)):
-            from .restore import read_state
+            from mirrorckpt.updater.restore import read_state
 
             state = read_state(state)
         tr = (state.training or {}).get("optimizer", {}).get("name")

@@ -15,12 +15,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-
-from . import ckptdir
-from .ckptdir import dcp_module, latest, parse_step  # noqa: F401  (latest is part of the API)
-from .dcp_keys import FORMAT, ReplicaState, from_checkpoint, loads, required_keys, unflatten
-from .fingerprint import fingerprint
-from .manifest import MANIFEST, MANIFEST_TMP, ManifestError, hash_file, quick_check, read_manifest, tensor_sha256
+from mirrorckpt.updater import ckptdir
+from mirrorckpt.updater.ckptdir import dcp_module, latest, parse_step  # noqa: F401  (latest is part of the API)
+from mirrorckpt.updater.dcp_keys import FORMAT, ReplicaState, from_checkpoint, loads, required_keys, unflatten
+from mirrorckpt.updater.fingerprint import fingerprint
+from mirrorckpt.updater.manifest import (
+    MANIFEST,
+    MANIFEST_TMP,
+    ManifestError,
+    hash_file,
+    quick_check,
+    read_manifest,
+    tensor_sha256,
+)
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +370,7 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, root_or_
     md = dcp.FileSystemReader(d).read_metadata()
     msd, osd = get_state_dict(model, optimizer)
     sd = {"model": msd, "optim": osd}
-    from .dcp_keys import flatten
+    from mirrorckpt.updater.dcp_keys import flatten
 
     wanted = flatten(sd)
     absent = [k for k in wanted if k not in md.state_dict_metadata]

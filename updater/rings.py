@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from .appliance import Appliance, IterationSink, drive
+from mirrorckpt.updater.appliance import Appliance, IterationSink, drive
 
 
 class RingSet:

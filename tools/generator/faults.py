@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from mirrorckpt.parser import opcodes
-
-from .frames import FrameSet
+from mirrorckpt.tools.generator.frames import FrameSet
 
 KINDS = ("loss", "duplicate", "reorder", "corrupt", "truncate")
 MIN_CAPLEN = 14  # a truncated frame keeps at least its Ethernet header

@@ -23,15 +23,14 @@ from mirrorckpt.config.jobfile import JobConfig, dump_job
 from mirrorckpt.config.layout import MirrorSpec, RingSpec
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.parser import nccl_versions as nv
-
-from . import mirrors as mirrors_mod
-from . import topology
-from .faults import FaultOptions
-from .noise import NoiseOptions
-from .packetize import NcclRing
-from .train import run_training
-from .truth import TRUTH_FILE, write_truth
-from .wire import Wire, WireOptions
+from mirrorckpt.tools.generator import mirrors as mirrors_mod
+from mirrorckpt.tools.generator import topology
+from mirrorckpt.tools.generator.faults import FaultOptions
+from mirrorckpt.tools.generator.noise import NoiseOptions
+from mirrorckpt.tools.generator.packetize import NcclRing
+from mirrorckpt.tools.generator.train import run_training
+from mirrorckpt.tools.generator.truth import TRUTH_FILE, write_truth
+from mirrorckpt.tools.generator.wire import Wire, WireOptions
 
 JOB_FILE = "job.toml"
 

@@ -23,8 +23,7 @@ from collections import defaultdict
 import numpy as np
 from mirrorckpt.parser import opcodes as oc
 from mirrorckpt.parser.headers import PSN_MODULUS
-
-from .frames import Packets
+from mirrorckpt.tools.generator.frames import Packets
 
 NORMAL, SPLIT, TRAIN, PLAIN, ACK, UD = range(6)
 

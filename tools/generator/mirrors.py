@@ -17,13 +17,12 @@ from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.writer import PcapngWriter, PcapWriter
 from mirrorckpt.config.layout import MirrorSpec
 from mirrorckpt.parser.headers import BTH
-
-from . import frames
-from .faults import FaultInjector, FaultOptions
-from .frames import FrameSet
-from .messages import MessageLog
-from .noise import NoiseOptions, NoiseSource
-from .topology import Topology
+from mirrorckpt.tools.generator import frames
+from mirrorckpt.tools.generator.faults import FaultInjector, FaultOptions
+from mirrorckpt.tools.generator.frames import FrameSet
+from mirrorckpt.tools.generator.messages import MessageLog
+from mirrorckpt.tools.generator.noise import NoiseOptions, NoiseSource
+from mirrorckpt.tools.generator.topology import Topology
 
 DIRECTIONS = ("egress", "ingress", "both")
 FORMATS = ("pcapng", "pcap")

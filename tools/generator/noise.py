@@ -40,11 +40,10 @@ from mirrorckpt.parser.headers import (
     Field,
     Header,
 )
-
-from . import frames
-from .frames import FrameSet
-from .messages import UD, MessageLog
-from .topology import Topology
+from mirrorckpt.tools.generator import frames
+from mirrorckpt.tools.generator.frames import FrameSet
+from mirrorckpt.tools.generator.messages import UD, MessageLog
+from mirrorckpt.tools.generator.topology import Topology
 
 KINDS = ("arp", "ptp", "tcp", "probes", "vendor")
 

@@ -15,10 +15,9 @@ import numpy as np
 from mirrorckpt.config.layout import RingSpec
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import ringreduce, schedule
-
-from . import tuning
-from .topology import P2P_CHUNK_BYTES, Topology
-from .wire import Layer, P2pMsg, Wire, Work
+from mirrorckpt.tools.generator import tuning
+from mirrorckpt.tools.generator.topology import P2P_CHUNK_BYTES, Topology
+from mirrorckpt.tools.generator.wire import Layer, P2pMsg, Wire, Work
 
 
 def dtype_name(a: np.ndarray) -> str:

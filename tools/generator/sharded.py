@@ -31,18 +31,17 @@ from mirrorckpt.config.jobfile import JobConfig, dump_job
 from mirrorckpt.config.layout import MirrorSpec, ParamSpec, RingSpec
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.tools.generator import mirrors as mirrors_mod
+from mirrorckpt.tools.generator import models, topology
+from mirrorckpt.tools.generator.ddp import DDP, to_wire
+from mirrorckpt.tools.generator.gen import JOB_FILE, _no_none
+from mirrorckpt.tools.generator.packetize import NcclRing
+from mirrorckpt.tools.generator.topology import P2P_CHUNK_BYTES
+from mirrorckpt.tools.generator.train import build_optimizer, build_scheduler, intra_op_threads
+from mirrorckpt.tools.generator.truth import IterationRecord, RecordingComm, sha256_arrays, write_truth
+from mirrorckpt.tools.generator.wire import Layer, P2pMsg, Wire, WireOptions, Work
 from mirrorckpt.updater.fingerprint import state_sha256
 from torch import nn
-
-from . import mirrors as mirrors_mod
-from . import models, topology
-from .ddp import DDP, to_wire
-from .gen import JOB_FILE, _no_none
-from .packetize import NcclRing
-from .topology import P2P_CHUNK_BYTES
-from .train import build_optimizer, build_scheduler, intra_op_threads
-from .truth import IterationRecord, RecordingComm, sha256_arrays, write_truth
-from .wire import Layer, P2pMsg, Wire, WireOptions, Work
 
 SHARDS_FILE = "shards.json"
 
@@ -172,7 +171,7 @@ def _mp_send(run: GroupRun, src: int, dst: int, data: np.ndarray, what: str) -> 
     per = P2P_CHUNK_BYTES // flat.itemsize
     msgs = [P2pMsg(min(per, flat.size - lo) * flat.itemsize, k, lo, min(per, flat.size - lo))
             for k, lo in enumerate(range(0, flat.size, per))]
-    from .packetize import SliceValues
+    from mirrorckpt.tools.generator.packetize import SliceValues
 
     label = {"collective": None, "what": what, "kind": "p2p"}
     run.wire.run([Work(conn, msgs, channel=-1)], Layer(nv.SIMPLE, nv.BROADCAST, p2p=True), SliceValues(flat),

@@ -15,12 +15,11 @@ import numpy as np
 import torch
 from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import LossScaleSpec, LRScheduleSpec, OptimizerSpec, TrainingSpec
+from mirrorckpt.tools.generator import models
+from mirrorckpt.tools.generator.ddp import DDP
+from mirrorckpt.tools.generator.truth import CollectiveRecord, IterationRecord, RecordingComm, sha256_arrays
 from mirrorckpt.updater.fingerprint import state_sha256
 from torch import nn
-
-from . import models
-from .ddp import DDP
-from .truth import CollectiveRecord, IterationRecord, RecordingComm, sha256_arrays
 
 
 class Comm(Protocol):

@@ -35,9 +35,8 @@ from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import protocols, schedule
 from mirrorckpt.parser.headers import BTH, ETH, ICRC_BYTES, IMMDT, IPV6, PSN_MODULUS, RETH, UDP
 from mirrorckpt.parser.schedule import RingStep
-
-from .messages import ACK, NORMAL, PLAIN, SPLIT, TRAIN, packet_count, rdma_messages
-from .topology import P2P_CHUNK_BYTES, QpPair
+from mirrorckpt.tools.generator.messages import ACK, NORMAL, PLAIN, SPLIT, TRAIN, packet_count, rdma_messages
+from mirrorckpt.tools.generator.topology import P2P_CHUNK_BYTES, QpPair
 
 # AETH credit count encoding (IBTA vol. 1, AETH syndrome: 5-bit credit code -> receive credits).
 _CREDITS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
