@@ -163,10 +163,6 @@ class ControlServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
-
     # ------------------------------------------------------------------ talking to trainers
     def peers(self) -> list[Channel]:
         """Authenticated connections."""

@@ -80,10 +80,6 @@ def split(layout: JobLayout, parts: int) -> list[list[int]]:
     return [p for p in out if p]
 
 
-def effective_parts(layout: JobLayout, parts: int) -> int:
-    return len(split(layout, parts))
-
-
 def param_key(name: str) -> str:
     return f"p:{name}"
 

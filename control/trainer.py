@@ -675,9 +675,6 @@ class TrainerLink:
                  run.start, final, run.parts, run.stall * 1e3, run.blocked_parts)
 
     # ---------------------------------------------------------------- lifecycle
-    def wait_registered(self, timeout: float = 30.0) -> bool:
-        return self.client is not None and self.client.wait_connected(timeout)
-
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every message handed over so far has been written to the appliance."""
         end = time.monotonic() + timeout
