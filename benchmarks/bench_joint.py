@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -23,6 +22,7 @@ from mirrorckpt.config import shards
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.parser.iteration import ReducedIteration
+from mirrorckpt.tools.testbed.harness import free_port
 
 TP, LAYERS = 4, 4
 
@@ -75,11 +75,7 @@ def _member(rank: int, world: int, address: str, nparams: int, root: str, reps: 
 
 
 def _address() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{free_port()}"
 
 
 def joint_save(world: int, nparams: int, scratch: Path, reps: int) -> list[float]:

@@ -15,7 +15,7 @@ import tempfile
 import time
 
 import torch
-from mirrorckpt.benchmarks.bench_updater import _iteration, _replica
+from mirrorckpt.benchmarks.bench_updater import _iteration, _replica, plain_write_seconds
 from mirrorckpt.config.training import PersistSpec
 from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.control.trainer import attach, restore_from_appliance
@@ -94,15 +94,7 @@ def commit_vs_plain(nparams: int, threads=(1, 2, 4), directory: str | None = Non
     scratch = tempfile.mkdtemp(prefix="bench-commit-", dir=directory)
     out = {"nparams": layout.total_numel, "state_bytes": nbytes, "commits": []}
     try:
-        plain = os.path.join(scratch, "plain.bin")
-        t = time.perf_counter()
-        with open(plain, "wb") as f:
-            for x in tensors:
-                f.write(memoryview(x.numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        out["plain_s"] = time.perf_counter() - t
-        os.unlink(plain)
+        out["plain_s"] = plain_write_seconds(tensors, os.path.join(scratch, "plain.bin"))
         for k in threads:
             t = time.perf_counter()
             write_checkpoint(os.path.join(scratch, f"t{k}"), sd, threads=k)

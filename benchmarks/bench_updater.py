@@ -125,6 +125,19 @@ def _replica_update(nparams, ntensors, nbuckets, optimizer, impl, grad_dtype, st
             "Mparams_per_s": n / t / 1e6, "GBps_at_28B": n * ADAM_BYTES_PER_PARAM / t / 1e9}
 
 
+def plain_write_seconds(tensors: list[torch.Tensor], path: str) -> float:
+    """A plain sequential write + fsync of the tensors' bytes (then removed): what a commit is held against."""
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for x in tensors:
+            f.write(memoryview(x.numpy()).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    os.unlink(path)
+    return dt
+
+
 def persist_bandwidth(nparams: int = 50_000_000, ntensors: int = 100, directory: str | None = None) -> dict:
     """A checkpoint of an Adam replica (params + two moments) written by write_checkpoint and by the
     background Persister, against writing the same bytes sequentially with one fsync."""
@@ -137,15 +150,7 @@ def persist_bandwidth(nparams: int = 50_000_000, ntensors: int = 100, directory:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     scratch = tempfile.mkdtemp(prefix="bench-persist-", dir=directory)
     try:
-        plain = os.path.join(scratch, "plain.bin")
-        t = time.perf_counter()
-        with open(plain, "wb") as f:
-            for x in tensors:
-                f.write(memoryview(x.numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        plain_s = time.perf_counter() - t
-        os.unlink(plain)
+        plain_s = plain_write_seconds(tensors, os.path.join(scratch, "plain.bin"))
 
         t = time.perf_counter()
         path = write_checkpoint(os.path.join(scratch, "sync"), sd)

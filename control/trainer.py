@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from mirrorckpt.config import ddp
 from mirrorckpt.config.ddp import reducer_params
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec
 from mirrorckpt.config.training import (
@@ -67,25 +68,18 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def _assign(tensors, limits, indices=None) -> list[list[int]]:
-    buckets, _ = dist._compute_bucket_assignment_by_size(list(tensors), list(limits), [], list(indices or []))
-    return [list(b) for b in buckets]
-
-
 def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_order: list[int]) -> JobLayout:
     """The buckets DDP (torch 2.x) all-reduces: one bucket in iteration 0, then the rebuild in
-    first-backward ready order with DDP's caps (the reducer's own assignment function)."""
-    import sys
-
+    first-backward ready order with DDP's caps (config.ddp: the reducer's own assignment function)."""
     cfg = getattr(ddp_model, "_bucket_config", None)
     if getattr(cfg, "has_custom_per_bucket_caps", False) or getattr(ddp_model, "find_unused_parameters", False) \
             or getattr(ddp_model, "static_graph", False):
         raise ValueError("DDP with per-bucket caps, find_unused_parameters or static_graph buckets its first "
                          "iteration differently; the appliance follows DDP's default options only")
-    first = list(reversed(_assign(params, [sys.maxsize])))
+    first = ddp.initial_buckets(params)
     cap = int(getattr(ddp_model, "bucket_bytes_cap", 25 << 20))
     first_cap = int(getattr(cfg, "first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES))
-    rebuilt = _assign([params[i] for i in ready_order], [first_cap, cap], ready_order)
+    rebuilt = ddp.rebuilt_buckets(params, ready_order, cap, first_cap)
     dtype = _DTYPE_NAMES[params[0].dtype]
     return JobLayout(params=[ParamSpec(n, tuple(p.shape), "float32") for n, p in zip(names, params)],
                      buckets=[BucketSpec(tuple(b)) for b in rebuilt],

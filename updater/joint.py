@@ -41,7 +41,7 @@ from mirrorckpt.config.shards import ShardedLayout
 from mirrorckpt.updater import ckptdir
 from mirrorckpt.updater.dcp_keys import _is_leaf, dumps, flatten, loads, map_leaves
 from mirrorckpt.updater.manifest import hash_file, tensor_sha256, write_manifest
-from mirrorckpt.updater.persist import prune, recover
+from mirrorckpt.updater.persist import prune, recover, storage_ranges
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -329,12 +329,7 @@ class JointPersister:
                                       overwrite=False)
         md = dcp.save({}, storage_writer=writer, planner=planner)
         # this process's files and slices, hashed here; the coordinator writes the manifest
-        ranges: dict[str, list] = {}
-        where: dict[str, tuple] = {}
-        for idx, info in md.storage_data.items():
-            key = idx.fqn if idx.offset is None or not any(idx.offset) else f"{idx.fqn}@{list(idx.offset)}"
-            ranges.setdefault(info.relative_path, []).append((key, info.offset, info.length))
-            where[key] = (info.relative_path, info.offset, info.length)
+        ranges, where = storage_ranges(md)
         files, items = {}, {}
         for name in sorted(n for n in os.listdir(partial) if n.startswith(f"__{self.rank}_")):
             size, sha, parts = hash_file(partial / name, ranges.get(name, ()))

@@ -99,13 +99,20 @@ def _write_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict 
     _finish_partial(tmp, state_dict, job, verified, tensors, hashed)
 
 
-def _hash_files(pool, tmp: Path, md):
+def storage_ranges(md) -> tuple[dict[str, list], dict[str, tuple]]:
+    """Where a DCP save put each tensor (a slice: ``fqn@[offsets]``): per file its (key, offset,
+    length) ranges, and per key its (file, offset, length)."""
     ranges: dict[str, list] = {}
     where: dict[str, tuple] = {}
     for idx, info in md.storage_data.items():
         key = idx.fqn if idx.offset is None or not any(idx.offset) else f"{idx.fqn}@{list(idx.offset)}"
         ranges.setdefault(info.relative_path, []).append((key, info.offset, info.length))
         where[key] = (info.relative_path, info.offset, info.length)
+    return ranges, where
+
+
+def _hash_files(pool, tmp: Path, md):
+    ranges, where = storage_ranges(md)
     names = sorted(os.listdir(tmp))
     return names, where, list(pool.map(lambda n: hash_file(tmp / n, ranges.get(n, ())), names))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from mirrorckpt.tools.generator.models import build_model
 from mirrorckpt.tools.generator.sharded import ShardedConfig, generate_sharded
 from mirrorckpt.tools.generator.train import build_optimizer
+from mirrorckpt.tools.testbed.harness import free_port
 from mirrorckpt.tools.testbed.joint import appliance_main, dtensor_load_main
 from mirrorckpt.updater import ckptdir, restore
 from mirrorckpt.updater.manifest import read_manifest, tensor_sha256
@@ -22,11 +22,7 @@ CTX = mp.get_context("spawn")
 
 
 def _address() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{free_port()}"
 
 
 def _run(target, argsets, tmp: Path, timeout: float = 80) -> list[dict]:

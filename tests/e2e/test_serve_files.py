@@ -46,10 +46,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def config(job_dir: Path, tmp: Path, **extra) -> Path:
+def config(job_dir: Path, tmp: Path, persist_every: int | None = None, **extra) -> Path:
     text = (job_dir / "job.toml").read_text()
     text = text.replace('source = "', f'source = "{job_dir}/')
     text += f'\n[persist]\ndirectory = "{tmp / "ck"}"\nkeep_last = 2\n'
+    if persist_every is not None:
+        text += f"every_iterations = {persist_every}\n"
     for k, v in extra.items():
         text += f"\n[{k}]\n" + "".join(f'{a} = {json.dumps(b)}\n' for a, b in v.items())
     p = tmp / "serve.toml"
@@ -84,7 +86,10 @@ def test_serve_keeps_a_bit_exact_replica(job_dir, tmp_path):
 def test_status_while_running_and_clean_sigterm(long_job_dir, tmp_path):
     job_dir = long_job_dir
     port = free_port()
-    cfg = config(job_dir, tmp_path, metrics={"listen": f"127.0.0.1:{port}"})
+    # Nothing is due before the stop: the checkpoint checked below is the one SIGTERM commits. The
+    # stop lands inside an iteration (paced slowly): the drained part of it leaves the replica
+    # stale for missing data, and its last complete step must still be committed.
+    cfg = config(job_dir, tmp_path, persist_every=100_000, metrics={"listen": f"127.0.0.1:{port}"})
     # Paced slowly enough to be looked at while it runs.
     p = subprocess.Popen([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg),
                           "--pace", "0.0005"], stderr=subprocess.PIPE, text=True)
