@@ -19,6 +19,8 @@ messages (handlers, from connection threads). Content is validated before anythi
   trainer's fingerprints of S_{N+k} before it replaces the replica; mirror iterations that
   arrived meanwhile are replayed from N+k on.
 * RESTORE_REQUEST: the replica's state from memory, else the latest committed checkpoint on disk.
+  The state served from memory is held until the next REGISTER (``restore_hold``): the other ranks
+  of the resuming job get the same step, and its re-arm goes on from it.
 
 Each trigger (incomplete iteration, drift, no state) asks for exactly one fallback; a fallback
 not finished within ``fallback_timeout`` or whose rebuild does not verify is asked again, at most
@@ -124,6 +126,11 @@ class AppliancePlane:
         self.wire_base = 0
         self.on_rearm = None
         self.on_commit = None  # handed to the appliance (committed checkpoint paths)
+        # The state last served for a restore from memory, held until the next REGISTER (at most
+        # ``restore_hold`` seconds): a job resuming from it goes on from it although the replica
+        # applied the killed run's last iterations meanwhile, and every rank restores the same step.
+        self.restore_hold = 300.0
+        self._restored: tuple[float, ReplicaState] | None = None
         if layout is not None and training is not None:
             self._make_app()
         handlers = {m.REGISTER: self._on_register, m.STEP_META: self._on_step_meta,
@@ -356,6 +363,7 @@ class AppliancePlane:
             if run_id is not None and self.run_id is not None and run_id != self.run_id:
                 self._rearm(b["step"], state is not None)
             self.run_id = run_id if run_id is not None else self.run_id
+            self._restored = None
             r = self.replica
             if r is not None and state is not None and r.iterations_done != 0:
                 r = self.app.replica = None  # the job started over from its initial state
@@ -389,6 +397,11 @@ class AppliancePlane:
         self._meta_missing_at = None
         r = self.replica
         kept = r is not None and r.committable and r.iterations_done == step and not with_state
+        held = self._held_restore()
+        if not kept and not with_state and held is not None and held.iterations_done == step:
+            # the job resumed from the state served it; the replica had moved on with the old run
+            self.app.replica = r = Replica(self.layout, self.training, _cloned(held))
+            kept = True
         if kept:
             r.stale = None
         elif r is not None and not with_state:
@@ -534,12 +547,20 @@ class AppliancePlane:
                 self.stats.replayed += 1
         self._drain()
 
+    def _held_restore(self) -> ReplicaState | None:
+        if self._restored is not None and time.monotonic() - self._restored[0] > self.restore_hold:
+            self._restored = None
+        return self._restored[1] if self._restored is not None else None
+
     def _on_restore(self, msg: m.Message, peer) -> m.Message:
         want = msg.body.get("step")
         with self.lock:
             r = self.replica
             source, state = None, None
-            if r is not None and r.committable and self._meta_missing_at != r.iterations_done and \
+            held = self._held_restore()
+            if held is not None and (want is None or want == held.iterations_done):
+                source, state = "memory", held  # the other ranks of the resuming job: the same step
+            elif r is not None and r.committable and self._meta_missing_at != r.iterations_done and \
                     (want is None or want == r.iterations_done):
                 st = r.state()
                 source = "memory"
@@ -552,6 +573,7 @@ class AppliancePlane:
                     log.info("restore: state of step %d sent from memory, uncopied", st.iterations_done)
                     return None
                 state = _cloned(st)
+                self._restored = (time.monotonic(), state)
         if state is None and self.persist is not None:
             from mirrorckpt.updater.restore import read_state
 

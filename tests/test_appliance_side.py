@@ -154,3 +154,29 @@ def test_iterations_of_the_ended_run_are_dropped(plane):
     assert plane.stats.dropped_other_run == 2
     assert plane.replica.state_sha256() == before and plane.replica.iterations_done == 3
     assert plane.stats.fallbacks_requested == 0 and plane.replica.stale is None
+
+
+def restore(plane) -> int:
+    return plane._on_restore(m.make(m.RESTORE_REQUEST, step=None), None).body["step"]
+
+
+def test_a_resume_from_the_served_state_goes_on_from_it(plane):
+    assert restore(plane) == 3
+    feed(plane, iteration(3, 4, first=False), 4)  # the killed run's last iteration, after the restore
+    assert plane.replica.iterations_done == 4
+    assert restore(plane) == 3  # the job's other rank restores the same step
+    plane._on_register(register("b", 3), None)
+    assert plane.stats.rearms == 1 and plane.stats.fallbacks_requested == 0
+    assert plane.replica.iterations_done == 3 and plane.replica.state_sha256() == reference(3).state_sha256()
+    feed(plane, iteration(0, 4, first=True, run=1), 4)
+    ref = reference(3)
+    ref.apply(iteration(3, 4, first=False))
+    assert plane.replica.state_sha256() == ref.state_sha256()
+    assert restore(plane) == 4  # once the job registered, restores serve the replica again
+
+
+def test_a_held_restore_expires(plane):
+    assert restore(plane) == 3
+    feed(plane, iteration(3, 4, first=False), 4)
+    plane.restore_hold = 0.0
+    assert restore(plane) == 4
