@@ -413,7 +413,8 @@ class TrainerLink:
         for j, part in enumerate(plan):
             for i in part:
                 nb = 4 * layout.params[i].numel
-                out += [nb] + [gsize * layout.params[i].numel] * (len(plan) - j) + [4 if k == "step" else nb for k in keys]
+                gb = gsize * layout.params[i].numel
+                out += [nb] + [gb] * (len(plan) - j) + [4 if k == "step" else nb for k in keys]
         return out
 
     def _skipped_step(self) -> None:

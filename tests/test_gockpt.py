@@ -448,7 +448,8 @@ class LowPrecisionJob:
                            "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
                            "data": self.shard.state_dict()}
         if self.scaler:
-            self.scales[t] = {"scale": self.scaler.get_scale(), "growth_tracker": int(self.scaler._get_growth_tracker())}
+            self.scales[t] = {"scale": self.scaler.get_scale(),
+                              "growth_tracker": int(self.scaler._get_growth_tracker())}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -463,7 +464,7 @@ def test_low_precision_fallback_sends_2_byte_gradients_and_rebuilds_bit_exact(pl
         assert replica_digest(r) == job.digests[t]
         assert len(job.parts) == 3
         numel = {n: p.numel() for n, p in zip(job.link.names, job.masters)}
-        for j, (slices, tensors) in enumerate(job.parts):
+        for slices, tensors in job.parts:
             grads = {n: g for n, g in tensors.items() if n.startswith("g:")}
             assert grads and all(g.dtype == dtype and g.element_size() == 2 for g in grads.values())
             assert sum(g.nbytes for g in grads.values()) == 2 * sum(numel[n[2:]] for n in grads)
