@@ -23,14 +23,19 @@ Message content (names of the tensors of GOCKPT_PART j):
 
     p:<name>           master parameter of part j at version N+j (float32, layout shape)
     o:<name>:<key>     its optimizer state tensors (absent for a parameter never stepped)
-    g:<name>           gradient of iteration N+j for every parameter of parts 0..j
+    g:<name>           gradient of iteration N+j for every parameter of parts 0..j, in the job's
+                       gradient dtype: fp32 jobs send the gradient the trainer stepped with;
+                       bf16/fp16 jobs the reduced gradient (the model's, as on the wire), which
+                       the rebuild turns into the master gradient as the replica does
+                       (``.float()``, fp16: times 1/loss scale, then the clip coefficient)
     rng:<name>         RNG states (last part only, uint8)
 
 and ``slices = {"params": [names of part j], "hparams": [...], "tail": {...} (last part only)}``
 where ``hparams`` holds, per param group, the hyper-parameters step N+j ran with (lr, betas,
 momentum, weight decay...: whatever the scheduler moves, recorded per step and replayed, so the
-rebuild needs no scheduler of its own). The tail carries every group and the scheduler state of
-S_{N+k}.
+rebuild needs no scheduler of its own). Low-precision jobs add ``loss_scale`` (fp16: the scale
+step N+j's gradients carry) and ``clip`` (the coefficient the trainer multiplied its master
+gradients by, when it clips). The tail carries every group and the scheduler state of S_{N+k}.
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ from mirrorckpt.control.wire import as_numpy as wire_numpy
 from mirrorckpt.updater.dcp_keys import ReplicaState, loads, rng_tensor
 from mirrorckpt.updater.fingerprint import STATS_LEN, stats
 from mirrorckpt.updater.numeric import Digest, replica_flags
-from mirrorckpt.updater.optim import build_optimizer, state_keys
+from mirrorckpt.updater.optim import LossScaler, build_optimizer, state_keys
 
 MAX_PARTS = 64
+GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PartError(ValueError):
@@ -468,6 +474,8 @@ class Rebuild:
         self.optimizer = build_optimizer(spec, self.params,
                                          [([self.params[index[n]] for n in names], gs) for names, gs in groups])
         self.keys = {index[n]: set(state_keys(gs)) for names, gs in groups for n in names}
+        self.grad_dtype = GRAD_DTYPES[training.grad_dtype]
+        self.scaler = LossScaler(training.loss_scale) if training.loss_scale is not None else None
         self.start: int | None = None  # N, from part 0
         self.received = 0
         self.tail: dict | None = None
@@ -496,6 +504,7 @@ class Rebuild:
         mine = [self.names[i] for i in self.plan[index]]
         self._expect(slices.get("params") == mine, f"part {index} lists parameters other than the split's")
         self._check_hparams(slices.get("hparams"))
+        self._check_scaling(slices)
         last = index == self.parts - 1
         self._expect(last == ("tail" in slices), "the tail comes with the last part only")
         want: dict[str, tuple] = {}
@@ -518,7 +527,8 @@ class Rebuild:
         self._expect(not extra and not missing, f"part {index}: unexpected {extra[:3]}, missing {missing[:3]}")
         for name, shape in want.items():
             t = tensors[name]
-            self._expect(t.dtype == torch.float32, f"{name}: dtype {t.dtype}, expected float32")
+            dt = self.grad_dtype if name.startswith("g:") else torch.float32
+            self._expect(t.dtype == dt, f"{name}: dtype {t.dtype}, expected {dt}")
             self._expect(tuple(t.shape) == shape, f"{name}: shape {tuple(t.shape)}, layout says {shape}")
         for name in rng:
             self._expect(tensors[name].dtype == torch.uint8 and tensors[name].dim() == 1, f"{name}: not a uint8 vector")
@@ -542,6 +552,40 @@ class Rebuild:
                                  f"hparams: {k} must be {len(g[k])} finite numbers")
                 else:
                     self._expect(_finite(v) and v >= 0, f"hparams: {k} must be a finite number >= 0")
+
+    def _check_scaling(self, slices: dict) -> None:
+        """fp16: the loss scale of the step; low precision with clipping: the trainer's coefficient
+        (a norm over the parts received so far would not be the trainer's)."""
+        scale = slices.get("loss_scale")
+        if self.scaler is not None:
+            self._expect(_finite(scale) and scale > 0, "fp16 parts need the step's loss_scale, a finite number > 0")
+        else:
+            self._expect(scale is None, f"loss_scale given for {self.training.grad_dtype} gradients")
+        coef = slices.get("clip")
+        if self.grad_dtype == torch.float32:
+            self._expect(coef is None, "float32 parts carry gradients as stepped: no clip coefficient")
+        elif self.training.clip is not None:
+            self._expect(_finite(coef) and 0 < coef <= 1, "the step's clip coefficient, in (0, 1], is missing")
+        else:
+            self._expect(coef is None, "clip coefficient given, the training spec does not clip")
+
+    def master_grads(self, grads: list[torch.Tensor], slices: dict) -> list[torch.Tensor]:
+        """The fp32 gradients the trainer's optimizer stepped with (ARCHITECTURE.md, "Trainer
+        semantics"): float32 ones as given; bf16/fp16 ones ``.float()`` (exact), unscaled with
+        GradScaler's kernel and float32 1/scale (fp16), multiplied by the clip coefficient.
+        PartError on a non-finite gradient: the trainer skips such a step and abandons the run."""
+        if self.grad_dtype == torch.float32:
+            return grads
+        out = [g.float() for g in grads]
+        if self.scaler is not None:
+            self.scaler.scale.fill_(float(slices["loss_scale"]))
+            if self.scaler.unscale_(out):
+                raise PartError("non-finite gradient in a part: the trainer skips such a step")
+        if slices.get("clip") is not None:
+            coef = torch.tensor(float(slices["clip"]), dtype=torch.float32)
+            for g in out:
+                g.mul_(coef)  # what clip_grads_with_norm_ does: one exact-rounded product
+        return out
 
     def _check_tail(self, tail, step: int) -> None:
         self._expect(isinstance(tail, dict), "tail must be an object")
@@ -567,6 +611,8 @@ class Rebuild:
         """Validate, then load part ``index`` and step parts 0..index with its gradients. ``own``:
         the tensors are the rebuild's from now on (decoded from the wire), so it may keep them."""
         self.check_part(step, index, parts, slices, tensors)
+        stepped = [i for j in range(index + 1) for i in self.plan[j]]
+        grads = self.master_grads([tensors[grad_key(self.names[i])] for i in stepped], slices)
         if self.start is None:
             self.start = step
         adopt = own and self._adoptable(tensors)
@@ -581,9 +627,8 @@ class Rebuild:
                   for k in self.keys[i] if state_key(n, k) in tensors}
             if st:
                 self.optimizer.state[p] = st
-        stepped = [i for j in range(index + 1) for i in self.plan[j]]
-        for i in stepped:
-            self.params[i].grad = tensors[grad_key(self.names[i])]
+        for i, g in zip(stepped, grads):
+            self.params[i].grad = g
         for g, hp in zip(self.optimizer.param_groups, slices["hparams"]):
             g.update({k: tuple(v) if isinstance(v, list) else v for k, v in hp.items()})
         try:

@@ -26,7 +26,7 @@ STEP_META = "STEP_META"  # what the wire does not carry: lr, loss scale, rng, da
 #                          the clip coefficient and the skip decision the trainer took
 FINGERPRINT = "FINGERPRINT"  # per-tensor u64 fingerprints and distance stats (updater.fingerprint) at a step
 FALLBACK_REQUEST = "FALLBACK_REQUEST"  # appliance asks for a GoCkpt multi-step checkpoint
-GOCKPT_PART = "GOCKPT_PART"  # part i of k: state slices plus gradients of the parts already sent
+GOCKPT_PART = "GOCKPT_PART"  # part i of k: fp32 state slices, gradients (job dtype) of the parts already sent
 GOCKPT_DONE = "GOCKPT_DONE"
 RESTORE_REQUEST = "RESTORE_REQUEST"  # trainer pulls state from the appliance
 RESTORE_STATE = "RESTORE_STATE"

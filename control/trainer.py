@@ -408,11 +408,13 @@ class TrainerLink:
         each of the steps N+j..N+k-1."""
         keys = state_keys(self.training.optimizer)
         plan = gockpt.split(layout, parts)
+        gsize = gockpt.GRAD_DTYPES[self.training.grad_dtype].itemsize
         out = []
         for j, part in enumerate(plan):
             for i in part:
                 nb = 4 * layout.params[i].numel
-                out += [nb] * (1 + len(plan) - j) + [4 if k == "step" else nb for k in keys]
+                gb = gsize * layout.params[i].numel
+                out += [nb] + [gb] * (len(plan) - j) + [4 if k == "step" else nb for k in keys]
         return out
 
     def _skipped_step(self) -> None:
@@ -531,8 +533,9 @@ class TrainerLink:
                               "lr": hp[0]["lr"], "hparams": hp, "clip": clip,
                               # a fused step given GradScaler's found_inf skips inside the kernel
                               "found_inf": kwargs.get("found_inf")}
-            self._held_meta = (t, self._boundary,
-                               float(self.scaler.get_scale()) if self.scaler is not None else None)
+            scale = float(self.scaler.get_scale()) if self.scaler is not None else None
+            self._boundary["loss_scale"] = scale  # the scale this step's gradients carried
+            self._held_meta = (t, self._boundary, scale)
             if not self._plateau:
                 self._release_meta()
             run = self._run
@@ -601,12 +604,15 @@ class TrainerLink:
             if not run.state_copy.done():
                 run.blocked_parts += 1  # GoCkpt's rule: a part not done in its step is finished blocking
             self.copier.fence(run.state_copy)
+            # bf16/fp16: the reduced gradients (the model's, in the wire dtype) travel, half the
+            # bytes; the rebuild forms the master gradients from them as the replica does
+            src = self.masters if self.training.grad_dtype == "float32" else self.model_params
             grads = {}
             for jj in range(j + 1):
                 for i in run.plan[jj]:
-                    g = self.masters[i].grad
+                    g = src[i].grad
                     if g is None:
-                        g = torch.zeros_like(self.masters[i])
+                        g = torch.zeros_like(src[i])
                     grads[gockpt.grad_key(self.names[i])] = g
             run.grad_copy = self.copier.copy(grads)
         else:  # step N+k: the state is S_{N+k}; send the last part with the tail, then DONE
@@ -618,7 +624,12 @@ class TrainerLink:
         t0 = time.perf_counter()
         j = t - 1 - run.start  # the step just taken was N+j
         self.copier.fence(run.grad_copy)
-        state, grads, hp = run.state_copy, run.grad_copy, self._boundary["hparams"]
+        b = self._boundary
+        hp = {"hparams": b["hparams"]}
+        if self.training.grad_dtype != "float32":  # what turns the reduced gradients into the masters'
+            hp["loss_scale"] = b.get("loss_scale") if self.training.loss_scale is not None else None
+            hp["clip"] = b["clip"][1] if b.get("clip") is not None else None
+        state, grads = run.state_copy, run.grad_copy
         if j < run.parts - 1:
             self._emit(self._part_builder(run, j, state, grads, hp, None), _Both(state, grads))
             run.state_copy = self.copier.copy(self._part_state(j + 1, run.plan))
@@ -627,14 +638,19 @@ class TrainerLink:
             run.fingerprint = self.copier.digest(self._named_state(), t)
         run.stall += time.perf_counter() - t0
 
-    def _part_builder(self, run: FallbackRun, j: int, state, grads, hparams: list, tail: dict | None):
+    def _part_builder(self, run: FallbackRun, j: int, state, grads, hp: dict, tail: dict | None):
         names = [self.names[i] for i in run.plan[j]]
         start, parts = run.start, run.parts
 
         def build(both):
             st, gr = both
             tensors = {**st, **gr}
-            slices = {"params": names, "hparams": hparams}
+            slices = {"params": names, "hparams": hp["hparams"]}
+            if "loss_scale" in hp:  # bf16/fp16 jobs; the clip coefficient is read here, off the training thread
+                if hp["loss_scale"] is not None:
+                    slices["loss_scale"] = hp["loss_scale"]
+                if hp["clip"] is not None:
+                    slices["clip"] = float(hp["clip"].item())
             if tail is not None:
                 slices["tail"] = tail["body"]
                 tensors.update({gockpt.rng_key(k): v for k, v in tail["rng"].items()})

@@ -388,3 +388,109 @@ def test_retries_are_bounded_and_end_in_a_clear_error_state(monkeypatch, caplog)
     finally:
         job.link.close()
         plane.stop()
+
+
+# ------------------------------------------------------------------------ bf16 / fp16 jobs
+
+class LowPrecisionJob:
+    """A bf16 or fp16 model with fp32 masters, as ARCHITECTURE.md's "Trainer semantics" states it:
+    ``master.grad = reduced.float()``, fp16 through torch's GradScaler (unscaled before the clip),
+    clipped by the link; the model is copied from the masters after each step."""
+
+    def __init__(self, plane: AppliancePlane, parts: int, dtype: torch.dtype):
+        torch.manual_seed(0)
+        self.dtype = dtype
+        self.model = build_model(DIMS, 3).to(dtype)
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.model.parameters()]
+        self.opt = torch.optim.AdamW(self.masters, lr=1e-2, foreach=False)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=3, gamma=0.5)
+        # a small growth interval: the scale moves during the fallback's steps (it overflows
+        # fp16 only after about 25 steps: a skip abandons a fallback)
+        self.scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=2)
+                       if dtype == torch.float16 else None)
+        self.shard = Shard(DIMS, 3, 0)
+        self.link = attach(self.model, self.opt, appliance=("127.0.0.1", plane.port), secret=SECRET,
+                           scheduler=self.sched, scaler=self.scaler, data=self.shard, parts=parts,
+                           fingerprint_every=4, connect_timeout=10)
+        self.digests, self.scales, self.parts = {}, {}, []
+        send = self.link.client.send
+
+        def record(msg):  # what each GOCKPT_PART carries, as handed to the wire
+            if msg.type == "GOCKPT_PART":
+                self.parts.append((dict(msg.body["slices"]), {n: t.detach().clone() for n, t in msg.tensors.items()}))
+            return send(msg)
+        self.link.client.send = record
+
+    def step(self) -> None:
+        x, y = self.shard.next()
+        for p in self.model.parameters():
+            p.grad = None
+        loss = nn.functional.mse_loss(self.model(x.to(self.dtype)), y.to(self.dtype))
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        for mp, p in zip(self.masters, self.model.parameters()):
+            mp.grad = p.grad.float()
+        if self.scaler:
+            self.scaler.unscale_(self.opt)
+        self.link.clip_grad_norm_(0.5)
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.sched.step()
+        with torch.no_grad():
+            for mp, p in zip(self.masters, self.model.parameters()):
+                p.copy_(mp)
+        t = self.link.iterations_done
+        ps, os_ = state_sha256(self.masters, self.opt)
+        self.digests[t] = {"params": ps, "optim": os_, "lr": self.opt.param_groups[0]["lr"],
+                           "sched": self.sched.last_epoch,
+                           "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+                           "data": self.shard.state_dict()}
+        if self.scaler:
+            self.scales[t] = {"scale": self.scaler.get_scale(),
+                              "growth_tracker": int(self.scaler._get_growth_tracker())}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_fallback_sends_2_byte_gradients_and_rebuilds_bit_exact(plane, dtype):
+    """The parts' gradients travel in the job's gradient dtype (half the bytes of fp32); the
+    rebuild forms the fp32 master gradients from them (``.float()``, fp16: 1/loss scale, then the
+    clip coefficient) and ends bit-exact with the trainer's masters and optimizer state."""
+    job = LowPrecisionJob(plane, 3, dtype)
+    try:
+        r = run_fallback(plane, job)
+        t = r.iterations_done
+        assert replica_digest(r) == job.digests[t]
+        assert len(job.parts) == 3
+        numel = {n: p.numel() for n, p in zip(job.link.names, job.masters)}
+        for slices, tensors in job.parts:
+            grads = {n: g for n, g in tensors.items() if n.startswith("g:")}
+            assert grads and all(g.dtype == dtype and g.element_size() == 2 for g in grads.values())
+            assert sum(g.nbytes for g in grads.values()) == 2 * sum(numel[n[2:]] for n in grads)
+            assert all(v.dtype == torch.float32 for n, v in tensors.items() if n.startswith(("p:", "o:"))
+                       and not n.endswith(":step"))
+            assert 0 < slices["clip"] < 1  # the clip was active: the coefficient travelled
+            assert ("loss_scale" in slices) == (dtype == torch.float16)
+        if dtype == torch.float16:
+            assert len({s["loss_scale"] for s, _ in job.parts}) > 1  # the scale moved during the fallback
+            assert r.scaler.state_dict() == job.scales[t]
+    finally:
+        job.link.close()
+
+
+def test_low_precision_part_without_its_scaling_changes_nothing():
+    layout = JobLayout([ParamSpec("a", (4, 3)), ParamSpec("b", (5,))], [BucketSpec((1, 0))], grad_dtype="float16")
+    rb = gockpt.Rebuild(layout, TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=0.1), grad_dtype="float16"), 2)
+    t, s = part0()
+    with pytest.raises(gockpt.PartError, match="g:a: dtype torch.float32, expected torch.float16"):
+        rb.add_part(10, 0, 2, {**s, "loss_scale": 1024.0}, t)
+    t["g:a"] = t["g:a"].half()
+    with pytest.raises(gockpt.PartError, match="loss_scale"):
+        rb.add_part(10, 0, 2, s, t)
+    with pytest.raises(gockpt.PartError, match="clip coefficient given"):
+        rb.add_part(10, 0, 2, {**s, "loss_scale": 1024.0, "clip": 0.5}, t)
+    t["g:a"][0, 0] = float("inf")
+    with pytest.raises(gockpt.PartError, match="non-finite"):
+        rb.add_part(10, 0, 2, {**s, "loss_scale": 1024.0}, t)
+    assert rb.received == 0 and rb.start is None and not rb.optimizer.state
