@@ -148,12 +148,14 @@ def _fit_hint(hint: JobModel, conns, ranks, ring, ring_list, notes):
 
 
 def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | None = None,
-          nccl_version: str | None = None, hint: JobModel | None = None) -> Inferred:
+          nccl_version: str | None = None, hint: JobModel | None = None,
+          known: RingSpec | None = None) -> Inferred:
     """The job from its first sends. ``hint``: a configured collective sequence (its ring's protocol
-    may be "auto" and its release None: those are read from the wire)."""
+    may be "auto" and its release None: those are read from the wire). ``known``: a configured ring
+    whose addresses and orders count as CTS posts (the daemon's workers keep theirs)."""
     versions, fam = versions_to_try(list(decoders), nccl_version)
     seqs = sequences(sends)
-    ranks, order, conns, notes = find_ring(seqs, list(decoders))
+    ranks, order, conns, notes = find_ring(seqs, list(decoders), *_known(known))
     pairs: dict[tuple, int] = {}
     for k in conns:
         pairs[(k.sender, k.receiver)] = pairs.get((k.sender, k.receiver), 0) + 1
@@ -181,6 +183,17 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
         tried.append(v)
     raise InferenceError("the message sizes fit neither DDP's start-up nor a series of all-reduces under NCCL "
                          f"{', '.join(tried)} (give the job configuration)")
+
+
+def _known(ring: RingSpec | None) -> tuple[dict[bytes, int], list[tuple[bytes, bytes]]]:
+    """A configured ring's address -> rank and its links (sender, receiver) on every channel."""
+    if ring is None or not ring.addresses:
+        return {}, []
+    ranks = ring.ranks_by_address()
+    addr = {r: a for a, r in ranks.items()}
+    links = [(addr[r], addr[ring.next_rank(c, r)]) for c in range(ring.nchannels) for r in range(ring.nranks)
+             if r in addr and ring.next_rank(c, r) in addr]
+    return ranks, links
 
 
 def _settle_protocol(model: JobModel) -> None:

@@ -217,6 +217,10 @@ class NcclDecoder:
             self._rkey_group[rk] = g
         return g
 
+    def qps_by_connection(self) -> dict[ConnKey, int]:
+        """Data QPs seen per connection (QPs joined by the rkeys their WRITEs target)."""
+        return {g.key: len(g.qps) for g in {id(g): g for g in self._qp_group.values()}.values()}
+
     def _link(self, m: RdmaMessage) -> None:
         self._group_for(m.qp.src, m.qp.dst, m.rkey, m.qp, ConnKey(m.qp.src, m.qp.dst, m.sport))
 

@@ -55,11 +55,15 @@ def _ringlike(seq: dict[int, NcclSend]) -> bool:
     return all(a != b for a, b in zip(vas, vas[1:]))
 
 
-def find_ring(seqs: dict[ConnKey, dict[int, NcclSend]], decoders: list[NcclDecoder]):
-    """(address -> rank, ring order from rank 0, ring connections, notes)."""
+def find_ring(seqs: dict[ConnKey, dict[int, NcclSend]], decoders: list[NcclDecoder],
+              known_ranks: dict[bytes, int] | None = None, known_links=()):
+    """(address -> rank, ring order from rank 0, ring connections, notes). ``known_ranks`` and
+    ``known_links`` ((sender, receiver) addresses): the configured ring, taken like CTS posts."""
     notes: list[str] = []
-    tags: dict[bytes, int] = {}
+    tags: dict[bytes, int] = dict(known_ranks or {})
     edges: dict[bytes, dict[bytes, int]] = defaultdict(lambda: defaultdict(int))  # a -> b -> weight
+    for a, b in known_links:
+        edges[a][b] += 1
     for dec in decoders:
         for key, c in dec.conns.items():
             if c.cts:

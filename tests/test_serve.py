@@ -43,10 +43,10 @@ def test_rearm_hands_the_new_runs_early_sends_to_the_next_pass():
     streams.ring_connections = lambda: {OLD: 0}  # what the first pass's resolver mapped
     t0 = time.time_ns()
     early = [send(NEW, t0 + 1), send(NEW, t0 + 2)]
-    q.put(("sends", 0, [send(OLD, t0)]))
-    q.put(("sends", 0, [send(OLD, t0 + 1), *early]))  # the restarted job's first collective
+    q.put(("sends", 0, ([send(OLD, t0)], None, None)))
+    q.put(("sends", 0, ([send(OLD, t0 + 1), *early], None, None)))  # the restarted job's first collective
     tail, late = send(OLD, t0 + 3), send(OLD, time.time_ns() + 10**9)  # captured before / after the re-arm
-    q.put(("sends", 0, [tail, late, send(NEW, t0 + 4)]))
+    q.put(("sends", 0, ([tail, late, send(NEW, t0 + 4)], None, None)))
     q.put(("end", 0, None))
     first, second = passes(q, streams, rearm_after=2)
     assert len(first) == 4  # the re-arm ended the first pass after its second batch
@@ -62,7 +62,7 @@ def test_replayed_sends_are_bounded():
     streams.ring_connections = lambda: {OLD: 0}
     t0 = time.time_ns()
     for k in range(5):
-        q.put(("sends", 0, [send(NEW, t0 + k, nbytes=400)]))
+        q.put(("sends", 0, ([send(NEW, t0 + k, nbytes=400)], None, None)))
     q.put(("end", 0, None))
     first, second = passes(q, streams, rearm_after=5)
     assert len(first) == 5 and [s.ts_ns - t0 for s in second] == [3, 4]  # the newest that fit
@@ -73,8 +73,8 @@ def test_sends_of_connections_the_pass_maps_are_not_kept():
     streams = QueueStreams(q, 1, Metrics(), threading.Event())
     mapped: dict = {}
     streams.ring_connections = lambda: mapped
-    q.put(("sends", 0, [send(OLD, 1, nbytes=1000)]))  # before the resolver placed its connection
-    q.put(("sends", 0, [send(OLD, 2, nbytes=1000)]))
+    q.put(("sends", 0, ([send(OLD, 1, nbytes=1000)], None, None)))  # before the resolver placed its connection
+    q.put(("sends", 0, ([send(OLD, 2, nbytes=1000)], None, None)))
     q.put(("end", 0, None))
     held = []
     for _ in streams:

@@ -1,8 +1,8 @@
 """`mirrorckpt doctor CAPTURE...`: what NCCL traffic the captures hold, and what to change when the
 appliance cannot follow it.
 
-It reports the NCCL release family (CTS layout, immediate byte order), the protocols each
-connection carries, the connections (UDP ports) between each pair of addresses, and whether the collectives run as
+It reports the NCCL release family (CTS layout, immediate byte order), the protocols and the
+QPs (NCCL_IB_QPS_PER_CONNECTION) each connection carries, the connections (UDP ports) between each pair of addresses, and whether the collectives run as
 one ring; then it tries the inference ``replay`` runs. Each thing the appliance cannot follow is
 named with the NCCL setting that fixes it:
 
@@ -51,12 +51,13 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
         return {"family": None, "causes": [{"cause": str(e), "fix": "drop --nccl-version (the release is read "
                                             "from the wire)"}], "connections": [], "inferred": None}
     seqs = sequences(sends)
+    nqps = {k: n for d in streams.decoders for k, n in d.qps_by_connection().items()}
     conns, peers = [], defaultdict(set)
     pair_conns = defaultdict(set)
     for k, seq in seqs.items():
         protos = sorted({s.protocol for s in seq.values() if s.protocol and len(s.data)})
         ring = _ringlike(seq)
-        conns.append({"connection": str(k), "sends": len(seq), "protocols": protos,
+        conns.append({"connection": str(k), "sends": len(seq), "qps": nqps.get(k, 1), "protocols": protos,
                       "kind": "collective" if ring else "point-to-point"})
         pair_conns[(k.sender, k.receiver)].add(k.sport)
         if ring:
@@ -88,6 +89,7 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
         "family": fam.describe(), "cts_layout": fam.cts.name if fam.cts else None, "imm_order": fam.imm_order,
         "connections_per_pair": {f"{address_text(a)}->{address_text(b)}": len(v)
                                  for (a, b), v in sorted(pair_conns.items())},
+        "qps_per_connection": sorted({c["qps"] for c in conns}),
         "algorithm": "ring" if peers and all(len(b) == 1 for b in peers.values()) else
                      ("not a ring" if peers else "none (no collective traffic)"),
         "connections": conns, "inferred": inferred, "notes": notes, "causes": causes,
@@ -113,8 +115,10 @@ def doctor(captures, nccl_version, as_json):
         click.echo(f"algorithm: {rep.get('algorithm')}")
         for pair, n in rep.get("connections_per_pair", {}).items():
             click.echo(f"connections {pair}: {n}")
+        if rep.get("qps_per_connection"):
+            click.echo(f"QPs per connection: {', '.join(map(str, rep['qps_per_connection']))}")
         for c in rep["connections"]:
-            click.echo(f"connection {c['connection']}: {c['kind']}, {c['sends']} sends, "
+            click.echo(f"connection {c['connection']}: {c['kind']}, {c['sends']} sends, {c['qps']} QP(s), "
                        f"protocols {', '.join(c['protocols']) or '-'}")
         if rep["inferred"]:
             i = rep["inferred"]

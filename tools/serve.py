@@ -72,7 +72,7 @@ class WorkerSpec:
     batch_frames: int = 65536
     local_bytes: int = 256 << 20  # captured bytes held between capture and decode before dropping
     icrc: bool = True
-    nccl_version: str = "2.18"
+    nccl_version: str | None = None  # None: the decoder reads the release's wire facts from the traffic
     pace: str | float | None = None  # file replay: None (as fast as possible), "recorded", Gbit/s
 
 
@@ -90,20 +90,33 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
     pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port)
     damage = None
 
+    def put(sends):
+        # what the decoder has seen of the release goes with its sends: the parser decides it
+        fam = pp.nccl.family
+        out.put(("sends", spec.port, (sends, fam.cts.name if fam.cts else None, fam.imm_order)))
+
     def decode():
-        while True:
-            b = local.get()
-            if b is None:
-                break
-            with lock:
-                held["bytes"] -= b.nbytes
-            _, sends = pp.feed(b)
-            counters["icrc"] = pp.counters.icrc_failed
+        from mirrorckpt.parser.errors import VersionMismatch
+
+        try:
+            while True:
+                b = local.get()
+                if b is None:
+                    break
+                with lock:
+                    held["bytes"] -= b.nbytes
+                _, sends = pp.feed(b)
+                counters["icrc"] = pp.counters.icrc_failed
+                if sends:
+                    put(sends)
+            _, sends = pp.flush()
             if sends:
-                out.put(("sends", spec.port, sends))
-        _, sends = pp.flush()
-        if sends:
-            out.put(("sends", spec.port, sends))
+                put(sends)
+        except VersionMismatch as e:  # the stated release (or the port's own earlier traffic) is contradicted
+            out.put(("fatal", spec.port, str(e)))
+            stop.set()
+            while local.get() is not None:  # let the capture thread finish
+                pass
 
     t = threading.Thread(target=decode, name="decode", daemon=True)
     t.start()
@@ -149,6 +162,22 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
 # -- main process ------------------------------------------------------------------------------
 
 
+class WireSeen:
+    """A capture worker's view of the NCCL release, as ``parser.infer.wire_family`` reads decoders."""
+
+    conns: dict = {}
+
+    def __init__(self):
+        self.seen_cts = self.seen_imm = None
+
+    def saw(self, cts: str | None, imm: str | None) -> None:
+        from mirrorckpt.parser.nccl_versions import CTS_LAYOUTS
+
+        if cts is not None and (self.seen_cts is None or self.seen_cts.name != cts):
+            self.seen_cts = next(h for h, _, _ in CTS_LAYOUTS if h.name == cts)
+        self.seen_imm = imm or self.seen_imm
+
+
 class QueueStreams:
     """Sends from the capture workers as a ``parser.streams.SendStream`` (what MirrorStreams is
     for files in one process)."""
@@ -183,7 +212,9 @@ class QueueStreams:
         self.replayed = 0  # sends handed to a new pass from before its re-arm
         self.dropped_old = 0  # sends of the ended run's connections captured before the re-arm
         self.counters: dict[int, dict] = {}
-        self.decoders: list = []  # CTS tags live in the workers; serve takes ranks from the config
+        # What each port's decoder saw of the NCCL release (CTS tags stay in the workers: serve
+        # takes ranks from the config)
+        self.decoders = [WireSeen() for _ in range(nports)]
 
     @property
     def ended(self) -> set[int]:
@@ -252,11 +283,17 @@ class QueueStreams:
             if kind == "sends":
                 self.last_seen[port] = unsettled = time.monotonic()
                 self.stalled.discard(port)
+                payload, cts, imm = payload
+                self.decoders[port].saw(cts, imm)
                 payload = self._admit(payload)
                 if payload:
                     yield payload
             elif kind == "stats":
                 self._stats(port, payload)
+            elif kind == "fatal":
+                from mirrorckpt.parser.errors import VersionMismatch
+
+                raise VersionMismatch(f"port {port}: {payload}")
             elif kind == "end":
                 self.finished[port] = payload
                 self.stats[port].damage = payload
@@ -273,6 +310,30 @@ class QueueStreams:
         m.icrc.labels(lp).inc(max(0, c["icrc"] - old.get("icrc", 0)))
         self.counters[port] = c
         self.stats[port].frames, self.stats[port].bytes = c["frames"], c["bytes"]
+
+
+class _Prefixed:
+    """A send stream that yields sends already taken from it, each with the streams that had
+    ended when it was taken (later ends must not finalize collectives before their data), then
+    goes on with its iterator."""
+
+    def __init__(self, streams, first: list[tuple[list, set]], it):
+        self.streams, self.first, self.it = streams, first, it
+        self._ended: set | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.streams, name)
+
+    @property
+    def ended(self) -> set[int]:
+        return self._ended if self._ended is not None else self.streams.ended
+
+    def __iter__(self):
+        for sends, ended in self.first:
+            self._ended = ended
+            yield sends
+        self.first, self._ended = [], None
+        yield from self.it
 
 
 class _UpdaterQueue:
@@ -363,8 +424,13 @@ class Daemon:
                 if model is None:
                     return
                 ring = self.control.ring if self.control is not None and self.control.ring else self.job.ring
-                js = JobStream(streams, model=model, ranks=ring.ranks_by_address(),
-                               nccl_version=self.job.ring.nccl_version, infer_after=2000)
+                source = streams
+                if model.ring.nccl_version is None:
+                    model, source = self._from_wire(streams, model, ring)
+                    if model is None:
+                        return
+                js = JobStream(source, model=model, ranks=ring.ranks_by_address(),
+                               nccl_version=model.ring.nccl_version, infer_after=2000)
                 self.jobstream = js
                 streams.ring_connections = functools.partial(_ring_connections, js)
                 drive(js, _UpdaterQueue(self.iters_q, self.metrics, run))
@@ -378,6 +444,29 @@ class Daemon:
             log.exception("parser stopped")
         finally:
             self.iters_q.put(None)
+
+    def _from_wire(self, streams, model, ring, window: int = 2000):
+        """The job model with what its configuration left open (the NCCL release, the protocol of
+        each collective shape) read from the first ``window`` sends, and a stream that hands those
+        sends on first. (None, None) when the wire ended before any send."""
+        from mirrorckpt.parser.infer import infer
+
+        it = iter(streams)
+        pending: list = []
+        for sends in it:
+            if sends is WIRE_IDLE:
+                if pending:
+                    break
+                continue
+            pending.append((sends, set(streams.ended)))
+            if sum(len(b) for b, _ in pending) >= window:
+                break
+        if not pending:
+            return None, None
+        got = infer([s for b, _ in pending for s in b], streams.decoders, self.job.grad_dtype, None, model, ring)
+        log.info("NCCL release read from the wire", extra={"nccl_version": got.model.ring.nccl_version,
+                                                            "notes": got.notes})
+        return got.model, _Prefixed(streams, pending, it)  # the configured sequence, completed
 
     def _job_model(self):
         """The job's collective sequence: from the configuration, or once the trainer registered its

@@ -136,3 +136,22 @@ def test_doctor_names_collective_traffic_to_several_peers(tmp_path):
                        mirrors="0:egress", send_truth=False), tmp_path)
     r = CliRunner().invoke(main, ["doctor", str(tmp_path / "rank0_egress.pcapng")])
     assert r.exit_code == 1 and "sends collective traffic to 2 peers" in r.output and "NCCL_ALGO=Ring" in r.output
+
+
+@pytest.mark.parametrize("release", ["2.18", "2.23"])
+def test_doctor_counts_qps_per_connection(tmp_path, release):
+    """Several QPs per connection (cut messages up to 2.19, whole ones round robin from 2.20) are
+    joined by rkey and counted per connection."""
+    generate(GenConfig(ranks=3, channels=2, model="mlp:600,64,8", steps=2, nccl_version=release,
+                       mirrors="0:egress,1:egress", send_truth=False,
+                       wire=WireOptions(qps_per_connection=2)), tmp_path)
+    r = CliRunner().invoke(main, ["doctor", "--json"] + [str(tmp_path / f) for f in EGRESS])
+    assert r.exit_code == 0, r.output
+    import json
+
+    rep = json.loads(r.output)
+    ring = [c for c in rep["connections"] if c["kind"] == "collective"]
+    assert len(ring) == 4 and all(c["qps"] == 2 for c in ring), rep["connections"]
+    assert rep["qps_per_connection"] == [2]
+    r1 = CliRunner().invoke(main, ["doctor"] + [str(tmp_path / f) for f in EGRESS])
+    assert "QPs per connection: 2" in r1.output and "2 QP(s)" in r1.output

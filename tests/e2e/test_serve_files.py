@@ -148,3 +148,47 @@ def _samples(metrics, name):
             if s.name == name:
                 out[tuple(sorted(s.labels.items()))] = s.value
     return out
+
+
+@pytest.fixture(scope="module")
+def job_dir_223(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gen223")
+    generate(GenConfig(ranks=3, channels=2, model="mlp:32,64,16,4", steps=STEPS, seed=5, nccl_version="2.23",
+                       training=TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2)),
+                       mirrors="0:egress,1:egress"), d)
+    return d
+
+
+def _with_release(job_dir: Path, tmp: Path, release: str | None) -> Path:
+    cfg = config(job_dir, tmp)
+    lines = [x for x in cfg.read_text().splitlines() if not x.startswith("nccl_version")]
+    if release is not None:
+        lines.insert(lines.index("[ring]") + 1, f'nccl_version = "{release}"')
+    cfg.write_text("\n".join(lines) + "\n")
+    return cfg
+
+
+def test_serve_reads_the_nccl_release_from_the_wire(job_dir_223, tmp_path):
+    cfg = _with_release(job_dir_223, tmp_path, None)
+    assert load_job(cfg).ring.nccl_version is None
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    logs = [json.loads(line) for line in res.stderr.splitlines() if line.startswith("{")]
+    read = [x for x in logs if x["msg"] == "NCCL release read from the wire"]
+    assert read and read[0]["nccl_version"] in ("2.20", "2.21", "2.22", "2.23"), read  # the 2.20-2.23 CTS layout
+    stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
+    assert stopped["iterations_applied"] == STEPS and stopped["iterations_incomplete"] == 0
+    want = truth(job_dir_223)["iterations"][-1]
+    assert replica_sha(tmp_path / "ck", load_job(cfg)) == (want["params_sha256"], want["optim_sha256"])
+
+
+def test_serve_refuses_a_release_the_wire_contradicts(job_dir_223, tmp_path):
+    cfg = _with_release(job_dir_223, tmp_path, "2.18")
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-2000:]
+    logs = [json.loads(line) for line in res.stderr.splitlines() if line.startswith("{")]
+    stopped = [x for x in logs if x["msg"] == "parser stopped"]
+    assert stopped and "contradicts the stated NCCL 2.18" in stopped[0]["exc"], res.stderr[-2000:]
+    assert not any(x["msg"] == "checkpoint committed" for x in logs)
