@@ -3,8 +3,9 @@ appliance cannot follow it.
 
 It reports the NCCL release family (CTS layout, immediate byte order), the protocols and the
 QPs (NCCL_IB_QPS_PER_CONNECTION) each connection carries, the connections (UDP ports) between
-each pair of addresses, and whether the collectives run as one ring; then it tries the inference ``replay`` runs. Each thing the appliance cannot follow is
-named with the NCCL setting that fixes it:
+each pair of addresses, and whether the collectives run as one ring; then it tries the inference
+``replay`` runs. Each thing the appliance cannot follow is named with the NCCL setting that
+fixes it:
 
 * collective traffic from one rank to several peers: Tree (or per-channel ring orders) -> NCCL_ALGO=Ring;
 * only point-to-point sends (no collective connection): nothing to reassemble -> the gradients
