@@ -115,14 +115,15 @@ def _learn(model: JobModel, seqs, ranks, upto=None) -> tuple[dict, int | None] |
 
 
 def infer_from_streams(streams, dtype: str | None = None, nccl_version: str | None = None,
-                       hint: JobModel | None = None, window: int = 20000) -> Inferred:
+                       hint: JobModel | None = None, window: int = 20000,
+                       known: RingSpec | None = None) -> Inferred:
     """``infer`` over the first ``window`` sends of ``streams`` (parser.streams.MirrorStreams)."""
     sends: list[NcclSend] = []
     for batch in streams:
         sends += batch
         if len(sends) >= window:
             break
-    return infer(sends, streams.decoders, dtype, nccl_version, hint)
+    return infer(sends, streams.decoders, dtype, nccl_version, hint, known)
 
 
 def _with_version(hint: JobModel, ring: RingSpec) -> JobModel:

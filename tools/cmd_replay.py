@@ -282,7 +282,9 @@ def _complete_from_wire(job, captures, nccl_version, dtype, icrc):
     from mirrorckpt.parser.infer import infer_from_streams
 
     streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
-    got = infer_from_streams(streams, dtype or job.grad_dtype, nccl_version, JobModel.from_job(job))
+    # the file's addresses and ring orders place ranks the mirrored links alone do not
+    got = infer_from_streams(streams, dtype or job.grad_dtype, nccl_version, JobModel.from_job(job),
+                             known=job.ring if job.ring.addresses else None)
     ring = dataclasses.replace(job.ring, nccl_version=got.model.ring.nccl_version, protocol=got.model.ring.protocol)
     return dataclasses.replace(job, ring=ring, protocols=dict(got.model.protocols)), ring.nccl_version
 

@@ -39,6 +39,11 @@ sha256 equal to truth.json, and every fully reduced message placed exactly once 
 R >= 3 the two streams carry common chunks (a reduced chunk forwarded along the ring), so the
 concatenator must have compared overlapping copies: more pieces than distinct reduced messages
 and elements covered twice. A corrupted overlapping copy must then surface as a conflict.
+
+Issue 13 extends the matrix (``EXTRA``): protocol "auto" (NCCL's per-collective choice, LL + LL128 +
+Simple in one job) at 2.18, 2.23 and 2.29, with 1, 2 and 4 QPs per connection, messages cut over the
+QPs or sent whole round robin; the same checks with every mirror configuration, each collective's
+protocol read from the wire.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from mirrorckpt.parser.concat import Concatenator
 from mirrorckpt.parser.schedule import REDUCED
 from mirrorckpt.tools import cmd_replay
 from mirrorckpt.tools.generator.gen import GenConfig, generate
+from mirrorckpt.tools.generator.wire import WireOptions
 
 # (protocol, ranks, channels, gradient dtype): the covering design of the module docstring.
 DESIGN = [
@@ -123,9 +129,14 @@ def job(request, tmp_path_factory):
 
 
 def replay(out, files):
+    """What `mirrorckpt replay --config job.toml FILES` runs (a job file with protocol "auto" gets
+    each collective shape's protocol from the wire first)."""
     job = load_job(out / "job.toml")
-    js, results, iterations, _ = cmd_replay.run([str(out / f) for f in files], job,
-                                                nccl_version=job.ring.nccl_version)
+    caps = [str(out / f) for f in files]
+    v = job.ring.nccl_version
+    if job.ring.protocol == nv.AUTO:
+        job, v = cmd_replay._complete_from_wire(job, caps, v, None, True)
+    js, results, iterations, _ = cmd_replay.run(caps, job, nccl_version=v)
     return js, [r for r in results if r.spec.kind == "allreduce"], iterations
 
 
@@ -191,10 +202,12 @@ def test_every_send_placed_without_mismatch(job, mirror):
 @pytest.mark.parametrize("mirror", list(STREAMS))
 def test_every_iteration_bit_exact(job, mirror):
     cfg, out, truth = job
-    R = cfg[1]
     files, senders = STREAMS[mirror]
     js, ars, iterations = replay(out, files)
+    check_bit_exact(js, ars, iterations, truth, cfg[1], files, senders)
 
+
+def check_bit_exact(js, ars, iterations, truth, R, files, senders):
     want = [c for c in truth["collectives"] if c["kind"] == "all_reduce"]
     assert [(a.count, a.spec.dtype) for a in ars] == [(w["count"], w["dtype"]) for w in want]
     for a, w in zip(ars, want):
@@ -279,3 +292,54 @@ def test_one_link_mirrored_twice_is_reported_incomplete(tmp_path, R):
                 merged.append((off, n))
         assert a.holes == merged
     assert len(truth["iterations"]) == 2
+
+
+# -- issue 13: NCCL's per-collective protocol choice, 2.20+ releases, several QPs per connection ----------
+
+# (id, ranks, channels, release, model, QPs per connection, NCCL_IB_SPLIT_DATA_ON_QPS or None for the
+# release's default), all with protocol "auto" and a 500-element DDP bucket cap. mlp:4096,256,256,8 at R=3
+# all-reduces a 2056-element bucket with LL, a 65792-element one with LL128 and a 1.05 M-element one with
+# Simple (tools/generator/tuning); the smaller models mix LL and LL128.
+EXTRA = [
+    ("auto-r3-ch2-v223", 3, 2, "2.23", "mlp:4096,256,256,8", 1, None),
+    ("auto-r3-ch2-qp2-v229", 3, 2, "2.29", "mlp:4096,256,256,8", 2, None),  # whole messages round robin
+    ("auto-r3-ch2-qp2-split-v223", 3, 2, "2.23", "mlp:600,64,8", 2, True),  # cut over the QPs
+    ("auto-r4-ch2-qp4-v218", 4, 2, "2.18", "mlp:2048,64,8", 4, None),  # cut over the QPs (default)
+    ("auto-r4-ch1-qp4-v229", 4, 1, "2.29", "mlp:2048,64,8", 4, None),
+]
+
+
+@pytest.fixture(scope="module", params=EXTRA, ids=[e[0] for e in EXTRA])
+def extra_job(request, tmp_path_factory):
+    name, R, nch, v, model, qps, split = request.param
+    out = tmp_path_factory.mktemp(name)
+    truth = generate(GenConfig(ranks=R, channels=nch, protocol="auto", nccl_version=v, model=model, steps=3,
+                               seed=R * 10 + qps, bucket_cap_mb=500 * 4 / (1 << 20), mirrors=MIRRORS,
+                               send_truth=False, wire=WireOptions(qps_per_connection=qps, split_data_on_qps=split)),
+                      out)
+    return request.param, out, truth
+
+
+def test_the_extra_job_mixes_protocols(extra_job):
+    (name, R, nch, v, model, qps, _), _, truth = extra_job
+    ars = [la for la in truth["wire"]["launches"] if la["kind"] == "allreduce"]
+    used = {la["protocol"] for la in ars}
+    assert used == ({"LL", "LL128", "Simple"} if model.count(",") == 3 else {"LL", "LL128"})
+    assert truth["wire"]["ring"]["nccl_version"] == v and truth["wire"]["options"]["qps_per_connection"] == qps
+    assert len(truth["iterations"]) == 3
+
+
+@pytest.mark.parametrize("mirror", list(STREAMS))
+def test_the_extra_job_is_bit_exact(extra_job, mirror):
+    (name, R, nch, v, _, qps, split), out, truth = extra_job
+    files, senders = STREAMS[mirror]
+    js, ars, iterations = replay(out, files)
+    rep = js.report()
+    assert rep.placement.get("mismatch", 0) == 0 and set(rep.placement) == {"placed"}, rep.mismatches
+    check_bit_exact(js, ars, iterations, truth, R, files, senders)
+    for la in truth["wire"]["launches"]:  # every collective's protocol, read from the wire
+        assert js.model.protocol(js.model[la["collective"]]) == la["protocol"], la["what"]
+    decs = js.streams.decoders  # the QPs of each connection joined; cut messages' pieces joined
+    assert {len(g.qps) for d in decs for g in d._qp_group.values()} == {qps}
+    cut = nv.split_data_on_qps_default(v) if split is None else split
+    assert (sum(d.cut_pieces for d in decs) > 0) == (qps > 1 and cut)
