@@ -444,3 +444,60 @@ def test_the_last_send_of_a_merged_message_is_recovered(job):
     assert js.streams.decoders[0].merged_tails >= 1
     it = next(x for x in its if x.index == i)
     assert it.complete and [sha(x) for x in it.buckets] == job.want(i), it.holes
+
+
+# -- issue 13: protocol mix, 2.20+ releases, several QPs -------------------------------------------------
+
+# (id, ranks, release, model, QPs per connection, frame loss rate, trials): protocol "auto", two channels,
+# 6 iterations, the egress of ranks 0, 1 and 2. mlp:4096,256,256,8 at R=3 all-reduces LL, LL128 and Simple
+# buckets; mlp:2048,64,8 at R=4 LL and LL128 (tools/generator/tuning).
+CUT_LL128_CRASH = (
+    "parser: 2.18, 4 QPs, messages cut over the QPs (128-byte-aligned pieces, so 1024 B = half an LL128 group), "
+    "frames lost: NcclDecoder._emit_cut -> _make -> protocols.decode raises 'LL128 message of 1024 wire bytes "
+    "is not a multiple of 2048' (an uncaught ValueError that ends the replay) instead of an incomplete send")
+MIX = [("auto-r3-v223", 3, "2.23", "mlp:4096,256,256,8", 1, 2e-4, 6),
+       ("auto-r4-qp2-v229", 4, "2.29", "mlp:2048,64,8", 2, 2e-3, 6),
+       pytest.param(("auto-r4-qp4-v218", 4, "2.18", "mlp:2048,64,8", 4, 2e-3, 6), marks=pytest.mark.xfail(
+           strict=True, raises=ValueError, reason=CUT_LL128_CRASH))]
+MIX_STEPS = 6
+
+
+@pytest.fixture(scope="module", params=MIX, ids=[(m.values[0] if hasattr(m, "values") else m)[0] for m in MIX])
+def mix_job(request, tmp_path_factory):
+    from mirrorckpt.tools import cmd_replay
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    name, R_, v, model, qps, _, _ = request.param
+    out = tmp_path_factory.mktemp(name)
+    truth = generate(GenConfig(ranks=R_, channels=2, protocol="auto", nccl_version=v, model=model, steps=MIX_STEPS,
+                               seed=qps, bucket_cap_mb=500 * 4 / (1 << 20), mirrors="0:egress,1:egress,2:egress",
+                               send_truth=False, wire=WireOptions(qps_per_connection=qps)), out)
+    files = [str(out / c["file"]) for c in truth["wire"]["captures"]]
+    # what `replay --config job.toml` does first: each collective shape's protocol from the clean wire
+    config, _ = cmd_replay._complete_from_wire(load_job(out / "job.toml"), files, v, None, True)
+    return request.param, truth, config, [read_all(f).copy() for f in files]
+
+
+def test_mix_under_loss_no_silent_corruption(mix_job):
+    """Every iteration reported complete under random frame loss, with 2 and 3 streams, equals truth."""
+    (name, R_, v, _, qps, p, trials), truth, config, batches = mix_job
+    assert len({la["protocol"] for la in truth["wire"]["launches"] if la["kind"] == "allreduce"}) >= 2
+    job = Job(None, truth, config, batches, None)
+    for M in (2, 3):
+        _, its = job.replay(batches[:M])  # clean: every iteration exact
+        assert [it.index for it in its] == list(range(MIX_STEPS))
+        assert all(it.complete and [sha(b) for b in it.buckets] == job.want(it.index) for it in its)
+    complete = incomplete = 0
+    for M in (2, 3):
+        for t in range(trials):
+            rng = np.random.default_rng([SEED, M, t, qps])
+            _, its = job.replay([keep_rows(b, rng.random(len(b)) >= p) for b in batches[:M]])
+            for it in its:
+                if it.complete:
+                    complete += 1
+                    assert [sha(b) for b in it.buckets] == job.want(it.index), \
+                        f"{name}: {M} streams, trial {t}: iteration {it.index} complete with a wrong bucket"
+                else:
+                    incomplete += 1
+                    assert it.buckets == []
+    assert complete > 0 and incomplete > 0, (complete, incomplete)  # the loss rate has power both ways
