@@ -16,7 +16,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-
 from mirrorckpt.config import ddp
 from mirrorckpt.config.layout import BucketSpec, JobLayout, RingSpec, address_text, dtype_size
 from mirrorckpt.parser import nccl_versions as nv

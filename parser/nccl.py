@@ -147,6 +147,7 @@ class NcclDecoder:
         self.conns: dict[ConnKey, _Conn] = {}
         self.cts_posts = 0
         self.orphan_bulk = 0  # split-form pieces whose closing immediate never came
+        self.malformed_sends = 0  # sends whose length their protocol cannot have: all holes
         self.pmtu: dict[QpKey, int] = {}  # per QP: path MTU shown by its messages
         self._qp_group: dict[QpKey, _Group] = {}
         self._rkey_group: dict[tuple[bytes, bytes, int], _Group] = {}
@@ -258,6 +259,7 @@ class NcclDecoder:
     def _add_piece(self, c: _Conn, g: _Group, i: int, size: int, addr: int, p: _Piece) -> list[NcclSend]:
         self.cut_pieces += 1
         out = []
+
         # A QP delivers its pieces in message order: a message still waiting for this QP's
         # piece never gets it (lost whole), so it goes out with that piece as a hole.
         for key in [k for k, v in c.cut.items() if i not in v and k != (size, addr)]:
@@ -498,7 +500,13 @@ class NcclDecoder:
                 c.protocol = proto
             else:
                 proto = self.protocol or c.protocol
-            user, holes, flag = decode(proto, wire, wire_holes, flag)
+            try:
+                user, holes, flag = decode(proto, wire, wire_holes, flag)
+            except ValueError:  # a length the protocol cannot have (a piece cut off by loss): all holes
+                self.malformed_sends += 1
+                user = np.zeros(len(wire) // protocols.unit_bytes(proto) * protocols.unit_data(proto), np.uint8)
+                holes, flag = ([(0, len(user))] if len(user) else []), None
+                form = "malformed"  # never placed: it proves neither its step nor its bytes
         qp = msgs[0].qp if msgs else None
         g = self._qp_group.get(qp) if qp is not None else None
         return NcclSend(

@@ -47,6 +47,16 @@ def wire_bytes(proto: str, nbytes):
     return nbytes
 
 
+def unit_bytes(proto: str) -> int:
+    """Wire bytes of the protocol's unit (LL line, LL128 group, Simple byte)."""
+    return {LL: LL_LINE_BYTES, LL128: LL128_GROUP_WIRE, SIMPLE: 1}[protocol(proto)]
+
+
+def unit_data(proto: str) -> int:
+    """User bytes one unit carries."""
+    return {LL: LL_DATA_PER_LINE, LL128: LL128_GROUP_DATA, SIMPLE: 1}[protocol(proto)]
+
+
 def data_bytes(proto: str, wire_len: int) -> int:
     """Most user bytes a message of ``wire_len`` wire bytes can carry (its exact size for Simple)."""
     proto = protocol(proto)

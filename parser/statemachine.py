@@ -180,6 +180,9 @@ class RingStateMachine:
         return ch, self.model.ring.ring_index(ch, rank)
 
     def place(self, s: NcclSend) -> Placement | None:
+        if s.form == "malformed":  # a length its protocol cannot have (a piece cut off by loss)
+            self.counts["unplaced_malformed"] += 1
+            return None
         loc = self.where(s.connection)
         if loc is None:
             self.counts["not_ring"] += 1

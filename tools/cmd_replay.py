@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import click
-
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser.collectives import JobModel
@@ -188,9 +187,8 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         click.echo(f"warning: {SLOW_ICRC}", err=True)
     t_imports = time.perf_counter()
     if keep_replica:  # torch's imports are not replay time; its first optimizer imports its compiler (~1 s)
-        import torch
-
         import mirrorckpt.updater.appliance  # noqa: F401
+        import torch
         torch.optim.Adam([torch.zeros(1, requires_grad=True)], foreach=False)
     t0 = time.perf_counter()
     bar = Progress("[replay]", unit="iterations applied", tick=0.5, enabled=False if quiet else None)
