@@ -453,10 +453,12 @@ def test_the_last_send_of_a_merged_message_is_recovered(job):
 # buckets; mlp:2048,64,8 at R=4 LL and LL128 (tools/generator/tuning).
 CUT_QP_CORRUPTION = (
     "SILENT CORRUPTION, open: NCCL 2.18, 4 QPs per connection, each message cut over the QPs, random frame "
-    "loss (2 streams, trial 4): iteration 1 is reported complete with a wrong bucket. The cut message's pieces "
-    "are joined by (size, slot address); a whole lost piece lets a later message's piece of the same slot join "
-    "the waiting one is the suspected cause (a per-QP PSN-gap rule did not remove it). Until fixed, <= 2.19 jobs "
-    "with NCCL_IB_QPS_PER_CONNECTION > 1 are not safe under mirror loss (README, Limits)")
+    "loss (2 streams, trial 4, 19 frames dropped): iterations 1, 3 and 4 are reported complete with the same "
+    "LL128 chunk wrong (elements 96000-115199 of bucket 1). In that replay six cut messages of the collective "
+    "are placed twice at the same step, channel, rank and stream, with the same slot address and flag (30 "
+    "placements against 24 clean): a cut message emitted with a missing piece and emitted again joined from "
+    "other pieces of the same (size, slot) key is the lead. A per-QP PSN-gap rule did not remove it. Until "
+    "fixed, <= 2.19 jobs with NCCL_IB_QPS_PER_CONNECTION > 1 are not safe under mirror loss (README, Limits)")
 MIX = [("auto-r3-v223", 3, "2.23", "mlp:4096,256,256,8", 1, 2e-4, 6),
        ("auto-r4-qp2-v229", 4, "2.29", "mlp:2048,64,8", 2, 2e-3, 6),
        # 4 QPs, messages cut over them (a piece alone, 1024 B = half an LL128 group, is now all holes,
