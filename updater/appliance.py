@@ -72,12 +72,14 @@ class Appliance:
     """``training`` may be a function of the layout (a replay that learns the gradient dtype from
     the wire). ``pipelined``: step each bucket's parameters as soon as the bucket is final (where
     the step is separable; otherwise its gradients wait in the replica's buffers), so the
-    iteration's step ends soon after its last packet. ``impl``: the replica's optimizer
+    iteration's step ends soon after its last packet. Off by default: a bucket stepped ahead must
+    be undoable, and copying its parameters and state for that cost the replica about 45 % of its
+    step rate (BENCHMARKS.md, "pipelined" row); whole-iteration steps copy nothing. ``impl``: the replica's optimizer
     implementation (updater.numeric)."""
 
     def __init__(self, layout: JobLayout | None, training: TrainingSpec | Callable[[JobLayout], TrainingSpec],
                  persist: PersistSpec | None = None, replica: Replica | None = None, on_stale=None,
-                 on_iteration=None, pipelined: bool = True, impl: str = "mirror"):
+                 on_iteration=None, pipelined: bool = False, impl: str = "mirror"):
         self.layout = layout
         self.impl = impl
         self.pipelined = pipelined
