@@ -60,8 +60,7 @@ def unit_data(proto: str) -> int:
 def data_bytes(proto: str, wire_len: int) -> int:
     """Most user bytes a message of ``wire_len`` wire bytes can carry (its exact size for Simple)."""
     proto = protocol(proto)
-    unit, data = {LL: (LL_LINE_BYTES, LL_DATA_PER_LINE), LL128: (LL128_GROUP_WIRE, LL128_GROUP_DATA),
-                  SIMPLE: (1, 1)}[proto]
+    unit, data = unit_bytes(proto), unit_data(proto)
     if wire_len % unit:
         raise ValueError(f"{proto} message of {wire_len} wire bytes is not a multiple of {unit}")
     return wire_len // unit * data
