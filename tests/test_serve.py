@@ -81,3 +81,40 @@ def test_sends_of_connections_the_pass_maps_are_not_kept():
         held.append(streams._outside_bytes)
         mapped[OLD] = 0
     assert held == [1000, 0]  # the pass's own start is not held for a replay
+
+
+def test_drop_counters_move_while_the_sends_queue_is_full(monkeypatch):
+    """A worker whose sends wait behind a full queue (nobody reads it) still publishes its
+    counters: the capture edge's drops show in the metrics while the pipeline is backed up."""
+    import ctypes
+    import pathlib
+
+    from mirrorckpt.tools.serve import COUNTERS, WorkerSpec, worker_main
+
+    pcap = pathlib.Path(__file__).parent / "pcaps" / "demo" / "rank0_egress.pcapng"
+    out: queue.Queue = queue.Queue(maxsize=1)  # fills with the first sends; never read
+    shared = (ctypes.c_int64 * len(COUNTERS))()
+    stop = threading.Event()
+    spec = WorkerSpec(port=0, source=str(pcap), batch_frames=16, local_bytes=32 << 10)
+    t = threading.Thread(target=worker_main, args=(spec, out, stop, shared), daemon=True)
+    # worker_main ignores SIGINT in its process; in a thread here only the main thread may
+    monkeypatch.setattr("signal.signal", lambda *a: None)
+    try:
+        t.start()
+        streams = QueueStreams(out, 1, Metrics(), threading.Event(), shared=[shared])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and streams.counters.get(0, {}).get("dropped_capture", 0) == 0:
+            time.sleep(0.05)
+            streams.sync_counters()
+    finally:
+        stop.set()
+    c = streams.counters[0]
+    assert c["dropped_capture"] > 0 and c["frames"] > c["dropped_capture"]
+    dropped = sum(s.value for fam in streams.metrics.registry.collect() for s in fam.samples
+                  if s.name == "mirrorckpt_frames_dropped_total" and s.labels.get("where") == "capture")
+    assert dropped == c["dropped_capture"]
+    while t.is_alive():  # let the worker end: drain what it still puts
+        try:
+            out.get(timeout=0.1)
+        except queue.Empty:
+            pass

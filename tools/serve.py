@@ -76,8 +76,14 @@ class WorkerSpec:
     pace: str | float | None = None  # file replay: None (as fast as possible), "recorded", Gbit/s
 
 
-def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
-    """Capture thread + packet-path thread; sends and counters go to the main process."""
+# A worker's counters, in the shared array the main process reads: they must not wait behind
+# the sends in the bounded queue, or the drop counters freeze exactly while the pipeline backs up.
+COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc")
+
+
+def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None) -> None:
+    """Capture thread + packet-path thread; sends go to the main process through ``out``,
+    counters through ``shared`` (an int64 array laid out as COUNTERS)."""
     from mirrorckpt.capture.batch import CaptureError
     from mirrorckpt.capture.source import open_source, paced
     from mirrorckpt.parser.packet_path import PacketPath
@@ -86,7 +92,11 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
     local: queue.Queue = queue.Queue()
     held = {"bytes": 0}  # bytes waiting in `local`; the capture edge drops beyond spec.local_bytes
     lock = threading.Lock()
-    counters = {"frames": 0, "bytes": 0, "dropped_capture": 0, "dropped_kernel": 0, "icrc": 0}
+    counters = dict.fromkeys(COUNTERS, 0)
+
+    def publish():
+        if shared is not None:
+            shared[:] = [int(counters[k]) for k in COUNTERS]
     pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port)
     damage = None
 
@@ -107,6 +117,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
                     held["bytes"] -= b.nbytes
                 _, sends = pp.feed(b)
                 counters["icrc"] = pp.counters.icrc_failed
+                publish()
                 if sends:
                     put(sends)
             _, sends = pp.flush()
@@ -120,7 +131,6 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
 
     t = threading.Thread(target=decode, name="decode", daemon=True)
     t.start()
-    last = time.monotonic()
     try:
         # AF_PACKET hands over whole ring blocks; files and DPDK take a frame count per batch
         # (DPDK's at most DPDK_MAX_BATCH: a batch must fit in the port's mbuf pool)
@@ -143,9 +153,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
             kstats = getattr(src, "kernel_drops", None)
             if kstats is not None:
                 counters["dropped_kernel"] = int(kstats() if callable(kstats) else kstats)
-            if time.monotonic() - last > 0.2:
-                out.put(("stats", spec.port, dict(counters)))
-                last = time.monotonic()
+            publish()
             if stop.is_set():
                 break
     except CaptureError as e:
@@ -155,7 +163,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event) -> None:
     finally:
         local.put(None)
         t.join()
-        out.put(("stats", spec.port, dict(counters)))
+        publish()
         out.put(("end", spec.port, damage))
 
 
@@ -183,8 +191,9 @@ class QueueStreams:
     for files in one process)."""
 
     def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0,
-                 idle_seconds: float = 2.0, replay_bytes: int = 256 << 20):
+                 idle_seconds: float = 2.0, replay_bytes: int = 256 << 20, shared: list | None = None):
         self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
+        self.shared = shared  # per port: the worker's counters (COUNTERS), read by sync_counters
         self.nstreams = nports
         self.stats = [StreamStats(f"port {k}") for k in range(nports)]
         self.finished: dict[int, str | None] = {}  # port -> damage (None: clean end)
@@ -212,6 +221,7 @@ class QueueStreams:
         self.replayed = 0  # sends handed to a new pass from before its re-arm
         self.dropped_old = 0  # sends of the ended run's connections captured before the re-arm
         self.counters: dict[int, dict] = {}
+        self._counters_lock = threading.Lock()
         # What each port's decoder saw of the NCCL release (CTS tags stay in the workers: serve
         # takes ranks from the config)
         self.decoders = [WireSeen() for _ in range(nports)]
@@ -288,24 +298,32 @@ class QueueStreams:
                 payload = self._admit(payload)
                 if payload:
                     yield payload
-            elif kind == "stats":
-                self._stats(port, payload)
             elif kind == "fatal":
                 from mirrorckpt.parser.errors import VersionMismatch
 
                 raise VersionMismatch(f"port {port}: {payload}")
             elif kind == "end":
+                self.sync_counters()
                 self.finished[port] = payload
                 self.stats[port].damage = payload
                 if payload:
                     log.error("capture source failed", extra={"port": port, "error": payload})
 
+    def sync_counters(self) -> None:
+        """Brings the metrics up to the workers' shared counters (any thread; the daemon calls it
+        every 0.2 s, so the drop counters move while the queues are full)."""
+        if self.shared is None:
+            return
+        with self._counters_lock:
+            for port, arr in enumerate(self.shared):
+                self._stats(port, dict(zip(COUNTERS, arr[:])))
+
     def _stats(self, port: int, c: dict) -> None:
         old = self.counters.get(port, {})
         m, lp = self.metrics, str(port)
-        m.frames.labels(lp).inc(c["frames"] - old.get("frames", 0))
-        m.bytes.labels(lp).inc(c["bytes"] - old.get("bytes", 0))
-        m.dropped.labels(lp, "capture").inc(c["dropped_capture"] - old.get("dropped_capture", 0))
+        m.frames.labels(lp).inc(max(0, c["frames"] - old.get("frames", 0)))
+        m.bytes.labels(lp).inc(max(0, c["bytes"] - old.get("bytes", 0)))
+        m.dropped.labels(lp, "capture").inc(max(0, c["dropped_capture"] - old.get("dropped_capture", 0)))
         m.dropped.labels(lp, "kernel").inc(max(0, c["dropped_kernel"] - old.get("dropped_kernel", 0)))
         m.icrc.labels(lp).inc(max(0, c["icrc"] - old.get("icrc", 0)))
         self.counters[port] = c
@@ -378,6 +396,7 @@ class Daemon:
         self.stop_capture = self.ctx.Event()
         self.stopping = threading.Event()
         self.workers: list = []
+        self.shared = [self.ctx.Array("q", len(COUNTERS), lock=False) for _ in job.mirrors]
         self._appliance = None
         self.streams = None
         self.error: BaseException | None = None
@@ -388,7 +407,7 @@ class Daemon:
             spec = WorkerSpec(port=i, source=m.source, batch_frames=cap.get("batch_frames", 65536),
                               local_bytes=cap.get("queue_bytes", 256 << 20), nccl_version=self.job.ring.nccl_version,
                               pace=self.pace)
-            p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture),
+            p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture, self.shared[i]),
                                  name=f"mirrorckpt-capture-{i}", daemon=True)
             p.start()
             self.workers.append(p)
@@ -415,7 +434,7 @@ class Daemon:
         from mirrorckpt.updater.appliance import drive
 
         streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping,
-                               replay_bytes=self.job.capture.get("queue_bytes", 256 << 20))
+                               replay_bytes=self.job.capture.get("queue_bytes", 256 << 20), shared=self.shared)
         self.streams = streams
         try:
             while not self.stopping.is_set():
@@ -510,6 +529,13 @@ class Daemon:
             m.stale.set(1 if r.stale is not None else 0)
             m.lag.set(max(0, it.index - r.iteration))
 
+    def _sync_counters(self, done: threading.Event) -> None:
+        while not done.wait(0.2):
+            if self.streams is not None:
+                self.streams.sync_counters()
+        if self.streams is not None:
+            self.streams.sync_counters()
+
     def _on_stale(self, exc) -> None:
         self.metrics.fallbacks.inc()
         log.warning("replica stale: fallback checkpoint requested",
@@ -542,12 +568,17 @@ class Daemon:
         self.start_workers()
         parser = threading.Thread(target=self._parser, name="parser", daemon=True)
         updater = threading.Thread(target=self._updater, name="updater", daemon=True)
+        done = threading.Event()
+        counters = threading.Thread(target=self._sync_counters, args=(done,), name="counters", daemon=True)
         parser.start()
         updater.start()
+        counters.start()
         parser.join()
         updater.join()
         for w in self.workers:
             w.join(timeout=10)
+        done.set()
+        counters.join()
         if self.control is not None:
             self.control.server.stop()
         if self.appliance is not None:
