@@ -669,7 +669,10 @@ def _cloned(st):
 def restore_message(state, source: str) -> m.Message:
     """RESTORE_STATE for a ReplicaState: p:/o:/rng: tensors, the rest in ``meta``."""
     tensors = {gockpt.param_key(n): v for n, v in state.params.items()}
+    unstepped = set(getattr(state, "unstepped", ()))
     for n, s in state.optim["state"].items():
+        if n in unstepped:  # a placeholder: the trainer's optimizer keeps no state for it either
+            continue
         for k, v in s.items():
             if isinstance(v, torch.Tensor):
                 tensors[gockpt.state_key(n, k)] = v

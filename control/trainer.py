@@ -778,18 +778,9 @@ def _load(module, optimizer, scheduler, params: dict, ostate: dict, groups: list
         scheduler.load_state_dict(sched_state)
 
 
-def restore_from_appliance(model, optimizer, *, appliance: tuple[str, int], secret, scheduler=None, data=None,
-                           timeout: float = 60.0, role: str = "trainer",
-                           client_options: dict | None = None) -> Restored:
-    """Pull the appliance's latest consistent state (RESTORE_REQUEST) into model and optimizer,
-    scheduler, RNG and ``data`` (``load_state_dict`` of the data position). ``client_options``:
-    ControlClient keywords, e.g. ``ssl_context`` (control.tls.client_context) and ``server_hostname``."""
-    module = unwrap(model)
-    host, port = appliance
-    with ControlClient(host, port, secret, role, **{"backoff_max": 0.5, **(client_options or {})}) as cli:
-        if not cli.wait_connected(timeout):
-            raise ConnectionError(f"appliance {host}:{port} not reachable in {timeout:g} s")
-        reply = cli.request(m.make(m.RESTORE_REQUEST, step=None), timeout=timeout)
+def load_restore_state(module, optimizer, scheduler, reply) -> tuple[dict, dict]:
+    """A RESTORE_STATE message into ``module``, ``optimizer`` and ``scheduler``; (meta, rng states).
+    Parameters the appliance holds no optimizer state for (never stepped) get none here either."""
     if reply.type != m.RESTORE_STATE:
         raise ValueError(f"appliance answered {reply.type}, not RESTORE_STATE")
     meta = reply.body.get("meta") or {}
@@ -806,6 +797,22 @@ def restore_from_appliance(model, optimizer, *, appliance: tuple[str, int], secr
     groups = loads(meta["param_groups"])
     sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
     _load(module, optimizer, scheduler, params, ostate, groups, sched)
+    return meta, rng
+
+
+def restore_from_appliance(model, optimizer, *, appliance: tuple[str, int], secret, scheduler=None, data=None,
+                           timeout: float = 60.0, role: str = "trainer",
+                           client_options: dict | None = None) -> Restored:
+    """Pull the appliance's latest consistent state (RESTORE_REQUEST) into model and optimizer,
+    scheduler, RNG and ``data`` (``load_state_dict`` of the data position). ``client_options``:
+    ControlClient keywords, e.g. ``ssl_context`` (control.tls.client_context) and ``server_hostname``."""
+    module = unwrap(model)
+    host, port = appliance
+    with ControlClient(host, port, secret, role, **{"backoff_max": 0.5, **(client_options or {})}) as cli:
+        if not cli.wait_connected(timeout):
+            raise ConnectionError(f"appliance {host}:{port} not reachable in {timeout:g} s")
+        reply = cli.request(m.make(m.RESTORE_REQUEST, step=None), timeout=timeout)
+    meta, rng = load_restore_state(module, optimizer, scheduler, reply)
     set_rng_states(rng)
     dp = meta.get("data_position")
     if data is not None and dp is not None:

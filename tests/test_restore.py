@@ -185,3 +185,38 @@ def test_replica_resync_from_a_checkpoint_continues_bit_exactly(tmp_path):
     flip(path / "__0_0.distcp", 300)
     with pytest.raises(CheckpointError, match="failed verification: .*__0_0.distcp: sha256"):
         read_state(path)
+
+
+@pytest.mark.parametrize("path", ["replica", "load_into", "restore_message"])
+def test_sgd_with_dampening_resumed_before_its_first_step_steps_like_a_fresh_one(tmp_path, path):
+    """A checkpoint taken before the first optimizer step holds placeholder state (DCP needs the
+    keys); SGD with dampening clones its first gradient undamped, which no buffer value repeats.
+    Every way back (the appliance's replica, a trainer from disk, a trainer from the appliance)
+    must step like an optimizer that was never stepped, bit for bit."""
+    from mirrorckpt.control.appliance_side import restore_message
+    from mirrorckpt.control.trainer import load_restore_state
+
+    name = "sgd-dampening"
+    make_checkpoint(tmp_path / "root", name, iterations=0, seed=4)
+    training = R.CONFIGS[name]
+    layout = R.make_layout(training.grad_dtype)
+    fresh = R.RefTrainer(layout, training, R.random_init(layout, 4))  # the run that was never checkpointed
+    if path == "replica":
+        resumed = Replica(layout, training, R.random_init(layout, 7))
+        resumed.load_state(tmp_path / "root")
+        assert read_state(tmp_path / "root").unstepped == sorted(p.name for p in layout.params)
+    else:
+        resumed = R.RefTrainer(layout, training, R.random_init(layout, 7))
+        if path == "load_into":
+            load_into(resumed.model, resumed.opt, tmp_path / "root")
+        else:
+            load_restore_state(resumed.model, resumed.opt, None, restore_message(read_state(tmp_path / "root"), "disk"))
+    rng = np.random.default_rng(9)
+    for i in range(3):
+        it = R.random_iteration(layout, i, rng)
+        fresh.step(i, it.buckets)
+        if path == "replica":
+            resumed.apply(it)
+        else:
+            resumed.step(i, it.buckets)
+        assert (resumed.state_sha256() if path == "replica" else resumed.sha()) == fresh.sha(), (path, i)

@@ -20,6 +20,10 @@ Extra keys, ignored by a trainer that loads only {"model", "optim"}:
     extra.loss_scale      JSON {"scale", "growth_tracker"} (fp16 only)
     extra.rng.<name>      uint8 tensor: a trainer-provided RNG state (when the trainer sent it)
     extra.data_position   JSON: trainer-provided data-loader position (when sent)
+    extra.unstepped       JSON list of the parameters no optimizer step has touched yet (their
+                          optim.state holds optim.fresh_state placeholders, which DCP's fixed key
+                          set needs); a loader drops their state so the first step is a fresh
+                          one (SGD clones its first gradient, a zero buffer would damp it)
 
 JSON rather than pickled objects keeps the extras readable and free of code; the tagged form
 keeps the tuples and Counters some schedulers hold.
@@ -52,6 +56,7 @@ class ReplicaState:
     data_position: object = None
     layout: dict | None = None
     training: dict | None = None
+    unstepped: list[str] = field(default_factory=list)  # names whose optimizer state is a placeholder
 
 
 # ---- tagged JSON ----------------------------------------------------------------------------
@@ -128,6 +133,8 @@ def to_checkpoint(s: ReplicaState) -> dict:
         extra["rng"] = {k: rng_tensor(v, f"rng.{k}") for k, v in s.rng.items()}
     if s.data_position is not None:
         extra["data_position"] = dumps(s.data_position, "data_position")
+    if s.unstepped:
+        extra["unstepped"] = dumps(sorted(s.unstepped), "unstepped")
     return {"model": dict(s.params), "optim": s.optim, "extra": extra}
 
 
@@ -152,6 +159,7 @@ def from_checkpoint(sd: dict, where: str = "checkpoint") -> ReplicaState:
             data_position=js("data_position"),
             layout=js("layout") or None,
             training=js("training") or None,
+            unstepped=list(js("unstepped") or []),
         )
     except KeyError as e:
         raise ValueError(f"{where}: required key {e.args[0]!r} missing") from None

@@ -112,7 +112,8 @@ def fresh_state(spec: OptimizerSpec, param: torch.Tensor) -> dict:
 
     Adam from step 0 with zero moments takes bit-identical steps to a fresh Adam (lerp/addcmul on
     zeros). SGD's fresh momentum buffer is cloned from the first gradient, which a zero buffer
-    matches only with dampening == 0.
+    matches only with dampening == 0: the checkpoint lists such parameters as unstepped
+    (dcp_keys ``extra.unstepped``) and every loader drops their placeholder.
     """
     out = {}
     for k in state_keys(spec):

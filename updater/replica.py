@@ -196,7 +196,7 @@ class Replica:
                                  f"{self.training.optimizer.name!r}")
         self._set_params(state.params, adopt)
         self._fresh_optimizer()  # scheduler built before the optimizer state is loaded, as torch expects
-        self.optimizer.load_state_dict(self._indexed_optim(state.optim))
+        self.optimizer.load_state_dict(self._indexed_optim(state.optim, getattr(state, "unstepped", ())))
         if self.scheduler is not None:
             if state.lr_scheduler is None:
                 raise LayoutMismatch(f"state has no lr_scheduler state, the training spec configures "
@@ -220,12 +220,14 @@ class Replica:
         self.load_state(state)
         self.stale = None
 
-    def _indexed_optim(self, optim: dict) -> dict:
-        """Name-keyed optimizer state (get_state_dict's form) to torch's index-keyed form."""
+    def _indexed_optim(self, optim: dict, unstepped=()) -> dict:
+        """Name-keyed optimizer state (get_state_dict's form) to torch's index-keyed form; the
+        ``unstepped`` parameters get no state (a placeholder is not a stepped optimizer's state)."""
         try:
             groups, st = optim["param_groups"], optim.get("state", {})
         except (KeyError, TypeError):
             raise LayoutMismatch("optimizer state needs 'param_groups' and 'state'") from None
+        st = {n: s for n, s in st.items() if n not in set(unstepped)}
         if len(groups) != len(self._group_names):
             raise LayoutMismatch(f"optimizer state has {len(groups)} param groups; the training spec "
                                  f"{len(self._group_names)}")
@@ -262,10 +264,12 @@ class Replica:
                                "the state is consistent only between iterations")
         sd = self.optimizer.state_dict()
         pos = {i: k for k, i in enumerate(self._order)}
-        ostate = {}
+        ostate, unstepped = {}, []
         for i, (n, p) in enumerate(zip(self.names, self.params)):
             s = sd["state"].get(pos[i])
             ostate[n] = dict(s) if s else fresh_state(self._specs[i], p)
+            if not s:
+                unstepped.append(n)
         groups = []
         for g in sd["param_groups"]:
             g = dict(g)
@@ -282,6 +286,7 @@ class Replica:
             data_position=self.data_position,
             layout=self.layout.to_dict(),
             training=self.training.to_dict(),
+            unstepped=unstepped,
         )
 
     @property

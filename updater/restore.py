@@ -385,6 +385,11 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, root_or_
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     keys = [k for k in md.state_dict_metadata if k.startswith("extra.")]
     ex = unflatten(_read_flat(d, keys, md), md.planner_data)["extra"]
+    base = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    named = dict(base.named_parameters())
+    for n in loads(ex["unstepped"]) if "unstepped" in ex else ():
+        if n in named:  # set_state_dict made a placeholder state; never stepped means none
+            optimizer.state.pop(named[n], None)
     if scheduler is not None:
         if "lr_scheduler" not in ex:
             raise CheckpointError(f"{d}: no lr_scheduler state, but a scheduler was given")
