@@ -23,6 +23,9 @@ class ReducedIteration:
     # iterations since DDP (re)started: decides the bucket layout (the first one may differ); None
     # when ``index`` counts from the job's start (a restarted job counts ``index`` on from its step)
     wire_index: int | None = None
+    # capture time (ns, the capture's clock) of the newest send that went into it: a live capture's
+    # kernel timestamp, so the daemon can tell how long after its last packet the step landed
+    last_ts: int = 0
 
     @property
     def layout_index(self) -> int:

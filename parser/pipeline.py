@@ -93,9 +93,10 @@ class IterationAssembler:
             else:
                 buckets.append(self.values[b])
         complete = not holes
+        last_ts = max((r.last_ts for r in self.current.values()), default=0)
         self.current, self.values = {}, {}
         self.iteration += 1
-        return ReducedIteration(i, buckets if complete else [], complete, holes)
+        return ReducedIteration(i, buckets if complete else [], complete, holes, last_ts=last_ts)
 
     def flush(self) -> list[ReducedIteration]:
         return [self._emit()] if self.current else []

@@ -59,6 +59,7 @@ def test_stale_for_missing_data_still_commits_its_last_good_step(tmp_path):
     assert [type(x).__name__ for x in seen][:2] == ["InitialWeights", "ReducedIteration"]
     summary = app.close()
     assert summary.iterations_applied == 8 and summary.iterations_incomplete == 1
+    assert app.close() is summary  # `serve` closes it, then the control plane that owns it
     latest = ckptdir.read_pointer(tmp_path / "ck")
     assert latest is not None and ckptdir.parse_step(latest.name) == 8
     got = read_state(latest)

@@ -33,6 +33,8 @@ SECTIONS = {
     "goodput": ("mirrorckpt.benchmarks.bench_goodput", "run", {}, {"steps": 120, "mtbf_s": 3.0, "every": 10}),
     "joint": ("mirrorckpt.benchmarks.bench_joint", "run", {"nparams": 16_000_000}, {"nparams": 4_000_000, "reps": 2}),
     "e2e": ("mirrorckpt.benchmarks.bench_e2e", "run", {}, {"repeat": 2, "memory_steps": None}),
+    "latency": ("mirrorckpt.benchmarks.bench_latency", "run", {}, {"sizes": ("64,128,32", "512,1024,512"),
+                                                                    "steps": 12}),
     "large": ("mirrorckpt.benchmarks.bench_large", "run_all", {},
               {"sizes": (1_000_000, 4_000_000, 10_000_000), "commit_params": 10_000_000}),
 }
@@ -363,6 +365,27 @@ def _render_e2e(name, r) -> list[str]:
 
 def protocols_present(r: dict, protos: list[str]) -> list[str]:
     return [p for p in protos if isinstance(r.get(p), dict) and "runs" in r[p]]
+
+
+def _render_latency(name, r) -> list[str]:
+    lines = ["## From the last packet to the replica's step and the committed checkpoint (issue 16)", "",
+             "A live job through a port mirror (`bench_latency`): two CPU trainer processes, tc mirroring both "
+             "ports to a monitor interface, `serve` capturing it with AF_PACKET and committing a checkpoint "
+             "after every iteration. Times run from the kernel timestamp of an iteration's last captured packet "
+             "to its replica step and to its checkpoint's commit (the `mirrorckpt_step_latency_seconds` and "
+             "`mirrorckpt_commit_latency_seconds` metrics); the wire period is the time between consecutive "
+             "iterations' last packets. A collective is handed on once the traffic has moved two iterations "
+             "past it (`parser.pipeline.default_collective_window`), or after 2 s of quiet wire: the step "
+             "follows its last packet by about two wire periods, and the checkpoint by one commit more.", "",
+             "| parameters | gradient MB | iterations applied | wire period ms | to step p50 / p90 ms | "
+             "to step, wire periods (p50) | to commit p50 / p90 ms |", "|---|---|---|---|---|---|---|"]
+    for j in r["jobs"]:
+        st, co, per = j["to_step"], j["to_commit"], j["wire_period_ms"]
+        lines.append(f"| {j['params']:,} | {j['grad_MB']:.1f} | {j['applied']} of {j['steps']} | {per:.0f} | "
+                     f"{_f(st.get('p50_ms'), 0)} / {_f(st.get('p90_ms'), 0)} | "
+                     f"{_f(st['p50_ms'] / per if per and st.get('p50_ms') else None, 1)} | "
+                     f"{_f(co.get('p50_ms'), 0)} / {_f(co.get('p90_ms'), 0)} |")
+    return lines
 
 
 def _render_large(name, r) -> list[str]:

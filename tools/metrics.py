@@ -32,6 +32,12 @@ class Metrics:
                               "restart (a REGISTER from a new run on a new communicator)", registry=r)
         self.persist_seconds = Histogram("mirrorckpt_persist_seconds", "Time to commit one checkpoint",
                                          registry=r, buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300))
+        lat = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.step_latency = Histogram("mirrorckpt_step_latency_seconds", "From an iteration's last captured packet "
+                                      "to the replica's step (live capture only)", registry=r, buckets=lat)
+        self.commit_latency = Histogram("mirrorckpt_commit_latency_seconds", "From an iteration's last captured "
+                                        "packet to its committed checkpoint (live capture only)", registry=r,
+                                        buckets=lat)
         self.last_committed = Gauge("mirrorckpt_last_committed_step", "Iterations in the newest committed "
                                     "checkpoint", registry=r)
         self.queue_depth = Gauge("mirrorckpt_queue_depth", "Items waiting between pipeline stages", ["queue"],

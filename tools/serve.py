@@ -397,6 +397,11 @@ class Daemon:
         self.stopping = threading.Event()
         self.workers: list = []
         self.shared = [self.ctx.Array("q", len(COUNTERS), lock=False) for _ in job.mirrors]
+        # capture timestamps are this host's clock: wire-to-step and wire-to-commit times are measured
+        self.live = bool(job.mirrors) and all(str(m.source).startswith(("afpacket:", "dpdk:")) for m in job.mirrors)
+        self._wire_ts: dict[int, int] = {}  # checkpoint step -> its iteration's last capture timestamp
+        self._lat_lock = threading.Lock()
+        self.latencies: collections.deque = collections.deque(maxlen=4096)  # (what, seconds, wire ts), newest last
         self._appliance = None
         self.streams = None
         self.error: BaseException | None = None
@@ -528,6 +533,28 @@ class Daemon:
             m.replica_iteration.set(r.iteration)
             m.stale.set(1 if r.stale is not None else 0)
             m.lag.set(max(0, it.index - r.iteration))
+            if it.complete and r.iteration == it.index and r.stale is None:
+                self._landed(it, "step")
+
+    def _landed(self, it, what: str) -> None:
+        """Seconds from the iteration's last captured packet to its replica step (``what`` "step")
+        or its committed checkpoint ("commit"). Live captures only: a file's timestamps are the
+        recording's, and a NIC clock (DPDK device timestamps) is not this host's; an implausible
+        difference is not recorded."""
+        if not self.live:
+            return
+        with self._lat_lock:  # the updater thread adds, the persister's thread takes
+            if what == "step":
+                self._wire_ts[it.index + 1] = it.last_ts  # the checkpoint of this step is named index + 1
+                while len(self._wire_ts) > 4096:
+                    self._wire_ts.pop(next(iter(self._wire_ts)))
+                ts = it.last_ts
+            else:
+                ts = self._wire_ts.pop(it, 0)
+        seconds = (time.time_ns() - ts) / 1e9
+        if ts > 0 and 0 <= seconds < 3600:
+            (self.metrics.step_latency if what == "step" else self.metrics.commit_latency).observe(seconds)
+            self.latencies.append((what, seconds, ts))
 
     def _sync_counters(self, done: threading.Event) -> None:
         while not done.wait(0.2):
@@ -546,7 +573,12 @@ class Daemon:
     def _on_commit(self, path) -> None:
         from mirrorckpt.updater import ckptdir
 
-        self.metrics.last_committed.set(ckptdir.parse_step(path.name))
+        step = ckptdir.parse_step(path.name)
+        self.metrics.last_committed.set(step)
+        per = getattr(self.appliance, "persister", None)
+        if per is not None:
+            self.metrics.persist_seconds.observe(per.stats.last_commit_seconds)
+        self._landed(step, "commit")
         log.info("checkpoint committed", extra={"path": str(path)})
 
     def run(self) -> int:

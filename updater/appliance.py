@@ -91,6 +91,7 @@ class Appliance:
         self.on_commit = None  # called with each committed checkpoint's path (the persister's thread)
         self.summary = Summary()
         self.persister = Persister(persist, on_commit=self._committed) if persist is not None else None
+        self._closed = False
         self._t0 = time.perf_counter()
 
     def _committed(self, path) -> None:
@@ -150,7 +151,11 @@ class Appliance:
 
     def close(self) -> Summary:
         """Commits the last good state if it is newer than the last commit (a replica stale for
-        missing data still holds a state the trainer had; one that drifted does not), then stops."""
+        missing data still holds a state the trainer had; one that drifted does not), then stops.
+        A second call (the daemon, then the control plane that owns it) returns the same summary."""
+        if self._closed:
+            return self.summary
+        self._closed = True
         if self.persister is not None:
             r = self.replica
             if r is not None and r.committable and self.summary.iterations_applied:

@@ -208,6 +208,7 @@ class PersistStats:
     refused: str | None = None  # the root belongs to another job: nothing is written
     last_error: str | None = None
     last_committed: str | None = None
+    last_commit_seconds: float = 0.0  # the newest commit's write, hashes, fsyncs and rename
 
 
 class StagingPool:
@@ -415,8 +416,10 @@ class Persister:
         """One write (writer thread, or the caller for an unstaged snapshot); failures are counted
         and logged, never raised: later snapshots must still be written."""
         try:
+            t = time.perf_counter()
             path = write_checkpoint(self.root, sd, keep_last=self.spec.keep_last, job=self.job,
                                     threads=self.spec.writer_threads)
+            self.stats.last_commit_seconds = time.perf_counter() - t
             self._landed.add(seq)
             self.stats.committed += 1
             self.stats.last_committed = str(path)

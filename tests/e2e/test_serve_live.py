@@ -280,6 +280,13 @@ def run_through_mirror(job, tmp: Path, source_of, hook: str = "ingress") -> None
                            ("mirrorckpt_replica_stale", 0), ("mirrorckpt_fallbacks_total", 0),
                            ("mirrorckpt_last_committed_step", STEPS)]:
             assert samples(m, name) == {(): want}, name
+        # capture timestamps are this host's clock: every step, and the committed checkpoints, timed
+        # from their iteration's last packet; every commit's own duration
+        committed = len(ckptdir.committed(Path(load_job(cfg).persist["directory"])))
+        assert samples(m, "mirrorckpt_step_latency_seconds_count") == {(): STEPS}
+        assert 1 <= samples(m, "mirrorckpt_commit_latency_seconds_count")[()] <= STEPS
+        assert samples(m, "mirrorckpt_persist_seconds_count")[()] >= committed >= 1
+        assert 0 < samples(m, "mirrorckpt_step_latency_seconds_sum")[()] < 60 * STEPS
 
         logs = app.stop()
     finally:
