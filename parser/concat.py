@@ -4,9 +4,10 @@ Only messages that carry final values are used: the fully reduced all-gather pha
 all-reduce, any message of a broadcast (the root's data), the pieces of an all-gather. Every
 element records whether it was covered; a second copy of an element (the same send mirrored at
 two ports, or a reduced chunk forwarded along the ring) must carry the same bytes, otherwise the
-element is marked conflicting and the collective can never be complete. A collective is
-finished once the traffic has moved ``collective_window`` collectives past it (or at the end); only then is
-it handed on, complete or not.
+element is marked conflicting and the collective can never be complete. A complete collective is
+handed on once every running stream is ``settle_margin`` collectives past it; an incomplete one once the
+traffic has moved ``collective_window`` collectives past it (or at the end), when late data can no
+longer complete it.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Concatenator:
     def __init__(self, model: JobModel, collective_window: int = 8):
         self.model = model
         self.collective_window = collective_window
+        self.settle_margin = min(2, collective_window)  # collectives past a complete one before it goes
         self.open: dict[int, CollectiveResult] = {}
         self.next_out = 0  # lowest collective not yet handed on
         self.frontier = -1  # highest collective any send was placed in
@@ -187,10 +189,16 @@ class Concatenator:
 
     def poll(self, final: bool = False) -> list[CollectiveResult]:
         """Collectives finished (every running stream moved ``collective_window`` past them, or ``final``),
-        in order."""
+        in order. A complete one goes as soon as every running stream is ``settle_margin`` past it: the
+        copies of its final values travel within its own collective (ranks and channels are at most
+        a collective apart), so waiting longer only delays the step."""
         out = []
         settled = self.settled()
-        while final and self.next_out <= self.frontier or self.next_out + self.collective_window <= settled:
+        while True:
+            if not (final and self.next_out <= self.frontier or self.next_out + self.collective_window <= settled):
+                r = self.open.get(self.next_out)
+                if r is None or not r.complete or self.next_out + self.settle_margin > settled:
+                    break
             r = self.open.pop(self.next_out, None)
             if r is None:
                 r = self._result(self.next_out)

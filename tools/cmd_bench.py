@@ -374,10 +374,11 @@ def _render_latency(name, r) -> list[str]:
              "after every iteration. Times run from the kernel timestamp of an iteration's last captured packet "
              "to its replica step and to its checkpoint's commit (the `mirrorckpt_step_latency_seconds` and "
              "`mirrorckpt_commit_latency_seconds` metrics); the wire period is the time between consecutive "
-             "iterations' last packets. A collective is final once the traffic has moved the collective window "
-             "past it (`parser.pipeline.default_collective_window`: two iterations' worth of collectives, at "
-             "least 8), or after 2 s of quiet wire; so a job with one or a few buckets per iteration waits up "
-             "to 8 iterations, one with many buckets about two. The commit adds its own write.", "",
+             "iterations' last packets. A complete collective is final once every stream is two collectives past "
+             "it (`parser.concat.Concatenator.settle_margin`; an incomplete one waits for the collective window, "
+             "two iterations' worth, at least 8), or after 2 s of quiet wire: a job with one bucket per "
+             "iteration steps two wire periods after its last packet, one with more buckets sooner. The commit "
+             "adds its own write.", "",
              "| parameters | gradient MB | iterations applied | wire period ms | to step p50 / p90 ms | "
              "to step, wire periods (p50) | to commit p50 / p90 ms |", "|---|---|---|---|---|---|---|"]
     for j in r["jobs"]:
