@@ -137,6 +137,7 @@ class ChannelResolver:
     def _by_order(self, conn: ConnKey, held: list[NcclSend]) -> list[int]:
         """Channels whose first messages have the sizes of the connection's first sends."""
         a, b = self.ranks[conn.sender], self.ranks[conn.receiver]
+        held = _numbered(held)
         out = []
         for ch in range(self.model.ring.nchannels):
             if self.model.ring.next_rank(ch, a) != b:
@@ -164,7 +165,7 @@ class ChannelResolver:
         for (_, k), sends in self.held.items():
             if k != conn:
                 continue
-            for i, s in enumerate(sends):
+            for i, s in enumerate(_numbered(sends)):
                 if s.va is None or s.protocol is None:
                     continue
                 t = s.step if s.flag is not None else None
@@ -218,3 +219,9 @@ class ChannelResolver:
         if b is not None:
             self.base[conn] = b
         return self._release(conn)
+
+
+def _numbered(sends: list[NcclSend]) -> list[NcclSend]:
+    """The sends that count one message each in a connection's order: a piece of a cut message sent on
+    alone, or a malformed one, is not a message of its own."""
+    return [s for s in sends if not s.lone_piece and s.form != "malformed"]

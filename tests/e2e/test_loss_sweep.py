@@ -451,24 +451,15 @@ def test_the_last_send_of_a_merged_message_is_recovered(job):
 # (id, ranks, release, model, QPs per connection, frame loss rate, trials): protocol "auto", two channels,
 # 6 iterations, the egress of ranks 0, 1 and 2. mlp:4096,256,256,8 at R=3 all-reduces LL, LL128 and Simple
 # buckets; mlp:2048,64,8 at R=4 LL and LL128 (tools/generator/tuning).
-CUT_QP_CORRUPTION = (
-    "SILENT CORRUPTION, open: NCCL 2.18, 4 QPs per connection, each message cut over the QPs, random frame "
-    "loss (2 streams, trial 4, 19 frames dropped): iterations 1, 3 and 4 are reported complete with the same "
-    "LL128 chunk wrong (elements 96000-115199 of bucket 1). In that replay six cut messages of the collective "
-    "are placed twice at the same step, channel, rank and stream, with the same slot address and flag (30 "
-    "placements against 24 clean): a cut message emitted with a missing piece and emitted again joined from "
-    "other pieces of the same (size, slot) key is the lead. A per-QP PSN-gap rule did not remove it. Until "
-    "fixed, <= 2.19 jobs with NCCL_IB_QPS_PER_CONNECTION > 1 are not safe under mirror loss (README, Limits)")
 MIX = [("auto-r3-v223", 3, "2.23", "mlp:4096,256,256,8", 1, 2e-4, 6),
        ("auto-r4-qp2-v229", 4, "2.29", "mlp:2048,64,8", 2, 2e-3, 6),
-       # 4 QPs, messages cut over them (a piece alone, 1024 B = half an LL128 group, is now all holes,
-       # no longer a crash): see CUT_QP_CORRUPTION
-       pytest.param(("auto-r4-qp4-v218", 4, "2.18", "mlp:2048,64,8", 4, 2e-3, 6),
-                    marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=CUT_QP_CORRUPTION))]
+       # 4 QPs, messages cut over them (issue 13: a piece whose message its PSNs do not prove is never joined;
+       # 2 streams, trial 4 had iterations 1, 3 and 4 complete with a wrong LL128 chunk)
+       ("auto-r4-qp4-v218", 4, "2.18", "mlp:2048,64,8", 4, 2e-3, 6)]
 MIX_STEPS = 6
 
 
-@pytest.fixture(scope="module", params=MIX, ids=[(m.values[0] if hasattr(m, "values") else m)[0] for m in MIX])
+@pytest.fixture(scope="module", params=MIX, ids=[m[0] for m in MIX])
 def mix_job(request, tmp_path_factory):
     from mirrorckpt.tools import cmd_replay
     from mirrorckpt.tools.generator.wire import WireOptions
