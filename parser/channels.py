@@ -100,6 +100,9 @@ class ChannelResolver:
         self.mapped: dict[ConnKey, int] = dict(mapped or {})
         self.held: dict[tuple[int, ConnKey], list[NcclSend]] = {}  # (stream, conn) -> sends in order
         self.rejected: set[ConnKey] = set()
+        # of them, ring links that fit no channel: their sends are ring traffic of unknown place, never
+        # point-to-point candidates for a collective's hole
+        self.unplaced: set[ConnKey] = set()
         self.base: dict[ConnKey, int] = {}  # receive-buffer base of mapped connections
         self.notes: list[str] = []
 
@@ -195,6 +198,7 @@ class ChannelResolver:
         cands = [c for c in cands if c not in taken]
         if not cands:
             self.rejected.add(conn)
+            self.unplaced.add(conn)
             self.notes.append(f"connection {conn} fits no free channel of the configured ring: not placed")
             return self._release(conn)  # handed back as traffic outside the ring
         if len(cands) > 1 and not (final or len(held) >= self.hold):
@@ -205,6 +209,7 @@ class ChannelResolver:
             bases = {k: self._base(k, cands) for k in pair}
             if any(v is None for v in bases.values()):
                 self.rejected.add(conn)
+                self.unplaced.add(conn)
                 self.notes.append(f"connection {conn}: channels {cands} fit its sizes and its receive buffer "
                                   "address is unknown: not placed (its collectives stay incomplete)")
                 return self._release(conn)
