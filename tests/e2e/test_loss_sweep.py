@@ -498,3 +498,46 @@ def test_mix_under_loss_no_silent_corruption(mix_job):
                     incomplete += 1
                     assert it.buckets == []
     assert complete > 0 and incomplete > 0, (complete, incomplete)  # the loss rate has power both ways
+
+
+# Issue 13: messages cut over the QPs (2.18) of a Simple job, whose lines carry no flag to check a join by:
+# every piece's message must be proven by its QP's PSNs. (QPs per connection, frame loss rate, trials.)
+CUT = [(2, 1e-2, 8), (4, 2e-3, 8), (4, 1e-2, 8)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["qp2", "qp4"])
+def cut_job(request, tmp_path_factory):
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    qps = request.param
+    out = tmp_path_factory.mktemp(f"cut{qps}")
+    truth = generate(GenConfig(ranks=4, channels=2, protocol="Simple", nccl_version="2.18", model="linear:300000",
+                               steps=MIX_STEPS, seed=qps, mirrors="0:egress,1:egress,2:egress", send_truth=False,
+                               wire=WireOptions(qps_per_connection=qps)), out)
+    config = load_job(out / "job.toml")
+    return qps, truth, config, [read_all(out / c["file"]).copy() for c in truth["wire"]["captures"]]
+
+
+def test_cut_messages_under_loss_no_silent_corruption(cut_job):
+    qps, truth, config, batches = cut_job
+    job = Job(None, truth, config, batches, None)
+    complete = incomplete = 0
+    decs = []
+    for q, p, trials in CUT:
+        if q != qps:
+            continue
+        for M in (2, 3):
+            for t in range(trials):
+                rng = np.random.default_rng([SEED, M, t, qps, int(p * 1e4)])
+                js, its = job.replay([keep_rows(b, rng.random(len(b)) >= p) for b in batches[:M]])
+                decs += js.streams.decoders
+                assert [it.index for it in its] == list(range(MIX_STEPS))
+                for it in its:
+                    if it.complete:
+                        complete += 1
+                        assert [sha(b) for b in it.buckets] == job.want(it.index), \
+                            f"{qps} QPs, p={p}, {M} streams, trial {t}: iteration {it.index} complete and wrong"
+                    else:
+                        incomplete += 1
+    assert sum(d.cut_pieces for d in decs) > 0 and sum(d.lone_pieces for d in decs) > 0
+    assert complete > 0 and incomplete > 0, (complete, incomplete)
