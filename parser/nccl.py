@@ -317,11 +317,11 @@ class NcclDecoder:
             return k + 1
         if p.psn < end or c.split_seen or qp not in self.pmtu_exact:
             return None
-        pmtu, n, i, gap = self.pmtu[qp], c.nq or len(g.qps), g.index(qp), p.psn - end
+        pmtu, n, gap = self.pmtu[qp], c.nq or len(g.qps), p.psn - end
         k += 1
         while gap > 0:
-            size = c.cut_size.get(k)
-            if size is None:
+            size, i = c.cut_size.get(k), self._piece_index(g, qp, k)
+            if size is None or i is None:
                 return None
             chunk = nv_piece(size, n)
             gap -= max(1, -(-max(0, min(chunk, size - i * chunk)) // pmtu))
@@ -375,17 +375,30 @@ class NcclDecoder:
             got, size = c.cut[k], c.cut_size[k]
             if len(got) != n or not size:
                 continue
-            chunk = nv_piece(size, n)
-            ps = [got[q] for q in sorted(got, key=lambda q: q.dqp)]
-            base = ps[0].va
-            if all(len(x.data) == max(0, min(chunk, size - i * chunk)) and x.va == base + i * chunk
-                   for i, x in enumerate(ps)):
-                c.nq, c.qp_low = n, ps[0].msgs[0].qp.dqp
+            where = {q: self._place_ok(g, p, k) for q, p in got.items()}
+            if all(w is not None for w in where.values()) and len({w[1] for w in where.values()}) == 1 \
+                    and len({w[0] for w in where.values()}) == n:
+                c.nq, c.qp_low = n, min(q.dqp for q in got)
                 return
 
-    def _place_ok(self, g: _Group, p: _Piece) -> tuple[int, int] | None:
-        """(index, slot address) of a piece by its QP's rank, when its length fits that place."""
-        n, i = len(g.qps), g.index(p.msgs[0].qp)
+    def _piece_index(self, g: _Group, qp: QpKey, k: int | None) -> int | None:
+        """Which piece of message ``k`` (None: its number unknown) ``qp`` carries, or None when that is
+        not known: piece i goes on the QP of rank i, except in 2.29, where it rotates by the message
+        number (``nccl_versions.data_qp``). Without a stated release, big-endian immediates (2.29 or
+        2.30, which the wire does not tell apart) leave it unknown."""
+        n, j = len(g.qps), g.index(qp)
+        v = self.version
+        if v is None:
+            return None if (self.imm_order or self.seen_imm) == "big" else j
+        if k is None:
+            return j if all(nccl_versions.data_qp(v, True, n, m, 0) == 0 for m in range(n)) else None
+        return next((i for i in range(n) if nccl_versions.data_qp(v, True, n, k, i) == j), None)
+
+    def _place_ok(self, g: _Group, p: _Piece, k: int | None) -> tuple[int, int] | None:
+        """(piece index, slot address) of a piece of message ``k``, when its length fits that place."""
+        n, i = len(g.qps), self._piece_index(g, p.msgs[0].qp, k)
+        if i is None:
+            return None
         chunk = nv_piece(p.size, n)
         if len(p.data) != max(0, min(chunk, p.size - i * chunk)):
             return None
@@ -404,7 +417,7 @@ class NcclDecoder:
         placed = {}
         bases = set()
         for p in got.values():
-            where = self._place_ok(g, p)
+            where = self._place_ok(g, p, k)
             if where is None:
                 self.malformed_pieces += 1
                 continue
@@ -416,7 +429,7 @@ class NcclDecoder:
         return [self._cut_send(c, g, placed, size, bases.pop())]
 
     def _lone(self, c: _Conn, g: _Group, p: _Piece) -> list[NcclSend]:
-        where = self._place_ok(g, p) if c.nq else None
+        where = self._place_ok(g, p, None) if c.nq else None
         if where is None:
             self.lost_pieces += 1
             return []
