@@ -86,11 +86,7 @@ class NcclSend:
     nqps: int = 1  # QPs of the connection seen so far
     cut: bool = False  # joined from pieces cut over the QPs (``qp``, ``psn``: the first piece's)
     pieces: tuple = ()  # cut: (QpKey, first PSN, PSNs) of every piece it holds, one per QP
-
-    @property
-    def lone_piece(self) -> bool:
-        """One QP's piece of a cut message sent on alone (its number on the connection unproven)."""
-        return self.cut and self.nqps > 1 and len(self.pieces) == 1
+    lone_piece: bool = False  # cut: one QP's piece sent on alone (its message number not proven)
 
     @property
     def complete(self) -> bool:
@@ -434,7 +430,9 @@ class NcclDecoder:
             self.lost_pieces += 1
             return []
         self.lone_pieces += 1
-        return [self._cut_send(c, g, {where[0]: p}, p.size, where[1])]
+        s = self._cut_send(c, g, {where[0]: p}, p.size, where[1])
+        s.lone_piece = True
+        return [s]
 
     def _cut_send(self, c: _Conn, g: _Group, got: dict[int, _Piece], size: int, addr: int) -> NcclSend:
         n = len(g.qps)
