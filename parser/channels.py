@@ -100,6 +100,9 @@ class ChannelResolver:
         self.mapped: dict[ConnKey, int] = dict(mapped or {})
         self.held: dict[tuple[int, ConnKey], list[NcclSend]] = {}  # (stream, conn) -> sends in order
         self.rejected: set[ConnKey] = set()
+        # of them, ring links that fit no channel: their sends are ring traffic of unknown place, never
+        # point-to-point candidates for a collective's hole
+        self.unplaced: set[ConnKey] = set()
         self.base: dict[ConnKey, int] = {}  # receive-buffer base of mapped connections
         self.notes: list[str] = []
 
@@ -137,6 +140,7 @@ class ChannelResolver:
     def _by_order(self, conn: ConnKey, held: list[NcclSend]) -> list[int]:
         """Channels whose first messages have the sizes of the connection's first sends."""
         a, b = self.ranks[conn.sender], self.ranks[conn.receiver]
+        held = _numbered(held)
         out = []
         for ch in range(self.model.ring.nchannels):
             if self.model.ring.next_rank(ch, a) != b:
@@ -164,7 +168,7 @@ class ChannelResolver:
         for (_, k), sends in self.held.items():
             if k != conn:
                 continue
-            for i, s in enumerate(sends):
+            for i, s in enumerate(_numbered(sends)):
                 if s.va is None or s.protocol is None:
                     continue
                 t = s.step if s.flag is not None else None
@@ -194,6 +198,7 @@ class ChannelResolver:
         cands = [c for c in cands if c not in taken]
         if not cands:
             self.rejected.add(conn)
+            self.unplaced.add(conn)
             self.notes.append(f"connection {conn} fits no free channel of the configured ring: not placed")
             return self._release(conn)  # handed back as traffic outside the ring
         if len(cands) > 1 and not (final or len(held) >= self.hold):
@@ -204,6 +209,7 @@ class ChannelResolver:
             bases = {k: self._base(k, cands) for k in pair}
             if any(v is None for v in bases.values()):
                 self.rejected.add(conn)
+                self.unplaced.add(conn)
                 self.notes.append(f"connection {conn}: channels {cands} fit its sizes and its receive buffer "
                                   "address is unknown: not placed (its collectives stay incomplete)")
                 return self._release(conn)
@@ -218,3 +224,9 @@ class ChannelResolver:
         if b is not None:
             self.base[conn] = b
         return self._release(conn)
+
+
+def _numbered(sends: list[NcclSend]) -> list[NcclSend]:
+    """The sends that count one message each in a connection's order: a piece of a cut message sent on
+    alone, or a malformed one, is not a message of its own."""
+    return [s for s in sends if not s.lone_piece and s.form != "malformed"]

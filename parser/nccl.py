@@ -13,9 +13,15 @@ and the CTS uses QP 0 only. Their WRITEs land in the same receive buffers, so th
 rkeys (a buffer's registration is the connection's alone): QPs are joined into one connection by
 the rkeys they write with (and a CTS by the rkey it announces), and numbered by QP number (the
 receiver creates them one after the other). Cut messages (<= 2.19, or NCCL_IB_SPLIT_DATA_ON_QPS=1)
-come back as one piece per QP at ``addr + i·piece`` with the full size as immediate and are
-joined here; a lost piece is a hole in its own bytes only. Whole messages round robin (2.20+)
-need no joining.
+come back as one piece per QP at ``addr + i·piece`` with the full size as immediate. Pieces are
+joined only when their PSNs prove them one message: NCCL starts every QP at PSN 0 and posts the
+pieces of each message on every QP in message order, so the k-th piece of every QP belongs to the
+connection's k-th message. A piece's number on its QP is proven by PSN 0, by following on the PSN
+after its QP's last proven piece, or by a PSN gap that exactly the pieces of the messages in
+between (sizes known from the other QPs) fill; nothing else (equal sizes, equal slots) joins
+pieces. A piece whose number is not proven goes out alone, its message's other bytes holes, for
+the state machine to place by its flag or by its QP's PSNs against the plan; a joined message
+missing a piece has that piece as a hole. Whole messages round robin (2.20+) need no joining.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128
 from mirrorckpt.parser.reassembly import QpKey, RdmaMessage
 
 nv_piece = nccl_versions.qp_piece_bytes
+# Messages of a cut connection held open for their missing pieces; past it the oldest goes out with holes
+# (reassembly holds a QP's messages behind a lossy one for up to its PSN window, 1024 PSNs by default).
+MAX_OPEN_CUT = 1024
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,8 @@ class NcclSend:
     qp_index: int = 0  # which of the connection's QPs ``qp`` is (by QP number)
     nqps: int = 1  # QPs of the connection seen so far
     cut: bool = False  # joined from pieces cut over the QPs (``qp``, ``psn``: the first piece's)
+    pieces: tuple = ()  # cut: (QpKey, first PSN, PSNs) of every piece it holds, one per QP
+    lone_piece: bool = False  # cut: one QP's piece sent on alone (its message number not proven)
 
     @property
     def complete(self) -> bool:
@@ -101,7 +112,15 @@ class _Conn:
     bulks: dict[QpKey, list[RdmaMessage]] = field(default_factory=dict)
     protocol: str | None = None
     split_seen: bool = False  # the connection has used the split (adaptive-routing) form
-    cut: dict[tuple[int, int], dict[int, _Piece]] = field(default_factory=dict)  # (size, addr) -> QP index -> piece
+    # messages cut over the QPs, by their proven number on the connection (0: the first)
+    cut: dict[int, dict[QpKey, _Piece]] = field(default_factory=dict)  # number -> QP -> piece
+    cut_size: dict[int, int] = field(default_factory=dict)  # number -> message size (immediate)
+    # QP -> (number, end PSN) of its last proven piece
+    chain: dict[QpKey, tuple[int, int]] = field(default_factory=dict)
+    broken: set[QpKey] = field(default_factory=set)  # QPs whose latest piece was not proven
+    nq: int = 0  # QPs proven to be all of the connection's (0: not yet; pieces wait)
+    qp_low: int = 0  # the lowest QP number when they were proven
+    cut_done: set[int] = field(default_factory=set)  # numbers already sent on (never joined twice)
     qp_mode: str | None = None  # several QPs: "cut" (each message over all) or "whole"; None: undecided
     held: list = field(default_factory=list)  # WRITE sequences waiting for the mode to be decided
 
@@ -127,6 +146,16 @@ class _Piece:
     msgs: list
     length_known: bool
     split: bool  # closed by the adaptive-routing form
+    size: int = 0  # its message's size (the immediate)
+    va: int = 0  # its own address
+
+    @property
+    def psn(self) -> int:
+        return self.msgs[0].psn
+
+    @property
+    def npkts(self) -> int:
+        return sum(m.npkts for m in self.msgs)
 
 
 class NcclDecoder:
@@ -149,9 +178,13 @@ class NcclDecoder:
         self.orphan_bulk = 0  # split-form pieces whose closing immediate never came
         self.malformed_sends = 0  # sends whose length their protocol cannot have: all holes
         self.pmtu: dict[QpKey, int] = {}  # per QP: path MTU shown by its messages
+        self.pmtu_exact: set[QpKey] = set()  # QPs whose PMTU a message of several packets proved
         self._qp_group: dict[QpKey, _Group] = {}
         self._rkey_group: dict[tuple[bytes, bytes, int], _Group] = {}
         self.cut_pieces = 0  # pieces of messages cut over several QPs
+        self.lone_pieces = 0  # of them, sent on alone: their message number not proven by PSNs
+        self.malformed_pieces = 0  # WRITE sequences of a cut connection that fit no piece: all holes
+        self.lost_pieces = 0  # pieces whose message or place was never proven: dropped (holes)
         self.merged_tails = 0  # sends recovered from the end of messages run together by loss
 
     def _conn(self, key: ConnKey) -> _Conn:
@@ -185,8 +218,12 @@ class NcclDecoder:
             for qp in list(c.bulks):
                 if c.bulks[qp]:
                     out += self._piece_or_send(c, *self._join(c, qp, None))
-            for key in list(c.cut):
-                out.append(self._emit_cut(c, key))
+            g = self._qp_group.get(next(iter(c.cut[min(c.cut)].values())).msgs[0].qp) if c.cut else None
+            for k in sorted(c.cut):
+                if c.nq:
+                    out += self._emit_cut(c, g, k)
+                else:
+                    self.lost_pieces += len(c.cut.pop(k))
             out += [self._make(c, *a) for a in c.held]
             c.held = []
         return out
@@ -232,7 +269,10 @@ class NcclDecoder:
         and empty messages before that are held."""
         g = self._qp_group.get(msgs[0].qp) if msgs else None
         args = (data, holes, msgs, size, va, form, length_known)
-        if g is None or len(g.qps) == 1:
+        # Shorter than its immediate: a piece of a message cut over QPs whose others are not seen yet
+        # (one QP's WRITE is never a whole send then, whatever the QPs seen so far).
+        short = size is not None and length_known and len(data) < size
+        if g is None or (len(g.qps) == 1 and not short and c.qp_mode != "cut"):
             return [self._make(c, *args)]
         if c.qp_mode is None:
             c.qp_mode = _qp_mode(len(g.qps), data, size, length_known)
@@ -247,37 +287,154 @@ class NcclDecoder:
         return self._route(c, g, *args)
 
     def _route(self, c: _Conn, g: _Group, data, holes, msgs, size, va, form, length_known) -> list[NcclSend]:
-        if c.qp_mode == "cut" and size is not None and va is not None and length_known:
-            n = len(g.qps)
-            chunk = nv_piece(size, n)
-            i = g.index(msgs[0].qp)
-            if len(data) == max(0, min(chunk, size - i * chunk)):
-                return self._add_piece(c, g, i, size, va - i * chunk,
-                                       _Piece(data, holes, msgs, length_known, form == "split"))
+        if c.qp_mode == "cut":
+            if size is not None and va is not None and length_known and len(data) <= size:
+                return self._add_piece(c, g, size, va, _Piece(data, holes, msgs, length_known, form == "split"))
+            # Longer than its immediate, or of unknown length (lost boundaries ran pieces together, or
+            # cut one short): neither its message nor its place in it is known, so nothing of it is
+            # placed. Never a whole send: its length would contradict every plan.
+            self.malformed_pieces += 1
+            n_wire = size if size is not None and length_known else len(data)
+            s = self._make(c, np.zeros(n_wire, np.uint8), [(0, n_wire)] if n_wire else [], msgs, size, None,
+                           form, False)
+            s.form, s.cut, s.qp_index, s.nqps = "malformed", True, g.index(msgs[0].qp), len(g.qps)
+            return [s]
         return [self._make(c, data, holes, msgs, size, va, form, length_known)]
 
-    def _add_piece(self, c: _Conn, g: _Group, i: int, size: int, addr: int, p: _Piece) -> list[NcclSend]:
-        self.cut_pieces += 1
-        out = []
+    def _number(self, c: _Conn, g: _Group, qp: QpKey, p: _Piece) -> int | None:
+        """The connection message number of ``qp``'s piece ``p``, when its PSNs prove it: PSN 0 (NCCL's
+        first on every QP) is message 0; the PSN after the QP's last proven piece (or 0) is the message
+        after it; a gap is the pieces of the messages in between, each ceil(piece / PMTU) PSNs (1 when
+        empty), whose sizes must be known from other QPs' proven pieces, and they must fill it exactly
+        (piece sizes by the QP's rank among those seen: ``_settle`` then checks that they are all).
+        Else None: a piece after a whole message of unknown size lost, or a capture started late."""
+        k, end = c.chain.get(qp, (-1, 0))
+        if p.psn == end:
+            return k + 1
+        if p.psn < end or c.split_seen or qp not in self.pmtu_exact:
+            return None
+        pmtu, n, gap = self.pmtu[qp], c.nq or len(g.qps), p.psn - end
+        k += 1
+        while gap > 0:
+            size, i = c.cut_size.get(k), self._piece_index(g, qp, k)
+            if size is None or i is None:
+                return None
+            chunk = nv_piece(size, n)
+            gap -= max(1, -(-max(0, min(chunk, size - i * chunk)) // pmtu))
+            k += 1
+        return k if gap == 0 else None
 
-        # A QP delivers its pieces in message order: a message still waiting for this QP's
-        # piece never gets it (lost whole), so it goes out with that piece as a hole.
-        for key in [k for k, v in c.cut.items() if i not in v and k != (size, addr)]:
-            out.append(self._emit_cut(c, key))
-        if i in c.cut.get((size, addr), ()):
-            # the same slot and size again (NCCL reuses a slot every few messages): this QP has
-            # moved on, so the earlier message is as complete as it will be
-            out.append(self._emit_cut(c, (size, addr)))
-        got = c.cut.setdefault((size, addr), {})
-        got[i] = p
-        if len(got) == len(g.qps):
-            out.append(self._emit_cut(c, (size, addr)))
+    def _add_piece(self, c: _Conn, g: _Group, size: int, va: int, p: _Piece) -> list[NcclSend]:
+        """Joins a piece into its message when its number is proven (``_number``), else sends it on alone."""
+        self.cut_pieces += 1
+        qp = p.msgs[0].qp
+        p.size, p.va = size, va
+        k = self._number(c, g, qp, p)
+        if k is not None and (c.cut_size.get(k, size) != size or qp in c.cut.get(k, ())):
+            k = None  # the PSNs say message k, its size says otherwise: nothing is proven
+        if k is None:
+            c.broken.add(qp)
+            return self._lone(c, g, p)
+        c.chain[qp] = (k, p.psn + p.npkts)
+        c.broken.discard(qp)
+        if k in c.cut_done:  # its message already went out (held too long): this piece fills its own bytes
+            return self._lone(c, g, p)
+        c.cut_size[k] = size
+        c.cut.setdefault(k, {})[qp] = p
+        if c.nq and min(q.dqp for q in g.qps) < c.qp_low:
+            c.nq = 0  # a QP below those proven: the pieces' places are unknown again
+        if not c.nq:
+            self._settle(c, g)
+        out = []
+        if c.nq:
+            # Every QP posts its pieces in message order: a message is done once each QP has given its
+            # piece, moved on past it, or lost its count (its pieces then go on alone).
+            for j in sorted(c.cut):
+                have = c.cut[j]
+                if all(q in have or q in c.broken or c.chain.get(q, (-1,))[0] > j for q in g.qps):
+                    out += self._emit_cut(c, g, j)
+        while len(c.cut) > MAX_OPEN_CUT:
+            j = min(c.cut)
+            if c.nq:
+                out += self._emit_cut(c, g, j)
+            else:
+                self.lost_pieces += len(c.cut.pop(j))
+                c.cut_done.add(j)
         return out
 
-    def _emit_cut(self, c: _Conn, key: tuple[int, int]) -> NcclSend:
-        size, addr = key
-        got = c.cut.pop(key)
-        g = self._qp_group.get(next(iter(got.values())).msgs[0].qp)
+    def _settle(self, c: _Conn, g: _Group) -> None:
+        """The connection's QPs are proven all there once one message has a piece on each and they tile
+        it: in QP-number order, piece i is ``qp_piece_bytes`` long at ``addr + i·piece``. A QP never
+        seen would leave a gap (piece 0 is never empty), so a piece's index is then its QP's rank."""
+        n = len(g.qps)
+        for k in sorted(c.cut):
+            got, size = c.cut[k], c.cut_size[k]
+            if len(got) != n or not size:
+                continue
+            where = {q: self._place_ok(g, p, k) for q, p in got.items()}
+            if all(w is not None for w in where.values()) and len({w[1] for w in where.values()}) == 1 \
+                    and len({w[0] for w in where.values()}) == n:
+                c.nq, c.qp_low = n, min(q.dqp for q in got)
+                return
+
+    def _piece_index(self, g: _Group, qp: QpKey, k: int | None) -> int | None:
+        """Which piece of message ``k`` (None: its number unknown) ``qp`` carries, or None when that is
+        not known: piece i goes on the QP of rank i, except in 2.29, where it rotates by the message
+        number (``nccl_versions.data_qp``). Without a stated release, big-endian immediates (2.29 or
+        2.30, which the wire does not tell apart) leave it unknown."""
+        n, j = len(g.qps), g.index(qp)
+        v = self.version
+        if v is None:
+            return None if (self.imm_order or self.seen_imm) == "big" else j
+        if k is None:
+            return j if all(nccl_versions.data_qp(v, True, n, m, 0) == 0 for m in range(n)) else None
+        return next((i for i in range(n) if nccl_versions.data_qp(v, True, n, k, i) == j), None)
+
+    def _place_ok(self, g: _Group, p: _Piece, k: int | None) -> tuple[int, int] | None:
+        """(piece index, slot address) of a piece of message ``k``, when its length fits that place."""
+        n, i = len(g.qps), self._piece_index(g, p.msgs[0].qp, k)
+        if i is None:
+            return None
+        chunk = nv_piece(p.size, n)
+        if len(p.data) != max(0, min(chunk, p.size - i * chunk)):
+            return None
+        return i, p.va - i * chunk
+
+    def _emit_cut(self, c: _Conn, g: _Group, k: int) -> list[NcclSend]:
+        """Message ``k`` from its pieces; a missing piece's bytes are holes. A piece that does not fit
+        its QP's place is a hole too; pieces that disagree on the slot address are all dropped."""
+        got = c.cut.pop(k)
+        size = c.cut_size[k]
+        c.cut_done.add(k)
+        if len(c.cut_done) > 4 * MAX_OPEN_CUT:  # numbers far behind: only kept against joining twice
+            floor = max(c.cut_done) - 2 * MAX_OPEN_CUT
+            c.cut_done = {x for x in c.cut_done if x >= floor}
+            c.cut_size = {x: v for x, v in c.cut_size.items() if x >= floor}
+        placed = {}
+        bases = set()
+        for p in got.values():
+            where = self._place_ok(g, p, k)
+            if where is None:
+                self.malformed_pieces += 1
+                continue
+            placed[where[0]] = p
+            bases.add(where[1])
+        if len(bases) != 1:
+            self.lost_pieces += len(got)
+            return []
+        return [self._cut_send(c, g, placed, size, bases.pop())]
+
+    def _lone(self, c: _Conn, g: _Group, p: _Piece) -> list[NcclSend]:
+        where = self._place_ok(g, p, None) if c.nq else None
+        if where is None:
+            self.lost_pieces += 1
+            return []
+        self.lone_pieces += 1
+        s = self._cut_send(c, g, {where[0]: p}, p.size, where[1])
+        s.lone_piece = True
+        return [s]
+
+    def _cut_send(self, c: _Conn, g: _Group, got: dict[int, _Piece], size: int, addr: int) -> NcclSend:
         n = len(g.qps)
         chunk = nv_piece(size, n)
         data = np.zeros(size, np.uint8)
@@ -299,6 +456,7 @@ class NcclDecoder:
         s = self._make(c, data, holes, got[i0].msgs, size, addr, "split" if split else "normal", known)
         s.ts_ns = min(m.ts_ns for m in msgs)
         s.qp_index, s.nqps, s.cut = i0, n, True
+        s.pieces = tuple((p.msgs[0].qp, p.psn, p.npkts) for _, p in sorted(got.items()))
         return s
 
     def _learn_pmtu(self, m: RdmaMessage) -> None:
@@ -310,6 +468,8 @@ class NcclDecoder:
             p = 1 << (per - 1).bit_length()
             if p > self.pmtu.get(m.qp, 0):
                 self.pmtu[m.qp] = p
+            if m.npkts >= 2:  # (n-1)·PMTU < L <= n·PMTU: L/n is above PMTU/2, so p is the PMTU
+                self.pmtu_exact.add(m.qp)
 
     # -- CTS -----------------------------------------------------------------------------------
 

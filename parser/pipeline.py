@@ -138,7 +138,10 @@ class CollectiveAssembler:
         p = self.sm.place(s)
         if p is not None:
             self.concat.add(p)
-        elif isinstance(s, NcclSend) and s.connection not in self.sm.channels:
+        elif isinstance(s, NcclSend) and s.connection not in self.sm.channels and \
+                (self.resolver is None or s.connection not in self.resolver.unplaced):
+            # a ring link that fit no channel is not point-to-point traffic: its sends, of unknown
+            # step, must never fill a hole by their size
             self.concat.add_p2p(s)
 
     def settle(self) -> tuple[list[CollectiveResult], list]:

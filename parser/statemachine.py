@@ -308,14 +308,16 @@ class RingStateMachine:
             self.split_qps.add((s.stream, s.qp))
         if s.psn is None or s.qp is None:
             return
-        got = self.cursors.setdefault((s.stream, s.qp), [])
-        c = _Cursor(m, t, s.psn + s.npkts, s.va, proto)
-        k = bisect.bisect_right(got, c.end, key=lambda x: x.end)
-        if k and got[k - 1].end == c.end:
-            return  # placed once already (a copy)
-        got.insert(k, c)
-        if len(got) > MAX_ANCHORS:
-            del got[0]
+        # A message cut over the QPs anchors each QP it has a piece on (a piece sent on alone: its own).
+        for qp, psn, npkts in s.pieces or ((s.qp, s.psn, s.npkts),):
+            got = self.cursors.setdefault((s.stream, qp), [])
+            c = _Cursor(m, t, psn + npkts, s.va, proto)
+            k = bisect.bisect_right(got, c.end, key=lambda x: x.end)
+            if k and got[k - 1].end == c.end:
+                continue  # placed once already (a copy)
+            got.insert(k, c)
+            if len(got) > MAX_ANCHORS:
+                del got[0]
 
     @staticmethod
     def _unwrap_flag(t32: int, ref: int) -> int:

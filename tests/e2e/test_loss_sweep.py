@@ -451,24 +451,15 @@ def test_the_last_send_of_a_merged_message_is_recovered(job):
 # (id, ranks, release, model, QPs per connection, frame loss rate, trials): protocol "auto", two channels,
 # 6 iterations, the egress of ranks 0, 1 and 2. mlp:4096,256,256,8 at R=3 all-reduces LL, LL128 and Simple
 # buckets; mlp:2048,64,8 at R=4 LL and LL128 (tools/generator/tuning).
-CUT_QP_CORRUPTION = (
-    "SILENT CORRUPTION, open: NCCL 2.18, 4 QPs per connection, each message cut over the QPs, random frame "
-    "loss (2 streams, trial 4, 19 frames dropped): iterations 1, 3 and 4 are reported complete with the same "
-    "LL128 chunk wrong (elements 96000-115199 of bucket 1). In that replay six cut messages of the collective "
-    "are placed twice at the same step, channel, rank and stream, with the same slot address and flag (30 "
-    "placements against 24 clean): a cut message emitted with a missing piece and emitted again joined from "
-    "other pieces of the same (size, slot) key is the lead. A per-QP PSN-gap rule did not remove it. Until "
-    "fixed, <= 2.19 jobs with NCCL_IB_QPS_PER_CONNECTION > 1 are not safe under mirror loss (README, Limits)")
 MIX = [("auto-r3-v223", 3, "2.23", "mlp:4096,256,256,8", 1, 2e-4, 6),
        ("auto-r4-qp2-v229", 4, "2.29", "mlp:2048,64,8", 2, 2e-3, 6),
-       # 4 QPs, messages cut over them (a piece alone, 1024 B = half an LL128 group, is now all holes,
-       # no longer a crash): see CUT_QP_CORRUPTION
-       pytest.param(("auto-r4-qp4-v218", 4, "2.18", "mlp:2048,64,8", 4, 2e-3, 6),
-                    marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=CUT_QP_CORRUPTION))]
+       # 4 QPs, messages cut over them (issue 13: a piece whose message its PSNs do not prove is never joined;
+       # 2 streams, trial 4 had iterations 1, 3 and 4 complete with a wrong LL128 chunk)
+       ("auto-r4-qp4-v218", 4, "2.18", "mlp:2048,64,8", 4, 2e-3, 6)]
 MIX_STEPS = 6
 
 
-@pytest.fixture(scope="module", params=MIX, ids=[(m.values[0] if hasattr(m, "values") else m)[0] for m in MIX])
+@pytest.fixture(scope="module", params=MIX, ids=[m[0] for m in MIX])
 def mix_job(request, tmp_path_factory):
     from mirrorckpt.tools import cmd_replay
     from mirrorckpt.tools.generator.wire import WireOptions
@@ -507,3 +498,51 @@ def test_mix_under_loss_no_silent_corruption(mix_job):
                     incomplete += 1
                     assert it.buckets == []
     assert complete > 0 and incomplete > 0, (complete, incomplete)  # the loss rate has power both ways
+
+
+# Issue 13: messages cut over the QPs of a Simple job, whose lines carry no flag to check a join by: every
+# piece's message must be proven by its QP's PSNs. 2.18 cuts every message by default; 2.29 only with
+# NCCL_IB_SPLIT_DATA_ON_QPS=1, and then rotates piece i of message k to QP (k + i) mod nqps.
+# (id, release, QPs per connection, [(frame loss rate, trials)])
+CUT = [("v218-qp2", "2.18", 2, [(1e-2, 8)]), ("v218-qp4", "2.18", 4, [(2e-3, 8), (1e-2, 8)]),
+       ("v229-qp4-split", "2.29", 4, [(2e-3, 6), (1e-2, 6)])]
+
+
+@pytest.fixture(scope="module", params=CUT, ids=[c[0] for c in CUT])
+def cut_job(request, tmp_path_factory):
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    name, v, qps, _ = request.param
+    out = tmp_path_factory.mktemp(name)
+    truth = generate(GenConfig(ranks=4, channels=2, protocol="Simple", nccl_version=v, model="linear:300000",
+                               steps=MIX_STEPS, seed=qps, mirrors="0:egress,1:egress,2:egress", send_truth=False,
+                               wire=WireOptions(qps_per_connection=qps, split_data_on_qps=True)), out)
+    config = load_job(out / "job.toml")
+    return request.param, truth, config, [read_all(out / c["file"]).copy() for c in truth["wire"]["captures"]]
+
+
+def test_cut_messages_under_loss_no_silent_corruption(cut_job):
+    (name, _, qps, runs), truth, config, batches = cut_job
+    job = Job(None, truth, config, batches, None)
+    _, its = job.replay(batches[:2])  # clean: every iteration exact
+    assert all(it.complete and [sha(b) for b in it.buckets] == job.want(it.index) for it in its)
+    complete = incomplete = 0
+    decs = []
+    for p, trials in runs:
+        for M in (2, 3):
+            for t in range(trials):
+                rng = np.random.default_rng([SEED, M, t, qps, int(p * 1e4)])
+                js, its = job.replay([keep_rows(b, rng.random(len(b)) >= p) for b in batches[:M]])
+                decs += js.streams.decoders
+                assert [it.index for it in its] == list(range(MIX_STEPS))
+                for it in its:
+                    if it.complete:
+                        complete += 1
+                        assert [sha(b) for b in it.buckets] == job.want(it.index), \
+                            f"{name}, p={p}, {M} streams, trial {t}: iteration {it.index} complete and wrong"
+                    else:
+                        incomplete += 1
+    # the loss leaves pieces whose message is not proven: sent on alone, or (2.29: their QP's piece index
+    # rotates with the unknown message number) dropped
+    assert sum(d.cut_pieces for d in decs) > 0 and sum(d.lone_pieces + d.lost_pieces for d in decs) > 0
+    assert complete > 0 and incomplete > 0, (complete, incomplete)

@@ -50,3 +50,32 @@ def test_lost_messages_never_complete_an_iteration_wrongly(tmp_path, version, qp
             else:
                 incomplete += 1
     assert complete and incomplete, (complete, incomplete)
+
+
+def test_a_ring_link_that_fits_no_channel_never_fills_a_hole(tmp_path, monkeypatch):
+    """Issue 13: a ring connection the channel resolver rejects (here forced: every channel refused for
+    rank 0's link; in the 2.18 4-QP loss sweep a piece of a cut message sent on as a whole send did it)
+    has sends of unknown step. They used to join the point-to-point candidates, and the concatenator
+    filled a collective's one remaining hole with the first later one of the right size: here every
+    iteration came out complete (right by the luck of timing: rank 0's reduced message is the first such
+    send), in the 2.18 4-QP loss sweep with another step's bytes. They are never candidates now: the
+    chunk rank 0 reduces stays a hole and no iteration is complete."""
+    from mirrorckpt.parser import channels
+
+    out = tmp_path / "job"
+    truth = generate(GenConfig(ranks=2, channels=1, protocol="LL", nccl_version="2.18", model="linear:8192",
+                               steps=STEPS, seed=5, mirrors="0:egress,1:egress", send_truth=False), out)
+    job = load_job(out / "job.toml")
+    real = channels.channel_candidates
+
+    def refuse_rank0(sm, conn, sends, ring, ranks):
+        return [] if ranks[conn.sender] == 0 else real(sm, conn, sends, ring, ranks)
+
+    monkeypatch.setattr(channels, "channel_candidates", refuse_rank0)
+    js, _, its, _ = cmd_replay.run([str(out / f) for f in EGRESS], job=job)
+    assert any("fits no free channel" in n for n in js.report().notes)
+    assert [it.index for it in its] == list(range(STEPS))
+    for it in its:
+        assert not it.complete, (f"iteration {it.index} complete: bucket sha256 "
+                                 + ("equals" if [sha(b) for b in it.buckets] ==
+                                    truth["iterations"][it.index]["buckets_sha256"] else "differs from") + " truth")
