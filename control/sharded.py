@@ -270,9 +270,9 @@ def restore_sharded(model, optimizer, *, appliances: dict[str, tuple[str, int]],
     params = {n: _as_dtensor(v, by_name[n]) for n, v in params.items()}
     for n, st in ostate.items():
         p = by_name.get(n)
-        for k, v in list(st.items()):
-            if p is not None and v.dim() and tuple(v.shape) == tuple(local(p).shape):
-                st[k] = _as_dtensor(v, p)
+        for k, v in sorted(st.items()):  # every rank's state in one key order, whatever the appliance sent
+            del st[k]
+            st[k] = _as_dtensor(v, p) if p is not None and v.dim() and tuple(v.shape) == tuple(local(p).shape) else v
     groups = loads(meta["param_groups"])
     sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
     _load(module, optimizer, scheduler, params, ostate, groups, sched)
