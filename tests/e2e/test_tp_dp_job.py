@@ -1,8 +1,9 @@
 """A real TP=2 x DP=2 CPU job (gloo, DeviceMesh, DTensor ColwiseParallel/RowwiseParallel, 4
 processes) attached through the control plane to two appliance processes, one per DP group:
 both groups' GoCkpt fallbacks rebuild and verify, the appliances write one joint checkpoint equal
-to the trainer's own full state, and a new TP=2 x DP=2 job whose ranks each pull their own shard
-from their group's appliance resumes bit-exactly."""
+to the trainer's own full state, and a new TP=2 x DP=2 job resumes bit-exactly whether its ranks
+each pull their own shard from their group's appliance or load their DTensor shards of the joint
+checkpoint (dcp.load)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _wait_file(path: Path, timeout: float, procs) -> dict:
     pytest.fail(f"{path.name} did not appear in {timeout} s")
 
 
-def _job(tmp: Path, tag: str, appliances: dict, restore_: bool) -> list[dict]:
+def _job(tmp: Path, tag: str, appliances: dict, restore_: str) -> list[dict]:
     out = tmp / tag
     out.mkdir()
     port = free_port()
@@ -76,10 +77,11 @@ def run(tmp_path_factory):
     try:
         for p, pf in apps:
             ports.update(_wait_file(pf, 60, [p]))
-        job = _job(tmp, "job", ports, restore_=False)
+        job = _job(tmp, "job", ports, restore_="")
         t_job = time.monotonic() - t0
         joint = [_wait_file(res, 60, [p for p, _ in apps]) for res in results]
-        resumed = _job(tmp, "resumed", ports, restore_=True)
+        resumed = _job(tmp, "resumed", ports, restore_="appliance")
+        from_disk = _job(tmp, "from_disk", ports, restore_=str(root))
     finally:
         stop.write_text("")
         for p, _ in apps:
@@ -88,7 +90,8 @@ def run(tmp_path_factory):
                 p.kill()
     final = [json.loads(res.read_text()) for res in results]
     print(f"job + fallbacks {t_job:.1f} s, total {time.monotonic() - t0:.1f} s")
-    return {"tmp": tmp, "root": root, "job": job, "joint": joint, "resumed": resumed, "final": final}
+    return {"tmp": tmp, "root": root, "job": job, "joint": joint, "resumed": resumed, "from_disk": from_disk,
+            "final": final}
 
 
 def _state(run, tag: str, step: int) -> dict:
@@ -148,6 +151,19 @@ def test_restored_job_pulls_its_shards_and_resumes_bit_exactly(run):
                                                      {"pp0-tp1": {"memory": 2, "disk": 0}}]
     for s in range(step, STEPS + 1):  # the state restored, then every step after it
         a, b = _state(run, "job", s), _state(run, "resumed", s)
+        assert set(a) == set(b)
+        for k in a:
+            assert torch.equal(a[k], b[k]), (s, k)
+
+
+def test_job_loading_its_dtensor_shards_of_the_joint_checkpoint_resumes_bit_exactly(run):
+    """Every rank reads only its own slices of the joint checkpoint (dcp.load of its DTensor state
+    dict, updater.restore.load_into) and the job goes on exactly as the one that was never stopped."""
+    step = HOLD + 1 + PARTS
+    for r in run["from_disk"]:
+        assert r["restored"] == {"source": str(run["root"] / ckptdir.step_dirname(step)), "iterations_done": step}
+    for s in range(step, STEPS + 1):
+        a, b = _state(run, "job", s), _state(run, "from_disk", s)
         assert set(a) == set(b)
         for k in a:
             assert torch.equal(a[k], b[k]), (s, k)

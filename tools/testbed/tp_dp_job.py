@@ -68,9 +68,11 @@ def full_state(model, opt) -> dict:
 
 
 def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, steps: int, hold_step: int,
-                 parts: int, restore: bool, result: str):
-    """One rank of the job. ``appliances``: group -> [host, port]. ``restore``: pull the state from
-    the appliances (every rank its own shard) and go on from there, unattached."""
+                 parts: int, restore: str, result: str):
+    """One rank of the job. ``appliances``: group -> [host, port]. ``restore``: "" (train from the
+    start, attached), "appliance" (every rank pulls its own shard from its group's appliance) or a
+    checkpoint root (every rank loads its DTensor shards of the joint checkpoint: dcp.load through
+    ``updater.restore.load_into``); a restored job goes on unattached."""
     res: dict = {"rank": rank}
     try:
         import torch
@@ -88,13 +90,16 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
         addrs = {g: (h, int(p)) for g, (h, p) in appliances.items()}
         link, start = None, 0
         t0 = time.monotonic()
-        if restore:
+        if restore == "appliance":
             r = restore_sharded(model, opt, appliances=addrs, secret=SECRET, mesh=mesh)
             start = r.iterations_done
             res["restored"] = {"source": r.source, "iterations_done": r.iterations_done}
-            st = full_state(model, opt)  # what was restored, before any step
-            if rank == 0:
-                torch.save(st, Path(out) / f"state_{start}.pt")
+        elif restore:
+            from mirrorckpt.updater.restore import load_into
+
+            r = load_into(model, opt, restore)
+            start = r.iterations_done
+            res["restored"] = {"source": str(r.path), "iterations_done": r.iterations_done}
         else:
             link = attach_sharded(model, opt, mesh, appliances=addrs, secret=SECRET, parts=parts, job="tp-dp-rig",
                                   connect_timeout=30)
@@ -103,6 +108,10 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
             res["layout_digest"] = link.shards.digest()
         res["attach_s"] = time.monotonic() - t0
         outd = Path(out)
+        if restore:
+            st = full_state(model, opt)  # what was restored, before any step
+            if rank == 0:
+                torch.save(st, outd / f"state_{start}.pt")
         for step in range(start, steps):
             x, y = batch(dp_rank, step)
             opt.zero_grad(set_to_none=True)
