@@ -9,8 +9,8 @@ control link per DP group, and a restore in which every rank pulls its own shard
 ``describe`` (collective over the default process group, torch's ``all_gather_object``) reads
 every rank's parameters: a DTensor's placement on the TP mesh dimension (``Shard(d)``: TP dimension
 d; ``Replicate()``: the whole tensor) and its local shape and global offset as DTensor computes
-them; a plain tensor is whole. A pipeline stage passes its stage number (``pp_stage``/``pp``) and
-holds only its own modules, named by their global FQNs (torch's manual pipeline split: the full
+them; a plain tensor is whole. A pipeline stage is the rank's coordinate on the mesh's "pp"
+dimension (or ``pp_stage``/``pp``) and holds only its own modules, named by their global FQNs (torch's manual pipeline split: the full
 model with the other stages' layers deleted). The ranks' reports form a ``config.shards.ShardedLayout``:
 one DP group per (stage, TP rank), its global ranks in DP order (read from the mesh's DP process
 group), its slices, and the appliance that follows it.
@@ -94,13 +94,24 @@ def group_name(pp_stage: int, tp_rank: int) -> str:
     return f"pp{pp_stage}-tp{tp_rank}"
 
 
-def describe(model, mesh, *, appliances: dict[str, str] | None = None, pp_stage: int = 0, pp: int = 1,
-             dp_dim: str = "dp", tp_dim: str | None = "tp") -> ShardedLayout:
+def describe(model, mesh, *, appliances: dict[str, str] | None = None, pp_stage: int | None = None,
+             pp: int | None = None, dp_dim: str = "dp", tp_dim: str | None = "tp",
+             pp_dim: str = "pp") -> ShardedLayout:
     """The job's ShardedLayout from every rank's parameters (collective: every rank calls it).
     ``appliances``: DP group name -> name of the appliance that follows it (default: one appliance
-    per group, "appliance-<i>" in group order). ``mesh`` names the DP and (optional) TP dimensions."""
-    if dp_dim not in (mesh.mesh_dim_names or ()):
+    per group, "appliance-<i>" in group order). ``mesh`` names the DP and (optional) TP dimensions;
+    the stage is the mesh's ``pp_dim`` coordinate when it has one (``pp_stage``/``pp``, if given,
+    must agree), else ``pp_stage`` of ``pp`` (default 0 of 1)."""
+    names = mesh.mesh_dim_names or ()
+    if dp_dim not in names:
         raise ValueError(f"the mesh has no {dp_dim!r} dimension (dims {mesh.mesh_dim_names})")
+    if pp_dim in names:
+        at, size = mesh.get_local_rank(pp_dim), mesh.size(names.index(pp_dim))
+        if (pp_stage is not None and pp_stage != at) or (pp is not None and pp != size):
+            raise ValueError(f"pp_stage={pp_stage}, pp={pp}, but this rank is stage {at} of {size} on the mesh's "
+                             f"{pp_dim!r} dimension")
+        pp_stage, pp = at, size
+    pp_stage, pp = (0 if pp_stage is None else pp_stage), (1 if pp is None else pp)
     if not 0 <= pp_stage < pp:
         raise ValueError(f"pp_stage {pp_stage} outside 0..{pp - 1}")
     dp_rank, dp, dp_ranks = _mesh_rank(mesh, dp_dim)
@@ -195,16 +206,17 @@ class ShardLink(TrainerLink):
 
 
 def attach_sharded(model, optimizer, mesh, *, appliances: dict[str, tuple[str, int]], secret,
-                   follows: dict[str, str] | None = None, pp_stage: int = 0, pp: int = 1, dp_dim: str = "dp",
-                   tp_dim: str | None = "tp", restore: str | None = None, connect_timeout: float = 0.0,
-                   **kw) -> ShardLink:
+                   follows: dict[str, str] | None = None, pp_stage: int | None = None, pp: int | None = None,
+                   dp_dim: str = "dp", tp_dim: str | None = "tp", pp_dim: str = "pp", restore: str | None = None,
+                   connect_timeout: float = 0.0, **kw) -> ShardLink:
     """Attach a TP-sharded (DTensor) model, or a pipeline stage's, to the appliances that follow its DP
     groups; collective: every rank calls it. ``appliances``: DP group name ("pp<s>-tp<t>") -> the
     address of the control plane following that group; ``follows``: group -> appliance name (which
     appliance process, for joint checkpoints). ``restore="appliance"``: every rank first pulls its
     shard (``restore_sharded``). ``connect_timeout``: seconds the leaders wait for their first
     connection. Other keywords go to TrainerLink (scheduler, data, parts, job...)."""
-    shards = describe(model, mesh, appliances=follows, pp_stage=pp_stage, pp=pp, dp_dim=dp_dim, tp_dim=tp_dim)
+    shards = describe(model, mesh, appliances=follows, pp_stage=pp_stage, pp=pp, dp_dim=dp_dim, tp_dim=tp_dim,
+                      pp_dim=pp_dim)
     g = group_of(shards, dist.get_rank())
     if g.name not in appliances:
         raise ValueError(f"no control-plane address for DP group {g.name} (appliances= names {sorted(appliances)})")

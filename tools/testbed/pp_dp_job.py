@@ -81,7 +81,8 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
         model = MLP.stage(s, seed=5 if not restore else 77)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False, fused=False)
         addrs = {g: (h, int(p)) for g, (h, p) in appliances.items()}
-        where = {"pp_stage": s, "pp": 2, "tp_dim": None}
+        # the stage comes from the mesh's "pp" dimension; the explicit stage must agree with it
+        where = {"pp_stage": s, "pp": 2, "tp_dim": None} if dp_rank == 0 else {"tp_dim": None}
         link, start = None, 0
         if restore == "appliance":
             r = restore_sharded(model, opt, appliances=addrs, secret=SECRET, mesh=mesh, **where)
