@@ -5,7 +5,9 @@ change of it under one lock: mirror iterations (``apply``, from the parser's dri
 messages (handlers, from connection threads). Content is validated before anything changes:
 
 * REGISTER: layout, ring and training spec must match what the appliance was configured with or
-  what an earlier registration (and so the traffic being parsed) fixed; the initial state must
+  what an earlier registration (and so the traffic being parsed) fixed; a plane that follows one
+  DP group of a sharded job (``group``) takes only that group's sharded registration, with the
+  same sharded layout every time (``on_shards`` may refuse it too); the initial state must
   hold exactly the layout's parameters as float32 of the layout's shapes. A registration without
   state (reconnection, appliance restart) when there is no consistent replica asks for a fallback.
 * STEP_META: per step RNG states and data position, joined to the mirror iteration of that step;
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 from mirrorckpt.config.layout import JobLayout, RingSpec
+from mirrorckpt.config.shards import ShardedLayout
 from mirrorckpt.config.training import PersistSpec, TrainingSpec
 from mirrorckpt.control import gockpt
 from mirrorckpt.control import messages as m
@@ -94,8 +97,12 @@ class AppliancePlane:
                  parts: int = 7, fingerprint_every: int = 10, fallback_timeout: float = 60.0,
                  max_attempts: int = 3, max_meta_lag: int = 8, max_buffered: int = 256, on_iteration=None,
                  server_options: dict | None = None, lambda_modules: tuple[str, ...] = (),
-                 replica_impl: str = "mirror"):
+                 replica_impl: str = "mirror", group: str | None = None, shards: ShardedLayout | None = None,
+                 on_shards=None):
         self.training, self.layout, self.ring = training, layout, ring
+        # a sharded job: the DP group this plane follows, the job's layout, and a check of both
+        # (``on_shards(layout, group)``, raising Refused) before a registration is taken
+        self.group, self.shards, self.on_shards = group, shards, on_shards
         self.replica_impl = replica_impl  # updater.numeric: the optimizer implementation the replica runs
         self.persist = persist
         self.parts = parts
@@ -335,6 +342,7 @@ class AppliancePlane:
         training = TrainingSpec.from_dict(b["training"])
         ring = RingSpec.from_dict(b["ring"]) if b.get("ring") is not None else None
         with self.lock:
+            shards = self._check_shards(b)
             if self.layout is not None and layout.to_dict() != self.layout.to_dict():
                 raise Refused(_differs("layout", self.layout.to_dict(), layout.to_dict()))
             if self.training is not None and training.recipe() != self.training.recipe():
@@ -355,6 +363,8 @@ class AppliancePlane:
                     raise Refused("REGISTER carries an initial state only at step 0")
                 state = _initial_state(layout, training, msg.tensors, b.get("state_meta"))
             self.layout, self.training = layout, training
+            if shards is not None:
+                self.shards, self.group = shards, b["group"]
             self.ring = ring or self.ring  # a restarted job may run on other addresses
             self.trainer_attached = True
             if self.app is None:
@@ -381,6 +391,25 @@ class AppliancePlane:
                 else:
                     self._push_request()  # the trainer may not have heard it
             return m.make(m.ACK, info={"step": r.iterations_done if r is not None else None})
+
+    def _check_shards(self, b: dict) -> ShardedLayout | None:
+        """The sharded layout of a REGISTER (None for an unsharded job), checked against this plane's
+        DP group and the layout registered before (the schema checked that it is valid and that the
+        registered ring is that group's)."""
+        if b.get("shards") is None:
+            if self.group is not None or self.shards is not None:
+                raise Refused(f"this control plane follows DP group {self.group!r} of a sharded job; the REGISTER "
+                              "carries no sharded layout (a TP/PP job attaches with control.sharded.attach_sharded)")
+            return None
+        sl = ShardedLayout.from_dict(b["shards"])
+        if self.group is not None and b["group"] != self.group:
+            raise Refused(f"this control plane follows DP group {self.group!r}, the trainer registered group "
+                          f"{b['group']!r} (one control link per DP group: check the trainer's appliances map)")
+        if self.shards is not None and sl.digest() != self.shards.digest():
+            raise Refused(_differs("sharded layout", self.shards.to_dict(), sl.to_dict()))
+        if self.on_shards is not None:
+            self.on_shards(sl, b["group"])
+        return sl
 
     def _rearm(self, step: int, with_state: bool) -> None:
         """The job restarted from ``step`` (lock held): forget the old run's wire and metadata, go

@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from mirrorckpt.config.layout import JobLayout, RingSpec
+from mirrorckpt.config.shards import ShardedLayout
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.control import wire
 from mirrorckpt.control.wire import SchemaError, UnknownMessageType
 
 HELLO = "HELLO"  # handshake: role and nonce
 AUTH = "AUTH"  # handshake: proof of the secret over both nonces and roles
-REGISTER = "REGISTER"  # job layout, ring, training recipe, initial state (tensors, groups, schedule)
+REGISTER = "REGISTER"  # job layout, ring, training recipe, initial state (tensors, groups, schedule);
+#                        a sharded job's DP group adds the job's sharded layout and which group it is
 STEP_META = "STEP_META"  # what the wire does not carry: lr, loss scale, rng, data position, plateau state,
 #                          the clip coefficient and the skip decision the trainer took
 FINGERPRINT = "FINGERPRINT"  # per-tensor u64 fingerprints and distance stats (updater.fingerprint) at a step
@@ -98,7 +100,29 @@ def _check_register(b: dict) -> str | None:
         err = _layout_error("ring", RingSpec, b["ring"])
     if err is None:
         err = _layout_error("training", TrainingSpec, b["training"])
+    if err is None and ("shards" in b or "group" in b):
+        err = sharded_register_error(b)
     return err
+
+
+def sharded_register_error(b: dict) -> str | None:
+    """A sharded REGISTER names its DP group and carries the job's ShardedLayout; the registered
+    layout must be that group's ring: its slices, under their global FQNs, in the group's order."""
+    if "shards" not in b or "group" not in b:
+        return "a sharded registration carries both shards (the job's sharded layout) and group"
+    err = _layout_error("shards", ShardedLayout, b["shards"])
+    if err is not None:
+        return err
+    sl = ShardedLayout.from_dict(b["shards"])
+    try:
+        want = [(p.name, tuple(p.shape)) for p in sl.group_params(b["group"])]
+    except KeyError as e:
+        return str(e.args[0] if e.args else e)
+    got = [(p.name, tuple(p.shape)) for p in JobLayout.from_dict(b["layout"]).params]
+    if got != want:
+        diff = next((f"{g} vs {w}" for g, w in zip(got, want) if g != w), f"{len(got)} vs {len(want)} parameters")
+        return f"layout is not the ring of DP group {b['group']!r} of the sharded layout (first difference: {diff})"
+    return None
 
 
 def _check_step_meta(b: dict) -> str | None:
@@ -127,7 +151,9 @@ REGISTRY: dict[str, Spec] = {
                             "ring": F("dict", required=False, nullable=True), "training": F("dict"),
                             "state_meta": F("dict", required=False),
                             # one id per trainer start: a new one is a restarted job (new communicator)
-                            "run": F("str", required=False)},
+                            "run": F("str", required=False),
+                            # sharded jobs (config.shards): the job's layout and this link's DP group
+                            "shards": F("dict", required=False), "group": F("str", required=False)},
                    tensors="any", check=_check_register),
     STEP_META: Spec(CLIENT, {"step": F("int"), "lr": F("num"), "loss_scale": F("num", nullable=True),
                              "data_position": F("json", required=False),

@@ -68,6 +68,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+def local(t):
+    """This process's piece of a tensor: a DTensor's local shard (a view of it, no copy), any other
+    tensor itself. The link copies, fingerprints and sends only local tensors."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
 def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_order: list[int]) -> JobLayout:
     """The buckets DDP (torch 2.x) all-reduces: one bucket in iteration 0, then the rebuild in
     first-backward ready order with DDP's caps (config.ddp: the reducer's own assignment function)."""
@@ -337,6 +343,9 @@ class TrainerLink:
         self._ready_hooks = []
         self._boundary: dict = {}  # rng, data position, lr at the last boundary
         self._request: dict | None = None
+        # True: a fallback request waits (pending) until this is False again at a step boundary;
+        # a sharded job's groups start their fallbacks at one step this way (control.sharded)
+        self.defer_fallbacks = False
         self._run: FallbackRun | None = None
         self._fp_pending: tuple[int, gockpt.Copy] | None = None
         self._clip: tuple | None = None  # (total_norm, coef) tensors of this iteration's clip
@@ -458,7 +467,8 @@ class TrainerLink:
     def _register_msg(self, with_state: bool) -> m.Message:
         tensors, extra = {}, {}
         if with_state:  # the initial state: weights, and the groups and schedule as constructed
-            tensors = {gockpt.param_key(n): p.detach().to("cpu", copy=True) for n, p in zip(self.names, self.masters)}
+            tensors = {gockpt.param_key(n): local(p.detach()).to("cpu", copy=True)
+                       for n, p in zip(self.names, self.masters)}
             extra["state_meta"] = {
                 "param_groups": dumps(group_dicts(self.optimizer), "param_groups"),
                 "lr_scheduler": (dumps(self.scheduler.state_dict(), "lr_scheduler")
@@ -466,7 +476,7 @@ class TrainerLink:
         return m.make(m.REGISTER, tensors, job=self.job, step=self.iterations_done, run=self.run,
                       layout=self.layout.to_dict(),
                       ring=self.ring.to_dict() if self.ring is not None else None, training=self.training.to_dict(),
-                      **extra)
+                      **extra, **self._register_extra())
 
     def _on_connect(self, client) -> list:
         # A reconnection (or an appliance restart): register again, without state; the appliance
@@ -514,7 +524,7 @@ class TrainerLink:
         if self._auto_training and self.training.clip is None and self._clip is not None:
             self.training = dataclasses.replace(self.training, clip=ClipSpec(self._clip[2], self._clip[3]))
         with self._lock:
-            self.layout = ddp_layout(self.ddp_model, self.model_params, self.names, order)
+            self.layout = self._job_layout(order)
             fresh = self.iterations_done == 0 and not any(self.optimizer.state.get(p) for p in self.masters)
             msg = self._register_msg(with_state=fresh)
         self._emit(lambda _t: msg)
@@ -542,7 +552,7 @@ class TrainerLink:
             if run is not None:
                 self._post_fallback(run, t)
             with self._lock:
-                req, self._request = self._request, None
+                req, self._request = (None, self._request) if self.defer_fallbacks else (self._request, None)
             if req is not None and self.layout is not None:
                 if run is not None:
                     log.warning("fallback %d..: abandoned for a new request", run.start)
@@ -576,18 +586,33 @@ class TrainerLink:
                           step=t, lr=meta["lr"], loss_scale=scale, data_position=meta["data_position"], **out)
         self._emit(build)
 
+    def _job_layout(self, order: list[int]) -> JobLayout:
+        """The layout this link registers (the buckets DDP all-reduces, ``order``: first-backward
+        ready order)."""
+        return ddp_layout(self.ddp_model, self.model_params, self.names, order)
+
+    def _register_extra(self) -> dict:
+        """More REGISTER body fields (a sharded link adds its layout and DP group)."""
+        return {}
+
+    @property
+    def fallback_pending(self) -> bool:
+        """A FALLBACK_REQUEST arrived; it starts after the next optimizer step not deferred."""
+        with self._lock:
+            return self._request is not None
+
     def _named_state(self) -> dict[str, torch.Tensor]:
-        return gockpt._named_state(self.names, self.masters, self.optimizer)
+        return {k: local(v) for k, v in gockpt._named_state(self.names, self.masters, self.optimizer).items()}
 
     # ---------------------------------------------------------------- GoCkpt (trainer half)
     def _part_state(self, j: int, plan) -> dict[str, torch.Tensor]:
         out = {}
         for i in plan[j]:
             n, p = self.names[i], self.masters[i]
-            out[gockpt.param_key(n)] = p
+            out[gockpt.param_key(n)] = local(p)
             for k, v in self.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
-                    out[gockpt.state_key(n, k)] = v
+                    out[gockpt.state_key(n, k)] = local(v)
         return out
 
     def _start_fallback(self, req: dict, t: int) -> None:
@@ -611,8 +636,7 @@ class TrainerLink:
             for jj in range(j + 1):
                 for i in run.plan[jj]:
                     g = src[i].grad
-                    if g is None:
-                        g = torch.zeros_like(src[i])
+                    g = local(g) if g is not None else torch.zeros_like(local(src[i]))
                     grads[gockpt.grad_key(self.names[i])] = g
             run.grad_copy = self.copier.copy(grads)
         else:  # step N+k: the state is S_{N+k}; send the last part with the tail, then DONE
@@ -778,11 +802,8 @@ def _load(module, optimizer, scheduler, params: dict, ostate: dict, groups: list
         scheduler.load_state_dict(sched_state)
 
 
-def load_restore_state(module, optimizer, scheduler, reply) -> tuple[dict, dict]:
-    """A RESTORE_STATE message into ``module``, ``optimizer`` and ``scheduler``; (meta, rng states).
-    Parameters the appliance holds no optimizer state for (never stepped) get none here either."""
-    if reply.type != m.RESTORE_STATE:
-        raise ValueError(f"appliance answered {reply.type}, not RESTORE_STATE")
+def parse_restore(reply: m.Message) -> tuple[dict, dict, dict, dict]:
+    """(parameters, optimizer state per name, RNG states, meta) of a RESTORE_STATE message."""
     meta = reply.body.get("meta") or {}
     params, ostate, rng = {}, {}, {}
     for k, v in reply.tensors.items():
@@ -794,6 +815,15 @@ def load_restore_state(module, optimizer, scheduler, reply) -> tuple[dict, dict]
             ostate.setdefault(n, {})[key] = v.clone()
         elif kind == "rng":
             rng[rest] = v.clone()
+    return params, ostate, rng, meta
+
+
+def load_restore_state(module, optimizer, scheduler, reply) -> tuple[dict, dict]:
+    """A RESTORE_STATE message into ``module``, ``optimizer`` and ``scheduler``; (meta, rng states).
+    Parameters the appliance holds no optimizer state for (never stepped) get none here either."""
+    if reply.type != m.RESTORE_STATE:
+        raise ValueError(f"appliance answered {reply.type}, not RESTORE_STATE")
+    params, ostate, rng, meta = parse_restore(reply)
     groups = loads(meta["param_groups"])
     sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
     _load(module, optimizer, scheduler, params, ostate, groups, sched)

@@ -1,0 +1,296 @@
+"""Trainer side of a sharded (TP x PP x DP) job: its layout read from the DTensor modules, one
+control link per DP group, and a restore in which every rank pulls its own shard.
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {...ColwiseParallel()/RowwiseParallel()...})
+    link = attach_sharded(model, optimizer, mesh, appliances={"pp0-tp0": (host, port0),
+                                                             "pp0-tp1": (host, port1)}, secret=SECRET)
+
+``describe`` (collective over the default process group, torch's ``all_gather_object``) reads
+every rank's parameters: a DTensor's placement on the TP mesh dimension (``Shard(d)``: TP dimension
+d; ``Replicate()``: the whole tensor) and its local shape and global offset as DTensor computes
+them; a plain tensor is whole. A pipeline stage is the rank's coordinate on the mesh's "pp"
+dimension (or ``pp_stage``/``pp``) and holds only its own modules, named by their global FQNs
+(torch's manual pipeline split: the full model with the other stages' layers deleted). The ranks' reports form a ``config.shards.ShardedLayout``:
+one DP group per (stage, TP rank), its global ranks in DP order (read from the mesh's DP process
+group), its slices, and the appliance that follows it.
+
+``ShardLink`` is a ``TrainerLink`` on one DP group's shard: the group's DP-rank-0 process talks to
+the control plane that follows the group (``appliances[group]``), registering the group's ring
+(its slices under their global FQNs, local shapes) with the whole sharded layout and the group's
+name (a sharded REGISTER); the other ranks only count steps. GoCkpt parts, fingerprints and
+gradients are the local shards (``to_local()``). The DP all-reduce of the gradients is the
+training loop's (a DDP-style mean over the mesh's DP dimension); its buckets matter only to an
+appliance that follows the ring on the wire.
+
+``restore_sharded`` is ``restore_from_appliance`` per shard: each rank sends RESTORE_REQUEST to
+its own group's control plane and loads the reply into its DTensors (local shards); the ranks
+then agree (``all_gather_object``) that every group's state is the same step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from mirrorckpt.config.ddp import reducer_params
+from mirrorckpt.config.layout import JobLayout, ParamSpec
+from mirrorckpt.config.shards import DpGroup, Shard, ShardedLayout
+from mirrorckpt.control import messages as m
+from mirrorckpt.control.endpoint import ControlClient
+from mirrorckpt.control.trainer import (
+    Restored,
+    TrainerLink,
+    _load,
+    ddp_layout,
+    local,
+    parse_restore,
+    set_rng_states,
+    unwrap,
+)
+from mirrorckpt.updater.dcp_keys import loads
+
+
+def _is_dtensor(p) -> bool:
+    return hasattr(p, "placements") and hasattr(p, "device_mesh")
+
+
+def _entry(name: str, p, tp_dim_name: str | None) -> dict:
+    """What one rank holds of parameter ``name``: global shape, TP dimension, offset, local shape."""
+    if p.dtype != torch.float32:
+        raise ValueError(f"{name}: {p.dtype} parameters; the sharded link follows float32 models")
+    if not _is_dtensor(p):
+        return {"fqn": name, "global_shape": list(p.shape), "tp_dim": None, "offset": [0] * p.dim(),
+                "shape": list(p.shape)}
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    names = p.device_mesh.mesh_dim_names
+    if p.device_mesh.ndim != 1 or (tp_dim_name is not None and names is not None and names[0] != tp_dim_name):
+        raise ValueError(f"{name}: a DTensor on mesh dimensions {names}; the sharded layout holds parameters "
+                         f"distributed over the TP dimension {tp_dim_name!r} only (DP is the training loop's "
+                         "all-reduce)")
+    place = p.placements[0]
+    if isinstance(place, DShard):
+        dim = place.dim % p.dim()
+    elif isinstance(place, Replicate):
+        dim = None
+    else:
+        raise ValueError(f"{name}: placement {place}; parameters are Shard(d) or Replicate()")
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return {"fqn": name, "global_shape": list(p.shape), "tp_dim": dim, "offset": [int(x) for x in offset],
+            "shape": [int(x) for x in shape]}
+
+
+def _mesh_rank(mesh, dim: str | None) -> tuple[int, int, list[int]]:
+    """(this rank's coordinate, size, global ranks of its group) along mesh dimension ``dim``."""
+    if dim is None or mesh.mesh_dim_names is None or dim not in mesh.mesh_dim_names:
+        return 0, 1, [dist.get_rank()]
+    return mesh.get_local_rank(dim), mesh.size(mesh.mesh_dim_names.index(dim)), \
+        dist.get_process_group_ranks(mesh.get_group(dim))
+
+
+def group_name(pp_stage: int, tp_rank: int) -> str:
+    return f"pp{pp_stage}-tp{tp_rank}"
+
+
+def describe(model, mesh, *, appliances: dict[str, str] | None = None, pp_stage: int | None = None,
+             pp: int | None = None, dp_dim: str = "dp", tp_dim: str | None = "tp",
+             pp_dim: str = "pp") -> ShardedLayout:
+    """The job's ShardedLayout from every rank's parameters (collective: every rank calls it).
+    ``appliances``: DP group name -> name of the appliance that follows it (default: one appliance
+    per group, "appliance-<i>" in group order). ``mesh`` names the DP and (optional) TP dimensions;
+    the stage is the mesh's ``pp_dim`` coordinate when it has one (``pp_stage``/``pp``, if given,
+    must agree), else ``pp_stage`` of ``pp`` (default 0 of 1)."""
+    names = mesh.mesh_dim_names or ()
+    if dp_dim not in names:
+        raise ValueError(f"the mesh has no {dp_dim!r} dimension (dims {mesh.mesh_dim_names})")
+    if pp_dim in names:
+        at, size = mesh.get_local_rank(pp_dim), mesh.size(names.index(pp_dim))
+        if (pp_stage is not None and pp_stage != at) or (pp is not None and pp != size):
+            raise ValueError(f"pp_stage={pp_stage}, pp={pp}, but this rank is stage {at} of {size} on the mesh's "
+                             f"{pp_dim!r} dimension")
+        pp_stage, pp = at, size
+    pp_stage, pp = (0 if pp_stage is None else pp_stage), (1 if pp is None else pp)
+    if not 0 <= pp_stage < pp:
+        raise ValueError(f"pp_stage {pp_stage} outside 0..{pp - 1}")
+    dp_rank, dp, dp_ranks = _mesh_rank(mesh, dp_dim)
+    tp_rank, tp, _ = _mesh_rank(mesh, tp_dim)
+    mine = {"rank": dist.get_rank(), "stage": pp_stage, "dp_rank": dp_rank, "dp": dp, "tp_rank": tp_rank, "tp": tp,
+            "dp_ranks": dp_ranks, "entries": [_entry(n, p, tp_dim) for n, p in reducer_params(unwrap(model))]}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return layout_of(every, pp, appliances)
+
+
+def layout_of(reports: list[dict], pp: int, appliances: dict[str, str] | None = None) -> ShardedLayout:
+    """The ShardedLayout of the ranks' reports (``describe``); a job whose ranks disagree is an error."""
+    tp, dp = reports[0]["tp"], reports[0]["dp"]
+    if any(r["tp"] != tp or r["dp"] != dp for r in reports):
+        raise ValueError("the ranks report different TP/DP sizes")
+    if len(reports) != tp * dp * pp:
+        raise ValueError(f"{len(reports)} ranks for TP={tp} x DP={dp} x PP={pp}")
+    by_group: dict[tuple[int, int], list[dict]] = {}
+    for r in reports:
+        by_group.setdefault((r["stage"], r["tp_rank"]), []).append(r)
+    want = {(s, t) for s in range(pp) for t in range(tp)}
+    if set(by_group) != want:
+        raise ValueError(f"DP groups {sorted(by_group)} do not cover stages 0..{pp - 1} x TP ranks 0..{tp - 1} "
+                         "(pp_stage per rank?)")
+    names = [group_name(s, t) for s, t in sorted(want)]
+    follows = dict(appliances or {name: f"appliance-{i}" for i, name in enumerate(names)})
+    unknown = set(follows) - set(names)
+    if unknown or set(names) - set(follows):
+        raise ValueError(f"appliances name groups {sorted(follows)}, the job's groups are {names}")
+    groups, params, seen = [], [], {}
+    for (s, t), members in sorted(by_group.items()):
+        members.sort(key=lambda r: r["dp_rank"])
+        name = group_name(s, t)
+        ranks = [r["rank"] for r in members]
+        if [r["dp_rank"] for r in members] != list(range(dp)):
+            raise ValueError(f"group {name}: DP ranks {[r['dp_rank'] for r in members]}")
+        if any(sorted(r["dp_ranks"]) != sorted(ranks) for r in members):
+            raise ValueError(f"group {name}: the mesh's DP group {members[0]['dp_ranks']} is not the ranks "
+                             f"{ranks} of stage {s}, TP rank {t}")
+        first = members[0]["entries"]
+        for r in members[1:]:
+            if r["entries"] != first:
+                raise ValueError(f"group {name}: DP ranks {ranks[0]} and {r['rank']} hold different parameters "
+                                 "(a DP group's ranks must be replicas)")
+        shards = []
+        for e in first:
+            owner = seen.setdefault(e["fqn"], s)
+            if owner != s:
+                raise ValueError(f"{e['fqn']} is held by stages {owner} and {s}: a parameter belongs to one stage")
+            if t == 0:
+                params.append(ParamSpec(e["fqn"], tuple(e["global_shape"]), "float32"))
+            shards.append(Shard(e["fqn"], tuple(e["global_shape"]), e["tp_dim"], tuple(e["offset"]),
+                                tuple(e["shape"])))
+        groups.append(DpGroup(name, s, t, ranks, follows[name], shards))
+    order = list(dict.fromkeys(follows[n] for n in names))
+    return ShardedLayout(tp, pp, dp, params, groups, order)
+
+
+def group_of(layout: ShardedLayout, rank: int) -> DpGroup:
+    for g in layout.groups:
+        if rank in g.ranks:
+            return g
+    raise ValueError(f"rank {rank} is in no DP group of the layout")
+
+
+class ShardLink(TrainerLink):
+    """A TrainerLink on DP group ``group``'s shard (see the module text); every rank makes one,
+    the group's DP-rank-0 process talks to ``appliance``."""
+
+    def __init__(self, model, optimizer, *, shards: ShardedLayout, group: str, appliance, secret, **kw):
+        g = shards.group(group)
+        if dist.get_rank() not in g.ranks:
+            raise ValueError(f"rank {dist.get_rank()} is not in DP group {group} (ranks {g.ranks})")
+        named = reducer_params(unwrap(model))
+        have = [(n, tuple(local(p).shape)) for n, p in named]
+        want = [(s.fqn, tuple(s.shape)) for s in g.shards]
+        if have != want:
+            raise ValueError(f"the module's parameters are not DP group {group}'s slices: {have[:3]}... vs "
+                             f"{want[:3]}...")
+        self.shards, self.group = shards, group
+        super().__init__(model, optimizer, appliance=appliance, secret=secret, leader=g.ranks[0], **kw)
+
+    def _job_layout(self, order: list[int]) -> JobLayout:
+        return ddp_layout(self.ddp_model, [local(p) for p in self.model_params], self.names, order)
+
+    def _register_extra(self) -> dict:
+        return {"shards": self.shards.to_dict(), "group": self.group}
+
+    def clip_grad_norm_(self, *a, **kw):
+        raise ValueError("clipping through a sharded link is not supported: the norm spans every TP/PP group")
+
+
+def attach_sharded(model, optimizer, mesh, *, appliances: dict[str, tuple[str, int]], secret,
+                   follows: dict[str, str] | None = None, pp_stage: int | None = None, pp: int | None = None,
+                   dp_dim: str = "dp", tp_dim: str | None = "tp", pp_dim: str = "pp", restore: str | None = None,
+                   connect_timeout: float = 0.0, **kw) -> ShardLink:
+    """Attach a TP-sharded (DTensor) model, or a pipeline stage's, to the appliances that follow its DP
+    groups; collective: every rank calls it. ``appliances``: DP group name ("pp<s>-tp<t>") -> the
+    address of the control plane following that group; ``follows``: group -> appliance name (which
+    appliance process, for joint checkpoints). ``restore="appliance"``: every rank first pulls its
+    shard (``restore_sharded``). ``connect_timeout``: seconds the leaders wait for their first
+    connection. Other keywords go to TrainerLink (scheduler, data, parts, job...)."""
+    shards = describe(model, mesh, appliances=follows, pp_stage=pp_stage, pp=pp, dp_dim=dp_dim, tp_dim=tp_dim,
+                      pp_dim=pp_dim)
+    g = group_of(shards, dist.get_rank())
+    if g.name not in appliances:
+        raise ValueError(f"no control-plane address for DP group {g.name} (appliances= names {sorted(appliances)})")
+    restored = None
+    if restore == "appliance":
+        restored = restore_sharded(model, optimizer, shards=shards, appliances=appliances, secret=secret,
+                                   scheduler=kw.get("scheduler"), data=kw.get("data"))
+    elif restore is not None:
+        raise ValueError(f"restore={restore!r}: a sharded job restores from 'appliance' (or loads a joint "
+                         "checkpoint with dcp.load itself)")
+    link = ShardLink(model, optimizer, shards=shards, group=g.name, appliance=appliances[g.name], secret=secret,
+                     **kw)
+    if restored is not None:
+        link.iterations_done = restored.iterations_done
+        link.restored = restored
+    if connect_timeout and link.client is not None:
+        link.client.wait_connected(connect_timeout)
+    return link
+
+
+def _as_dtensor(src: torch.Tensor, like):
+    if not _is_dtensor(like):
+        return src
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(src, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def restore_sharded(model, optimizer, *, appliances: dict[str, tuple[str, int]], secret, mesh=None,
+                    shards: ShardedLayout | None = None, scheduler=None, data=None, timeout: float = 60.0,
+                    role: str = "trainer", client_options: dict | None = None, **describe_kw) -> Restored:
+    """Every rank pulls its own shard from the control plane of its DP group (RESTORE_REQUEST) and
+    loads it into its DTensors (parameters and optimizer state), scheduler, RNG and ``data``;
+    collective. The ranks check that all groups' states are the same step (else ValueError: the
+    appliances hold different steps; restore from a joint checkpoint instead)."""
+    if shards is None:
+        if mesh is None:
+            raise ValueError("restore_sharded needs the mesh (or the layout from describe)")
+        shards = describe(model, mesh, **describe_kw)
+    g = group_of(shards, dist.get_rank())
+    module = unwrap(model)
+    named = reducer_params(module)
+    host, port = appliances[g.name]
+    with ControlClient(host, port, secret, role, **{"backoff_max": 0.5, **(client_options or {})}) as cli:
+        if not cli.wait_connected(timeout):
+            raise ConnectionError(f"appliance {host}:{port} of DP group {g.name} not reachable in {timeout:g} s")
+        reply = cli.request(m.make(m.RESTORE_REQUEST, step=None), timeout=timeout)
+    if reply.type != m.RESTORE_STATE:
+        raise ValueError(f"appliance of DP group {g.name} answered {reply.type}, not RESTORE_STATE")
+    params, ostate, rng, meta = parse_restore(reply)
+    got = sorted((n, tuple(v.shape)) for n, v in params.items())
+    want = sorted((s.fqn, tuple(s.shape)) for s in g.shards)
+    if got != want:
+        raise ValueError(f"the appliance of DP group {g.name} holds {got[:3]}..., the group's slices are "
+                         f"{want[:3]}...")
+    steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, (g.name, int(meta["iterations_done"])))
+    if len({s for _, s in steps}) != 1:
+        raise ValueError(f"the DP groups' appliances hold different steps {sorted(set(steps))}: no consistent "
+                         "sharded state to resume from (load the joint checkpoint instead)")
+    by_name = dict(named)
+    params = {n: _as_dtensor(v, by_name[n]) for n, v in params.items()}
+    for n, st in ostate.items():
+        p = by_name.get(n)
+        for k, v in sorted(st.items()):  # every rank's state in one key order, whatever the appliance sent
+            del st[k]
+            st[k] = _as_dtensor(v, p) if p is not None and v.dim() and tuple(v.shape) == tuple(local(p).shape) else v
+    groups = loads(meta["param_groups"])
+    sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
+    _load(module, optimizer, scheduler, params, ostate, groups, sched)
+    set_rng_states(rng)
+    dp = meta.get("data_position")
+    if data is not None and dp is not None:
+        data.load_state_dict(dp)
+    return Restored(f"appliance:{g.name}", int(meta["iterations_done"]), int(meta["step"]), dp, rng)
+

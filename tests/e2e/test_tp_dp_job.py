@@ -1,0 +1,169 @@
+"""A real TP=2 x DP=2 CPU job (gloo, DeviceMesh, DTensor ColwiseParallel/RowwiseParallel, 4
+processes) attached through the control plane to two appliance processes, one per DP group:
+both groups' GoCkpt fallbacks rebuild and verify, the appliances write one joint checkpoint equal
+to the trainer's own full state, and a new TP=2 x DP=2 job resumes bit-exactly whether its ranks
+each pull their own shard from their group's appliance or load their DTensor shards of the joint
+checkpoint (dcp.load)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mirrorckpt.tools.testbed.harness import free_port
+from mirrorckpt.tools.testbed.tp_dp_job import DIMS, appliance_main, trainer_main
+from mirrorckpt.updater import ckptdir, restore
+from mirrorckpt.updater.manifest import read_manifest
+
+CTX = mp.get_context("spawn")
+GROUPS = ["pp0-tp0", "pp0-tp1"]
+STEPS, HOLD, PARTS = 8, 2, 3  # the fallbacks start after step 3 (iterations_done 3) and end at 3 + 3
+
+
+def _wait_file(path: Path, timeout: float, procs) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists():
+            return json.loads(path.read_text())
+        if any(not p.is_alive() and p.exitcode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.05)
+    pytest.fail(f"{path.name} did not appear in {timeout} s")
+
+
+def _job(tmp: Path, tag: str, appliances: dict, restore_: str) -> list[dict]:
+    out = tmp / tag
+    out.mkdir()
+    port = free_port()
+    procs, results = [], []
+    for rank in range(4):
+        res = out / f"rank{rank}.json"
+        results.append(res)
+        procs.append(CTX.Process(target=trainer_main, args=(rank, 4, port, appliances, str(out), STEPS, HOLD, PARTS,
+                                                            restore_, str(res))))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+        if p.is_alive():
+            for q in procs:
+                q.kill()
+            pytest.fail(f"job {tag}: a rank did not finish in 90 s")
+    got = [json.loads(r.read_text()) if r.exists() else {"died": True} for r in results]
+    for r in got:
+        assert "fatal" not in r and "died" not in r, r
+    return got
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tpdp")
+    root, stop = tmp / "root", tmp / "stop"
+    addr = f"127.0.0.1:{free_port()}"
+    apps, results, ports = [], [], {}
+    t0 = time.monotonic()
+    for r, g in enumerate(GROUPS):
+        res, pf = tmp / f"appliance{r}.json", tmp / f"ports{r}.json"
+        results.append(res)
+        p = CTX.Process(target=appliance_main, args=(f"appliance-{r}", [g], r, 2, addr, str(root), str(pf), str(stop),
+                                                     str(res)),
+                        kwargs={"parts": PARTS})
+        p.start()
+        apps.append((p, pf))
+    try:
+        for p, pf in apps:
+            ports.update(_wait_file(pf, 60, [p]))
+        job = _job(tmp, "job", ports, restore_="")
+        t_job = time.monotonic() - t0
+        joint = [_wait_file(res, 60, [p for p, _ in apps]) for res in results]
+        resumed = _job(tmp, "resumed", ports, restore_="appliance")
+        from_disk = _job(tmp, "from_disk", ports, restore_=str(root))
+    finally:
+        stop.write_text("")
+        for p, _ in apps:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    final = [json.loads(res.read_text()) for res in results]
+    print(f"job + fallbacks {t_job:.1f} s, total {time.monotonic() - t0:.1f} s")
+    return {"tmp": tmp, "root": root, "job": job, "joint": joint, "resumed": resumed, "from_disk": from_disk,
+            "final": final}
+
+
+def _state(run, tag: str, step: int) -> dict:
+    return torch.load(run["tmp"] / tag / f"state_{step}.pt")
+
+
+def test_both_groups_fall_back_and_verify(run):
+    job, joint = run["job"], run["joint"]
+    leaders = [r for r in job if r["leader"]]
+    assert [r["rank"] for r in leaders] == [0, 1]  # DP rank 0 of each TP rank's group
+    assert len({r["layout_digest"] for r in job}) == 1
+    for r in leaders:
+        assert r["held_for_request"] is True
+        assert [(f["start"], f["parts"]) for f in r["fallbacks"]] == [(HOLD + 1, PARTS)]
+    for a, g in zip(joint, GROUPS):
+        assert "fatal" not in a, a.get("fatal")
+        assert a["registered_steps"] == {g: 0}  # registered with the initial state
+        assert a["fallbacks"][g]["done"] == 1 and a["fallbacks"][g]["failed"] == 0
+        assert a["steps"] == {g: HOLD + 1 + PARTS}
+
+
+def test_joint_checkpoint_equals_the_trainers_state(run):
+    root, joint = run["root"], run["joint"]
+    step = HOLD + 1 + PARTS
+    for a in joint:
+        assert a["rounds"][-1] == str(root / ckptdir.step_dirname(step)), a["rounds"]
+        assert a["joint"]["committed"] == 1
+    sel = restore.select(root, verify_data=True)
+    assert sel.path == root / ckptdir.step_dirname(step) and not sel.problems
+    m = read_manifest(sel.path)
+    assert m["joint"]["appliances"] == 2
+    shards = m["joint"]["shards"]
+    assert [g["ranks"] for g in shards["groups"]] == [[0, 2], [1, 3]]
+    dims = {s["fqn"]: s["tp_dim"] for g in shards["groups"] for s in g["shards"]}
+    assert dims == {"0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": None}  # Colwise, Rowwise
+    want = _state(run, "job", step)
+    md = ckptdir.dcp_module().FileSystemReader(sel.path).read_metadata()
+    got = restore._read_flat(sel.path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
+    got = {k: v for k, v in got.items() if k.startswith(("model.", "optim.state."))}
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v.reshape(got[k].shape)), k
+    # an unsharded trainer loads it with plain torch modules
+    model = torch.nn.Sequential(torch.nn.Linear(DIMS[0], DIMS[1]), torch.nn.ReLU(), torch.nn.Linear(DIMS[1], DIMS[2]))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    r = restore.load_into(model, opt, root)
+    assert r.iterations_done == step
+    for n, p in model.named_parameters():
+        assert torch.equal(p, want[f"model.{n}"]), n
+
+
+def test_restored_job_pulls_its_shards_and_resumes_bit_exactly(run):
+    step = HOLD + 1 + PARTS
+    for r in run["resumed"]:
+        assert r["restored"] == {"source": f"appliance:pp0-tp{r['rank'] % 2}", "iterations_done": step}
+    assert [f["restores"] for f in run["final"]] == [{"pp0-tp0": {"memory": 2, "disk": 0}},
+                                                     {"pp0-tp1": {"memory": 2, "disk": 0}}]
+    for s in range(step, STEPS + 1):  # the state restored, then every step after it
+        a, b = _state(run, "job", s), _state(run, "resumed", s)
+        assert set(a) == set(b)
+        for k in a:
+            assert torch.equal(a[k], b[k]), (s, k)
+
+
+def test_job_loading_its_dtensor_shards_of_the_joint_checkpoint_resumes_bit_exactly(run):
+    """Every rank reads only its own slices of the joint checkpoint (dcp.load of its DTensor state
+    dict, updater.restore.load_into) and the job goes on exactly as the one that was never stopped."""
+    step = HOLD + 1 + PARTS
+    for r in run["from_disk"]:
+        assert r["restored"] == {"source": str(run["root"] / ckptdir.step_dirname(step)), "iterations_done": step}
+    for s in range(step, STEPS + 1):
+        a, b = _state(run, "job", s), _state(run, "from_disk", s)
+        assert set(a) == set(b)
+        for k in a:
+            assert torch.equal(a[k], b[k]), (s, k)
