@@ -11,9 +11,9 @@ every rank's parameters: a DTensor's placement on the TP mesh dimension (``Shard
 d; ``Replicate()``: the whole tensor) and its local shape and global offset as DTensor computes
 them; a plain tensor is whole. A pipeline stage is the rank's coordinate on the mesh's "pp"
 dimension (or ``pp_stage``/``pp``) and holds only its own modules, named by their global FQNs
-(torch's manual pipeline split: the full model with the other stages' layers deleted). The ranks' reports form a ``config.shards.ShardedLayout``:
-one DP group per (stage, TP rank), its global ranks in DP order (read from the mesh's DP process
-group), its slices, and the appliance that follows it.
+(torch's manual pipeline split: the full model with the other stages' layers deleted). The ranks'
+reports form a ``config.shards.ShardedLayout``: one DP group per (stage, TP rank), its global ranks
+in DP order (read from the mesh's DP process group), its slices, and the appliance that follows it.
 
 ``ShardLink`` is a ``TrainerLink`` on one DP group's shard: the group's DP-rank-0 process talks to
 the control plane that follows the group (``appliances[group]``), registering the group's ring
