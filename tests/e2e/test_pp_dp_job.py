@@ -6,83 +6,25 @@ stage's shard from its group's appliance."""
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
-import time
-from pathlib import Path
-
 import pytest
 import torch
-from mirrorckpt.tools.testbed.harness import free_port
+from mirrorckpt.tools.testbed import sharded_rig as rig
 from mirrorckpt.tools.testbed.pp_dp_job import trainer_main
 from mirrorckpt.tools.testbed.tp_dp_job import appliance_main
 from mirrorckpt.updater import ckptdir, restore
 
-CTX = mp.get_context("spawn")
 GROUPS = ["pp0-tp0", "pp1-tp0"]
 STEPS, HOLD, PARTS = 7, 1, 2  # fallbacks from iterations_done 2 to 4
-
-
-def _wait_file(path: Path, timeout: float, procs) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists():
-            return json.loads(path.read_text())
-        if any(not p.is_alive() and p.exitcode not in (None, 0) for p in procs):
-            break
-        time.sleep(0.05)
-    pytest.fail(f"{path.name} did not appear in {timeout} s")
-
-
-def _job(tmp: Path, tag: str, appliances: dict, restore_: str) -> list[dict]:
-    out = tmp / tag
-    out.mkdir()
-    port = free_port()
-    procs, results = [], []
-    for rank in range(4):
-        results.append(out / f"rank{rank}.json")
-        procs.append(CTX.Process(target=trainer_main, args=(rank, 4, port, appliances, str(out), STEPS, HOLD, PARTS,
-                                                            restore_, str(results[-1]))))
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-        if p.is_alive():
-            for q in procs:
-                q.kill()
-            pytest.fail(f"job {tag}: a rank did not finish in 90 s")
-    got = [json.loads(r.read_text()) if r.exists() else {"died": True} for r in results]
-    for r in got:
-        assert "fatal" not in r and "died" not in r, r
-    return got
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ppdp")
-    root, stop = tmp / "root", tmp / "stop"
-    addr = f"127.0.0.1:{free_port()}"
-    apps, results, ports = [], [], {}
-    for r, g in enumerate(GROUPS):
-        res, pf = tmp / f"appliance{r}.json", tmp / f"ports{r}.json"
-        results.append(res)
-        p = CTX.Process(target=appliance_main, args=(f"appliance-{r}", [g], r, 2, addr, str(root), str(pf), str(stop),
-                                                     str(res)), kwargs={"parts": PARTS})
-        p.start()
-        apps.append(p)
-    try:
-        for p, r in zip(apps, range(2)):
-            ports.update(_wait_file(tmp / f"ports{r}.json", 60, [p]))
-        job = _job(tmp, "job", ports, "")
-        joint = [_wait_file(res, 60, apps) for res in results]
-        resumed = _job(tmp, "resumed", ports, "appliance")
-    finally:
-        stop.write_text("")
-        for p in apps:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return {"tmp": tmp, "root": root, "job": job, "joint": joint, "resumed": resumed}
+    with rig.appliances(appliance_main, tmp, GROUPS, PARTS) as (ports, results, procs):
+        job = rig.run_job(trainer_main, tmp / "job", ports, (STEPS, HOLD, PARTS, ""))
+        joint = [rig.wait_file(res, 60, procs) for res in results]
+        resumed = rig.run_job(trainer_main, tmp / "resumed", ports, (STEPS, HOLD, PARTS, "appliance"))
+    return {"tmp": tmp, "root": tmp / "root", "job": job, "joint": joint, "resumed": resumed}
 
 
 def _state(run, tag: str, step: int) -> dict:

@@ -8,90 +8,36 @@ checkpoint (dcp.load)."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from mirrorckpt.tools.testbed.harness import free_port
+from mirrorckpt.tools.testbed import sharded_rig as rig
 from mirrorckpt.tools.testbed.tp_dp_job import DIMS, appliance_main, trainer_main
 from mirrorckpt.updater import ckptdir, restore
 from mirrorckpt.updater.manifest import read_manifest
 
-CTX = mp.get_context("spawn")
 GROUPS = ["pp0-tp0", "pp0-tp1"]
 STEPS, HOLD, PARTS = 8, 2, 3  # the fallbacks start after step 3 (iterations_done 3) and end at 3 + 3
-
-
-def _wait_file(path: Path, timeout: float, procs) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists():
-            return json.loads(path.read_text())
-        if any(not p.is_alive() and p.exitcode not in (None, 0) for p in procs):
-            break
-        time.sleep(0.05)
-    pytest.fail(f"{path.name} did not appear in {timeout} s")
-
-
-def _job(tmp: Path, tag: str, appliances: dict, restore_: str) -> list[dict]:
-    out = tmp / tag
-    out.mkdir()
-    port = free_port()
-    procs, results = [], []
-    for rank in range(4):
-        res = out / f"rank{rank}.json"
-        results.append(res)
-        procs.append(CTX.Process(target=trainer_main, args=(rank, 4, port, appliances, str(out), STEPS, HOLD, PARTS,
-                                                            restore_, str(res))))
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-        if p.is_alive():
-            for q in procs:
-                q.kill()
-            pytest.fail(f"job {tag}: a rank did not finish in 90 s")
-    got = [json.loads(r.read_text()) if r.exists() else {"died": True} for r in results]
-    for r in got:
-        assert "fatal" not in r and "died" not in r, r
-    return got
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tpdp")
-    root, stop = tmp / "root", tmp / "stop"
-    addr = f"127.0.0.1:{free_port()}"
-    apps, results, ports = [], [], {}
     t0 = time.monotonic()
-    for r, g in enumerate(GROUPS):
-        res, pf = tmp / f"appliance{r}.json", tmp / f"ports{r}.json"
-        results.append(res)
-        p = CTX.Process(target=appliance_main, args=(f"appliance-{r}", [g], r, 2, addr, str(root), str(pf), str(stop),
-                                                     str(res)),
-                        kwargs={"parts": PARTS})
-        p.start()
-        apps.append((p, pf))
-    try:
-        for p, pf in apps:
-            ports.update(_wait_file(pf, 60, [p]))
-        job = _job(tmp, "job", ports, restore_="")
+    with rig.appliances(appliance_main, tmp, GROUPS, PARTS) as (ports, results, procs):
+        def job(tag, restore_):
+            return rig.run_job(trainer_main, tmp / tag, ports, (STEPS, HOLD, PARTS, restore_))
+
+        first = job("job", "")
         t_job = time.monotonic() - t0
-        joint = [_wait_file(res, 60, [p for p, _ in apps]) for res in results]
-        resumed = _job(tmp, "resumed", ports, restore_="appliance")
-        from_disk = _job(tmp, "from_disk", ports, restore_=str(root))
-    finally:
-        stop.write_text("")
-        for p, _ in apps:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        joint = [rig.wait_file(res, 60, procs) for res in results]
+        resumed = job("resumed", "appliance")
+        from_disk = job("from_disk", str(tmp / "root"))
     final = [json.loads(res.read_text()) for res in results]
     print(f"job + fallbacks {t_job:.1f} s, total {time.monotonic() - t0:.1f} s")
-    return {"tmp": tmp, "root": root, "job": job, "joint": joint, "resumed": resumed, "from_disk": from_disk,
-            "final": final}
+    return {"tmp": tmp, "root": tmp / "root", "job": first, "joint": joint, "resumed": resumed,
+            "from_disk": from_disk, "final": final}
 
 
 def _state(run, tag: str, step: int) -> dict:
