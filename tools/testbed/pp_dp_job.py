@@ -11,10 +11,10 @@ of each stage saves its stage's state (``state_<step>_stage<s>.pt``).
 
 from __future__ import annotations
 
-import time
 import traceback
 from pathlib import Path
 
+from mirrorckpt.tools.testbed.sharded_rig import hold_for_fallback
 from mirrorckpt.tools.testbed.tp_dp_job import SECRET, _write
 
 DIMS = (16, 32, 8)
@@ -116,11 +116,7 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
                 p.grad.mul_(1.0 / mesh.size(1))
                 dist.all_reduce(p.grad, group=dp_group)
             if link is not None and link.leader and step == hold_step:
-                end = time.monotonic() + 60
-                while not link.fallback_pending and time.monotonic() < end:
-                    time.sleep(0.01)
-                res["held_for_request"] = link.fallback_pending
-                link.defer_fallbacks = False
+                hold_for_fallback(link, res)
             opt.step()
             if dp_rank == 0:
                 torch.save(stage_state(model, opt), outd / f"state_{step + 1}_stage{s}.pt")

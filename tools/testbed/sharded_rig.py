@@ -78,3 +78,14 @@ def appliances(appliance_main, tmp: Path, groups: list[str], parts: int):
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+def hold_for_fallback(link, report: dict, timeout: float = 60.0) -> None:
+    """A group leader waits (before its optimizer step) until its appliance asked for a fallback,
+    then lets it start: every group's fallback begins at the same step, which a joint checkpoint
+    needs. ``report["held_for_request"]`` says whether the request came."""
+    end = time.monotonic() + timeout
+    while not link.fallback_pending and time.monotonic() < end:
+        time.sleep(0.01)
+    report["held_for_request"] = link.fallback_pending
+    link.defer_fallbacks = False

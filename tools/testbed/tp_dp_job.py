@@ -78,6 +78,7 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
         import torch
         import torch.distributed as dist
         from mirrorckpt.control.sharded import attach_sharded, restore_sharded
+        from mirrorckpt.tools.testbed.sharded_rig import hold_for_fallback
         from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -121,11 +122,7 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
                 g.mul_(1.0 / mesh.size(0))
                 dist.all_reduce(g, group=dp_group)
             if link is not None and link.leader and step == hold_step:
-                end = time.monotonic() + 60
-                while not link.fallback_pending and time.monotonic() < end:
-                    time.sleep(0.01)
-                res["held_for_request"] = link.fallback_pending
-                link.defer_fallbacks = False
+                hold_for_fallback(link, res)
             opt.step()
             st = full_state(model, opt)
             if rank == 0:
