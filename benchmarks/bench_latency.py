@@ -42,7 +42,6 @@ def measure(dims: str, steps: int = 30, step_delay: float = 0.5, deadline: float
     from mirrorckpt.tools.metrics import Metrics
     from mirrorckpt.tools.serve import Daemon
     from mirrorckpt.tools.testbed import harness
-    from mirrorckpt.tools.testbed.netns import FrameSender, Topology
 
     world = 2
     ring, _ = harness.ring_for(world)
@@ -51,19 +50,7 @@ def measure(dims: str, steps: int = 30, step_delay: float = 0.5, deadline: float
     plane = AppliancePlane(SECRET, parts=2, persist=persist).start()
     frames = harness.FrameStreamServer(world)
     daemon = runner = None
-    with Topology(hosts=world, monitors=1) as topo:
-        for r in range(world):
-            topo.mirror(r, "ingress")
-        senders = [FrameSender(h.ifname, netns=h.netns) for h in topo.hosts]
-
-        def relay(source, sender):
-            for batch in source:
-                sender.send(batch)
-
-        relays = [threading.Thread(target=relay, args=(src, s), daemon=True)
-                  for (_, src), s in zip(frames.sources(), senders)]
-        for t in relays:
-            t.start()
+    with harness.relayed_mirror(frames, world) as topo:
         try:
             m = topo.monitors[0]
             # capturing before the job starts (the layout comes with the trainer's REGISTER)
@@ -85,9 +72,6 @@ def measure(dims: str, steps: int = 30, step_delay: float = 0.5, deadline: float
             if daemon is not None:
                 daemon.request_stop()
                 runner.join(60)
-            frames.stop()
-            for s in senders:
-                s.close()
             plane.stop()
     lat = list(daemon.latencies) if daemon is not None else []
     # the job's iteration period on the wire: between consecutive iterations' last packets

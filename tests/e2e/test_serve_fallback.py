@@ -4,8 +4,8 @@ capture edge drop frames, the replica goes stale, the appliance asks the trainer
 fallback, resyncs, and follows the rest of the run bit-exactly once the updater keeps up.
 
 The ranks (tools.testbed.harness) send the RoCEv2 frames of their ring all-reduce over the harness's
-frame stream; a relay injects each rank's frames from that rank's namespace (tools.netns), tc
-mirrors both ranks' ports to the monitor interface, and the daemon's AF_PACKET worker captures it
+frame stream; a relay injects each rank's frames from that rank's namespace (harness.relayed_mirror),
+tc mirrors both ranks' ports to the monitor interface, and the daemon's AF_PACKET worker captures it
 there ("afpacket:IFACE@NETNS") while its control plane listens on 127.0.0.1 for the trainers.
 Needs root, as CI has.
 """
@@ -25,7 +25,6 @@ from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.tools.metrics import Metrics
 from mirrorckpt.tools.serve import Daemon
 from mirrorckpt.tools.testbed import harness
-from mirrorckpt.tools.testbed.netns import FrameSender, Topology
 
 pytestmark = pytest.mark.root
 
@@ -35,11 +34,6 @@ DEADLINE = 240  # seconds for any one wait on a loaded machine (never a timing a
 
 
 wait_for = functools.partial(common.wait_for, timeout=DEADLINE)
-
-
-def relay(source, sender: FrameSender) -> None:
-    for batch in source:
-        sender.send(batch)
 
 
 def dropped_at_capture(metrics: Metrics) -> float:
@@ -54,14 +48,7 @@ def test_slow_updater_drops_then_recovers_by_fallback(tmp_path):
     plane = AppliancePlane(SECRET, parts=3, fingerprint_every=2, fallback_timeout=60).start()
     frames = harness.FrameStreamServer(WORLD)
     daemon = procs = None
-    with Topology(hosts=WORLD, monitors=1) as topo:
-        for r in range(WORLD):
-            topo.mirror(r, "ingress")  # what each rank sends
-        senders = [FrameSender(h.ifname, netns=h.netns) for h in topo.hosts]
-        relays = [threading.Thread(target=relay, args=(src, s), daemon=True)
-                  for (_, src), s in zip(frames.sources(), senders)]
-        for t in relays:
-            t.start()
+    with harness.relayed_mirror(frames, WORLD) as topo:  # each rank's egress reaches the monitor
         try:
             procs = harness.spawn_ranks(WORLD, tmp_path, SECRET, control_port=plane.port, frames_port=frames.port,
                                         steps=STEPS, extra=["--step-delay", "0.15", "--parts", "3",
@@ -86,9 +73,6 @@ def test_slow_updater_drops_then_recovers_by_fallback(tmp_path):
             if daemon is not None:
                 daemon.request_stop()
                 runner.join(60)
-            frames.stop()
-            for s in senders:
-                s.close()
             plane.stop()
     summary, st = plane.app.summary, plane.stats
     assert summary.iterations_incomplete > 0 and summary.stale_events >= 1

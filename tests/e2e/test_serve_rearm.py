@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,6 @@ from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.tools.cmd_status import fetch
 from mirrorckpt.tools.testbed import harness
-from mirrorckpt.tools.testbed.netns import FrameSender, Topology
 from mirrorckpt.updater import ckptdir, restore
 from mirrorckpt.updater.replica import Replica
 
@@ -41,11 +39,6 @@ KILL_AFTER = 6  # committed steps of the first run before both ranks are killed
 RESUMED_STEPS = 10  # steps of the resumed run
 DEADLINE = 120  # seconds for any one wait on a loaded machine (never a timing assertion)
 JOB_ARGS = ["--dims", "64,128,32", "--fingerprint-every", "2"]
-
-
-def relay(source, sender: FrameSender) -> None:
-    for batch in source:
-        sender.send(batch)
 
 
 def job_file(tmp: Path, ring, mon, control: int, metrics: int) -> Path:
@@ -126,12 +119,7 @@ def test_killed_job_resumes_from_the_appliance_and_serve_follows(tmp_path):
     log = tmp_path / "serve.log"
     serve = None
     procs: list = []
-    with Topology(hosts=WORLD, monitors=1) as topo:
-        for r in range(WORLD):
-            topo.mirror(r, "ingress")  # what each rank sends
-        senders = [FrameSender(h.ifname, netns=h.netns) for h in topo.hosts]
-        for (_, src), s in zip(frames.sources(), senders):
-            threading.Thread(target=relay, args=(src, s), daemon=True).start()
+    with harness.relayed_mirror(frames, WORLD) as topo:  # each rank's egress reaches the monitor
         cfg = job_file(tmp_path, ring, topo.monitors[0], control, metrics)
         try:
             with open(log, "w") as err:
@@ -167,9 +155,6 @@ def test_killed_job_resumes_from_the_appliance_and_serve_follows(tmp_path):
             if serve is not None and serve.poll() is None:
                 os.killpg(serve.pid, signal.SIGKILL)
                 serve.wait()
-            frames.stop()
-            for s in senders:
-                s.close()
     lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     assert resumed <= killed_at
     # one appliance process throughout: it saw the restart as a re-arm, kept its replica (the

@@ -17,6 +17,7 @@ together with ``control.trainer.attach`` (tests and the stall benchmark run it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -536,6 +537,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def relayed_mirror(frames: FrameStreamServer, world: int, hook: str = "ingress"):
+    """A namespace topology (tools.testbed.netns) of one host per rank and one monitor interface
+    to which tc mirrors every rank's port (``hook``); each rank's frames from ``frames`` are sent
+    from its host by a relay thread. Yields the topology; at exit the frame stream stops, the
+    senders close and the topology is torn down."""
+    from mirrorckpt.tools.testbed.netns import FrameSender, Topology
+
+    def relay(source, sender) -> None:
+        for batch in source:
+            sender.send(batch)
+
+    with Topology(hosts=world, monitors=1) as topo:
+        for r in range(world):
+            topo.mirror(r, hook)
+        senders = [FrameSender(h.ifname, netns=h.netns) for h in topo.hosts]
+        for (_, src), s in zip(frames.sources(), senders):
+            threading.Thread(target=relay, args=(src, s), daemon=True).start()
+        try:
+            yield topo
+        finally:
+            frames.stop()
+            for s in senders:
+                s.close()
 
 
 def spawn_ranks(world: int, out, secret: str, *, control_port: int = 0, frames_port: int = 0, steps: int = 10,
