@@ -53,17 +53,21 @@ class CollectiveResult:
 
     @property
     def coverage(self) -> float:
+        if self.complete:  # one pass over the flags instead of three (the report asks for every result)
+            return 1.0
         return float((self.covered & ~self.conflict).mean()) if self.covered.size else 1.0
 
     @property
     def holes(self) -> list[tuple[int, int]]:
+        if self.complete:
+            return []
         return ranges(~self.covered | self.conflict)
 
     def values(self) -> np.ndarray:
         return self.data.view(numpy_dtype(self.spec.dtype))
 
     def sha256(self) -> str | None:
-        return hashlib.sha256(self.data.tobytes()).hexdigest() if self.complete else None
+        return hashlib.sha256(self.data).hexdigest() if self.complete else None  # the buffer itself: no copy
 
 
 class Concatenator:
