@@ -39,6 +39,19 @@ class ConnKey:
     receiver: bytes
     sport: int
 
+    # Hashed at every lookup of the per-send path: computed once per key (never pickled, string
+    # hashes differ between processes).
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            h = hash((self.sender, self.receiver, self.sport))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __str__(self) -> str:
         return f"{address_text(self.sender)}->{address_text(self.receiver)}:{self.sport}"
 
