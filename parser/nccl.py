@@ -356,7 +356,9 @@ class NcclDecoder:
                                     f"{address_text(m.qp.dst)} idx {int(e['idx'])})",
                                     nccl_versions.WireFamily(h, None))
             self.seen_cts = h
-        g = self._group_for(m.qp.dst, m.qp.src, int(e["rkey"]), None, ConnKey(m.qp.dst, m.qp.src, m.sport))
+        rkey = int(e["rkey"])
+        g = (self._rkey_group.get((m.qp.dst, m.qp.src, rkey)) if rkey else None) \
+            or self._group_for(m.qp.dst, m.qp.src, rkey, None, ConnKey(m.qp.dst, m.qp.src, m.sport))
         conn = self._conn(g.key)
         cts = Cts(idx=int(e["idx"]), addr=int(e["addr"]), size=int(e["size"]), rkey=int(e["rkey"]),
                   nreqs=int(e["nreqs"]), tag=int(e["tag"]))
