@@ -42,13 +42,22 @@ class CollectiveResult:
     filled_by_p2p: list[tuple[int, int]] = field(default_factory=list)  # element ranges
     conflicts: list[str] = field(default_factory=list)
     last_ts: int = 0
+    _sealed: bool | None = field(default=None, init=False, repr=False, compare=False)  # see seal()
 
     @property
     def count(self) -> int:
         return int(self.covered.size)
 
+    def seal(self) -> None:
+        """Handed on: nothing is placed into it any more, so its verdict is computed once (every
+        reader of a finished result asks for it, each a pass over both flag arrays)."""
+        self._sealed = None
+        self._sealed = self.complete
+
     @property
     def complete(self) -> bool:
+        if self._sealed is not None:
+            return self._sealed
         return bool(self.covered.all()) and not self.conflict.any()
 
     @property
@@ -185,6 +194,7 @@ class Concatenator:
             r = self.open.get(self.next_out)
             if r is None or not r.complete:
                 break
+            r.seal()
             out.append(self.open.pop(self.next_out))
             self.next_out += 1
         return out
@@ -201,6 +211,7 @@ class Concatenator:
                 self.open.pop(self.next_out)
             if not r.complete:
                 self._fill_from_p2p(r)
+            r.seal()
             out.append(r)
             self.next_out += 1
         return out
