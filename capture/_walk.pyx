@@ -10,6 +10,17 @@ context values `a`, `b` into an error message.
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
+
+cdef extern from *:
+    void __builtin_prefetch(const void *addr) nogil
+
+# Bytes asked for ahead of a walk. A walk reads a few words per record or block, whose places
+# depend on the lengths before them, so without a hint every record costs a memory latency (on
+# small frames most of the walk's time); the file is read in order, so the cache lines ahead are
+# requested while the current ones are parsed. 2048 measured best on 1 KB and 4 KB frames.
+cdef enum:
+    AHEAD = 2048
+
 cpdef enum Status:
     END = 0          # walked to the end of the data
     FULL = 1         # output arrays full; pos is the next record/block
@@ -48,6 +59,7 @@ def walk_pcap(const uint8_t[::1] buf, Py_ssize_t pos, bint big, uint64_t frac_pe
     cdef Py_ssize_t end = buf.shape[0], cap = offset.shape[0]
     cdef const uint8_t *p
     cdef int64_t incl, a = 0, b = 0
+    cdef Py_ssize_t pf = pos
     cdef Status status = END
     with nogil:
         while True:
@@ -57,6 +69,9 @@ def walk_pcap(const uint8_t[::1] buf, Py_ssize_t pos, bint big, uint64_t frac_pe
             if n == cap:
                 status = FULL
                 break
+            while pf < pos + AHEAD and pf < end:
+                __builtin_prefetch(&buf[pf])
+                pf += 64
             if end - pos < 16:
                 status = CUT_HEADER
                 a = end - pos
@@ -97,6 +112,7 @@ def walk_pcapng(const uint8_t[::1] buf, Py_ssize_t pos, bint big, int32_t iface_
     cdef const uint8_t *p
     cdef uint32_t btype, local
     cdef int64_t blen, need, room, incl, orig, a = 0, b = 0, skipped = 0
+    cdef Py_ssize_t pf = pos
     cdef Status status = END
     with nogil:
         while True:
@@ -110,6 +126,9 @@ def walk_pcapng(const uint8_t[::1] buf, Py_ssize_t pos, bint big, int32_t iface_
                 status = CUT_HEADER
                 a = end - pos
                 break
+            while pf < pos + AHEAD and pf < end:
+                __builtin_prefetch(&buf[pf])
+                pf += 64
             p = &buf[pos]
             btype = rd32(p, big)
             if btype == 0x0A0D0D0A:

@@ -105,12 +105,17 @@ class ChannelResolver:
         self.unplaced: set[ConnKey] = set()
         self.base: dict[ConnKey, int] = {}  # receive-buffer base of mapped connections
         self.notes: list[str] = []
+        self._hops: dict[tuple[int, int], bool] = {}  # (sender rank, receiver rank) -> a ring hop
 
     def is_ring(self, conn: ConnKey) -> bool:
         a, b = self.ranks.get(conn.sender), self.ranks.get(conn.receiver)
         if a is None or b is None or conn in self.rejected:
             return False
-        return any(self.model.ring.next_rank(ch, a) == b for ch in range(self.model.ring.nchannels))
+        hop = self._hops.get((a, b))
+        if hop is None:  # ring orders are fixed: each rank pair is looked up once
+            ring = self.model.ring
+            hop = self._hops[(a, b)] = any(ring.next_rank(ch, a) == b for ch in range(ring.nchannels))
+        return hop
 
     def offer(self, s: NcclSend) -> list[NcclSend]:
         """The sends now placeable, in arrival order: ``s`` itself once its connection is mapped."""

@@ -43,28 +43,41 @@ class CollectiveResult:
     filled_by_p2p: list[tuple[int, int]] = field(default_factory=list)  # element ranges
     conflicts: list[str] = field(default_factory=list)
     last_ts: int = 0
+    _sealed: bool | None = field(default=None, init=False, repr=False, compare=False)  # see seal()
 
     @property
     def count(self) -> int:
         return int(self.covered.size)
 
+    def seal(self) -> None:
+        """Handed on: nothing is placed into it any more, so its verdict is computed once (every
+        reader of a finished result asks for it, each a pass over both flag arrays)."""
+        self._sealed = None
+        self._sealed = self.complete
+
     @property
     def complete(self) -> bool:
+        if self._sealed is not None:
+            return self._sealed
         return bool(self.covered.all()) and not self.conflict.any()
 
     @property
     def coverage(self) -> float:
+        if self.complete:  # one pass over the flags instead of three (the report asks for every result)
+            return 1.0
         return float((self.covered & ~self.conflict).mean()) if self.covered.size else 1.0
 
     @property
     def holes(self) -> list[tuple[int, int]]:
+        if self.complete:
+            return []
         return ranges(~self.covered | self.conflict)
 
     def values(self) -> np.ndarray:
         return self.data.view(numpy_dtype(self.spec.dtype))
 
     def sha256(self) -> str | None:
-        return hashlib.sha256(self.data.tobytes()).hexdigest() if self.complete else None
+        return hashlib.sha256(self.data).hexdigest() if self.complete else None  # the buffer itself: no copy
 
 
 class Concatenator:
@@ -183,6 +196,7 @@ class Concatenator:
             r = self.open.get(self.next_out)
             if r is None or not r.complete:
                 break
+            r.seal()
             out.append(self.open.pop(self.next_out))
             self.next_out += 1
         return out
@@ -205,6 +219,7 @@ class Concatenator:
                 self.open.pop(self.next_out)
             if not r.complete:
                 self._fill_from_p2p(r)
+            r.seal()
             out.append(r)
             self.next_out += 1
         return out

@@ -11,9 +11,29 @@ vol. 1 rel. 1.4, 9.2-9.3 and annex A17 (RoCEv2); NCCL net_ib.cc (CTS entry, see
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
+
+_CODES = {1: "B", 2: "H", 4: "I", 8: "Q"}
+
+
+def _as_struct(fields: list[Field]):
+    """(struct.Struct, field names) reading every field at once, or None: fields that overlap, mix
+    byte orders or have sizes of no C type (a 24-bit PSN) are read one by one."""
+    order = {f.order for f in fields if f.size > 1}
+    if len(order) > 1 or not fields or [f.offset for f in fields] != sorted(f.offset for f in fields):
+        return None  # (declared out of offset order: the dict keeps the declared order)
+    fmt, pos = ">" if order != {"little"} else "<", 0
+    for f in fields:
+        if f.offset < pos or (f.size > 8 and f.signed) or (f.size <= 8 and f.size not in _CODES):
+            return None
+        fmt += f"{f.offset - pos}x" if f.offset > pos else ""
+        code = f"{f.size}s" if f.size > 8 else _CODES[f.size]
+        fmt += code.lower() if f.signed else code
+        pos = f.offset + f.size
+    return struct.Struct(fmt), [f.name for f in fields]
 
 
 @dataclass(frozen=True)
@@ -33,6 +53,7 @@ class Header:
         for f in fields:
             if f.offset + f.size > size:
                 raise ValueError(f"{name}.{f.name} runs past the header's {size} bytes")
+        self._struct = _as_struct(fields)  # unpack's fast form, None when the fields do not fit one
 
     def __getitem__(self, name: str) -> Field:
         return self.fields[name]
@@ -53,7 +74,14 @@ class Header:
         return data[pos[:, None] + np.arange(f.size)]
 
     def unpack(self, buf: bytes | memoryview, at: int = 0) -> dict:
-        """One header as a dict of ints (tooling and tests)."""
+        """One header as a dict of ints (fields above 8 bytes as bytes); the parser reads CTS posts with it."""
+        if self._struct is not None and at >= 0 and len(buf) - at >= self._struct[0].size \
+                and getattr(buf, "itemsize", 1) == 1 and getattr(buf, "ndim", 1) == 1:
+            st, names = self._struct
+            try:
+                return dict(zip(names, st.unpack_from(buf, at)))
+            except (TypeError, ValueError, BufferError):  # not a contiguous byte buffer: field by field
+                pass
         out = {}
         for f in self.fields.values():
             raw = bytes(buf[at + f.offset : at + f.offset + f.size])

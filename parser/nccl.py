@@ -48,6 +48,19 @@ class ConnKey:
     receiver: bytes
     sport: int
 
+    # Hashed at every lookup of the per-send path: computed once per key (never pickled, string
+    # hashes differ between processes).
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            h = hash((self.sender, self.receiver, self.sport))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __str__(self) -> str:
         return f"{address_text(self.sender)}->{address_text(self.receiver)}:{self.sport}"
 
@@ -186,6 +199,7 @@ class NcclDecoder:
         self.malformed_pieces = 0  # WRITE sequences of a cut connection that fit no piece: all holes
         self.lost_pieces = 0  # pieces whose message or place was never proven: dropped (holes)
         self.merged_tails = 0  # sends recovered from the end of messages run together by loss
+        self._layouts: dict = {}  # CTS layouts to try, by the one known first
 
     def _conn(self, key: ConnKey) -> _Conn:
         c = self.conns.get(key)
@@ -260,6 +274,9 @@ class NcclDecoder:
         return {g.key: len(g.qps) for g in {id(g): g for g in self._qp_group.values()}.values()}
 
     def _link(self, m: RdmaMessage) -> None:
+        g = self._qp_group.get(m.qp)
+        if g is not None and (not m.rkey or self._rkey_group.get((m.qp.src, m.qp.dst, m.rkey)) is g):
+            return  # already joined (every message after a QP's first): nothing to merge or record
         self._group_for(m.qp.src, m.qp.dst, m.rkey, m.qp, ConnKey(m.qp.src, m.qp.dst, m.sport))
 
     def _piece_or_send(self, c: _Conn, data, holes, msgs, size, va, form, length_known) -> list[NcclSend]:
@@ -481,8 +498,12 @@ class NcclDecoder:
     def _take_cts(self, m: RdmaMessage) -> bool:
         if m.with_imm or m.dlen is None or m.dlen == 0 or m.dlen % 32 or m.dlen > 512 or not m.complete:
             return False
-        layouts = [self.cts_header or self.seen_cts] if (self.cts_header or self.seen_cts) else []
-        layouts += [h for h, _, _ in nccl_versions.CTS_LAYOUTS if h not in layouts]
+        first = self.cts_header or self.seen_cts
+        layouts = self._layouts.get(first)
+        if layouts is None:  # the known layout first, then the others (built once per first layout)
+            layouts = [first] if first else []
+            layouts += [h for h, _, _ in nccl_versions.CTS_LAYOUTS if h not in layouts]
+            self._layouts[first] = layouts
         for h in layouts:
             e = _cts_entry(h, m)
             if e is not None:
@@ -495,7 +516,9 @@ class NcclDecoder:
                                     f"{address_text(m.qp.dst)} idx {int(e['idx'])})",
                                     nccl_versions.WireFamily(h, None))
             self.seen_cts = h
-        g = self._group_for(m.qp.dst, m.qp.src, int(e["rkey"]), None, ConnKey(m.qp.dst, m.qp.src, m.sport))
+        rkey = int(e["rkey"])
+        g = (self._rkey_group.get((m.qp.dst, m.qp.src, rkey)) if rkey else None) \
+            or self._group_for(m.qp.dst, m.qp.src, rkey, None, ConnKey(m.qp.dst, m.qp.src, m.sport))
         conn = self._conn(g.key)
         cts = Cts(idx=int(e["idx"]), addr=int(e["addr"]), size=int(e["size"]), rkey=int(e["rkey"]),
                   nreqs=int(e["nreqs"]), tag=int(e["tag"]))
@@ -675,7 +698,8 @@ class NcclDecoder:
             seq=cts.idx if cts else None, cts=cts, ts_ns=min(m.ts_ns for m in msgs) if msgs else 0,
             length_known=length_known, stream=self.stream,
             psn=msgs[0].psn if msgs and psn_known else None, npkts=sum(m.npkts for m in msgs),
-            pmtu=self.pmtu.get(qp, 0), qp_index=g.index(qp) if g else 0, nqps=len(g.qps) if g else 1,
+            pmtu=self.pmtu.get(qp, 0), qp_index=g.index(qp) if g and len(g.qps) > 1 else 0,
+            nqps=len(g.qps) if g else 1,
         )
 
 

@@ -23,6 +23,9 @@ from mirrorckpt.parser.headers import CTS32, CTS64_V220, CTS64_V224, CTS64_V230,
 _VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:-\d+)?$")
 
 
+_PARSED: dict = {}  # version text -> NcclVersion (NcclVersion.parse)
+
+
 @total_ordering
 @dataclass(frozen=True)
 class NcclVersion:
@@ -35,10 +38,16 @@ class NcclVersion:
         """``"2.18"``, ``"2.18.6"``, ``"2.18.6-1"`` or ``"v2.18.6-1"`` (a git tag)."""
         if isinstance(text, NcclVersion):
             return text
+        v = _PARSED.get(text) if isinstance(text, str) else None
+        if v is not None:  # release tables compare against version strings once per message
+            return v
         m = _VERSION_RE.match(str(text).strip())
         if not m:
             raise ValueError(f"NCCL version {text!r} is not of the form 2.18 or 2.18.6")
-        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+        v = cls(int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+        if isinstance(text, str) and len(_PARSED) < 4096:
+            _PARSED[text] = v
+        return v
 
     @property
     def release(self) -> tuple[int, int]:

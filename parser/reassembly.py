@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirrorckpt.capture._pack import copy_ranges
 from mirrorckpt.config.layout import address_text
-from mirrorckpt.parser import memory, opcodes
+from mirrorckpt.parser import _reasm, memory, opcodes
 from mirrorckpt.parser.headers import PSN_MODULUS
 from mirrorckpt.parser.roce import RocePackets
 
 _HALF = PSN_MODULUS // 2
 RUN_BYTES = 32 << 20  # below memory.keep_freed_memory's mmap threshold: buffers are reused
+_IS_FIRST = opcodes.IS_FIRST.astype(np.uint8)
+_IS_LAST = opcodes.IS_LAST.astype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,19 @@ class QpKey:
     src: bytes  # 16 bytes (IPv4 as mapped IPv6)
     dst: bytes
     dqp: int
+
+    # Hashed at every lookup of the per-message path: computed once per key (never pickled,
+    # string hashes differ between processes).
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            h = hash((self.src, self.dst, self.dqp))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def __str__(self) -> str:
         return f"{address_text(self.src)}->{address_text(self.dst)}/qp{self.dqp:#x}"
@@ -131,10 +146,11 @@ class _Qp:
 class Reassembler:
     """Streaming per-QP PSN reassembly; feed decoded packets batch by batch, then flush."""
 
-    def __init__(self, psn_window: int = 1024, max_message: int = 64 << 20):
+    def __init__(self, psn_window: int = 1024, max_message: int = 64 << 20, fast: bool = True):
         memory.keep_freed_memory()  # message buffers come and go at line rate
         self.psn_window = psn_window
         self.max_message = max_message  # bigger RETH lengths are corruption, never allocated
+        self.fast = fast  # the compiled common case (_fast); False: every table the careful way (tests)
         self.qps: dict[QpKey, _Qp] = {}
 
     def feed(self, pk: RocePackets, data: np.ndarray) -> list[RdmaMessage]:
@@ -159,7 +175,13 @@ class Reassembler:
         dqp = pk.dqp[sel]
         order = np.argsort(dqp, kind="stable")
         bounds = np.flatnonzero(np.diff(dqp[order])) + 1
+        words = pk.src.shape[1] % 8 == 0 and pk.src.flags.c_contiguous and pk.dst.flags.c_contiguous
         for rows in np.split(sel[order], bounds):
+            if words:  # the usual check, on 8-byte words: two address pairs are equal word by word
+                s, d = pk.src[rows].view(np.uint64), pk.dst[rows].view(np.uint64)
+                if (s == s[0]).all() and (d == d[0]).all():
+                    yield rows, QpKey(s[0].tobytes(), d[0].tobytes(), int(pk.dqp[rows[0]]))
+                    continue
             addr = np.concatenate([pk.src[rows], pk.dst[rows]], axis=1)
             if (addr == addr[0]).all():
                 a = addr[0].tobytes()
@@ -187,6 +209,10 @@ class Reassembler:
         return qp.ref + d
 
     def _feed_qp(self, qp: _Qp, pk: _Rows | None, data, final: bool) -> list[RdmaMessage]:
+        if pk is not None and len(pk) and qp.cursor is not None and self.fast:
+            out = self._fast(qp, pk, data)
+            if out is not None:
+                return out
         st = qp.stats
         if pk is not None and len(pk):
             psn = self._unwrap(qp, pk.psn)
@@ -250,6 +276,61 @@ class Reassembler:
         keep[:used] = False
         tab = {c: v[keep] for c, v in tab.items()}
         qp.pend, qp.slab = self._hold(tab, src_is_new[keep], data, qp.slab)
+        return out
+
+    def _fast(self, qp: _Qp, pk: _Rows, data) -> list[RdmaMessage] | None:
+        """The common case, decided in one compiled pass (``_reasm.intact_messages``): the held
+        packets and the batch's continue the QP's PSN line from its cursor without a gap, close
+        intact messages and end, at most, inside one message that waits for its other packets.
+        Places exactly what the careful path below would (same messages, runs and held packets,
+        same counters); None, with nothing changed, when the table is anything else."""
+        pend = qp.pend
+        npend = len(pend["psn"]) if pend else 0
+        if qp.ref != qp.cursor + npend - 1:
+            return None  # a PSN above the held ones was seen: duplicates or reordering
+        psn = self._unwrap(qp, pk.psn)
+        new = {"psn": psn, "opcode": pk.opcode, "va": pk.va, "rkey": pk.rkey, "dlen": pk.dlen,
+               "imm": np.where(pk.has_imm, pk.imm_raw, -1), "ts": pk.ts_ns, "plen": pk.pay_len,
+               "src_off": pk.pay_off}
+        if npend:
+            tab = {c: np.concatenate([pend[c], new[c]]) for c in _COLS}
+            src_is_new = np.concatenate([np.zeros(npend, bool), np.ones(len(psn), bool)])
+        else:
+            tab, src_is_new = new, np.ones(len(psn), bool)
+        n = len(tab["psn"])
+        heads, npks = np.empty(n, np.int64), np.empty(n, np.int64)
+        k, used, tail_ok = _reasm.intact_messages(
+            np.ascontiguousarray(tab["psn"], np.int64), np.ascontiguousarray(tab["opcode"], np.int64),
+            np.ascontiguousarray(tab["plen"], np.int64), np.ascontiguousarray(tab["dlen"], np.int64),
+            _IS_FIRST, _IS_LAST, qp.cursor, self.max_message, heads, npks)
+        if k < 0 or not tail_ok:
+            return None
+        # What _feed_qp's prologue counts for rows that continue the line: no reordering, the
+        # newest PSN last.
+        st = qp.stats
+        st.packets += len(psn)
+        if st.psn_first is None:
+            st.psn_first = int(pk.psn[0])
+        st.psn_last = int(pk.psn[-1])
+        qp.ref = int(psn[-1])
+        op = pk.opcode
+        full = opcodes.IS_FIRST[op] & ~opcodes.IS_LAST[op] | (op == opcodes.RC_RDMA_WRITE_MIDDLE)
+        if full.any():
+            qp.pmtu = max(qp.pmtu, int(pk.pay_len[full].max()))
+            st.pmtu = qp.pmtu
+        out: list[RdmaMessage] = []
+        if k:
+            heads, npks = heads[:k], npks[:k]
+            hd = tab["dlen"][heads]
+            g = _Intact(heads, npks, np.maximum(tab["plen"][heads], 1), hd, heads + npks, None, None, None,
+                        np.concatenate([[0], np.cumsum(hd)]))
+            k0 = 0
+            while k0 < k:  # runs of at most RUN_BYTES, cut where _walk cuts them
+                k1 = min(k, k0 + max(1, int(np.searchsorted(g.cum_dlen[k0 + 1:], g.cum_dlen[k0] + RUN_BYTES)) + 1))
+                out += self._bulk(qp, tab, src_is_new, data, g, k0, k1)
+                k0 = k1
+        rest = {c: v[used:] for c, v in tab.items()}
+        qp.pend, qp.slab = self._hold(rest, src_is_new[used:], data, qp.slab)
         return out
 
     def _walk(self, qp: _Qp, tab: dict, src_is_new: np.ndarray, data, final: bool):
@@ -335,17 +416,22 @@ class Reassembler:
         base = np.zeros(k1 - k0 + 1, np.int64)
         np.cumsum(sizes, out=base[1:])
         buf = np.empty(int(base[-1]), np.uint8)
-        rows = np.arange(r0, r1)
-        mid = np.repeat(np.arange(k1 - k0), g.npk[k0:k1])
-        psn = tab["psn"][rows]
-        dst = base[mid] + (psn - psn[heads - r0][mid]) * g.pm[k0:k1][mid]
-        plen = tab["plen"][rows]
-        src = tab["src_off"][rows]
-        for from_new in (True, False):
-            m = src_is_new[rows] == from_new
-            if m.any():
-                copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(src[m]), buf,
-                                  np.ascontiguousarray(dst[m]), np.ascontiguousarray(plen[m]))
+        rows = slice(r0, r1)  # the run's packets, in PSN order, one after the other
+        # Every packet but a message's last carries one MTU and the messages lie end to end, so a
+        # packet's place in the run's buffer is the payload before it.
+        plen = np.ascontiguousarray(tab["plen"][rows])
+        dst = np.zeros(r1 - r0, np.int64)
+        np.cumsum(plen[:-1], out=dst[1:])
+        src = np.ascontiguousarray(tab["src_off"][rows])
+        new = src_is_new[rows]
+        if new.all():
+            copy_ranges(data, src, buf, dst, plen)
+        else:
+            for from_new in (True, False):
+                m = new == from_new
+                if m.any():
+                    copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(src[m]), buf,
+                                np.ascontiguousarray(dst[m]), np.ascontiguousarray(plen[m]))
         last = g.end_row[k0:k1] - 1
         op_last = tab["opcode"][last]
         with_imm = opcodes.HAS_IMMDT[op_last]

@@ -84,6 +84,7 @@ class RingStateMachine:
         self.cursors: dict[tuple[int, QpKey], list[_Cursor]] = {}
         self.split_qps: set[tuple[int, QpKey]] = set()  # QPs that carried a split-form send
         self.counts = Counter()  # placed, mismatch, unplaced reasons
+        self._pos: dict[tuple[int, int], int] = {}  # (channel, rank) -> ring position
         self.mismatches: list[str] = []
 
     # -- tables ----------------------------------------------------------------------------------
@@ -133,8 +134,13 @@ class RingStateMachine:
 
     def expected(self, channel: int, pos: int, t: int) -> tuple[int, RingStep] | None:
         """(collective index, message) at absolute connection step ``t``, or None (no message)."""
+        hit = self._at_step(channel, pos, t)
+        return None if hit is None else hit[:2]
+
+    def _at_step(self, channel: int, pos: int, t: int) -> tuple[int, RingStep, int] | None:
+        """``expected`` and the connection message number of that message, from one plan lookup."""
         tr = self.track(channel, pos)
-        if not self._extend(tr, t=t):
+        if not (tr.t_end > t or self._extend(tr, t=t)):  # (_extend does nothing once t is tabulated)
             return None
         i = bisect.bisect_right(tr.t0, t) - 1  # on the list itself: no array of every collective per send
         while i >= 0 and tr.n[i] == 0:
@@ -143,7 +149,7 @@ class RingStateMachine:
             return None
         plan = self.model.plan(self.model[i])
         k = plan.message_index(pos, channel, t - tr.t0[i])
-        return None if k is None else (i, plan.messages(pos, channel)[k])
+        return None if k is None else (i, plan.messages(pos, channel)[k], tr.m0[i] + k)
 
     def by_message(self, channel: int, pos: int, m: int) -> tuple[int, RingStep, int] | None:
         """(collective, message, absolute step) of the connection's message number ``m``."""
@@ -177,7 +183,10 @@ class RingStateMachine:
         rank = self.ranks.get(conn.sender)
         if ch is None or rank is None:
             return None
-        return ch, self.model.ring.ring_index(ch, rank)
+        pos = self._pos.get((ch, rank))
+        if pos is None:  # ring orders are fixed: each (channel, rank) looked up once
+            pos = self._pos[(ch, rank)] = self.model.ring.ring_index(ch, rank)
+        return ch, pos
 
     def place(self, s: NcclSend) -> Placement | None:
         if s.form == "malformed":  # a length its protocol cannot have (a piece cut off by loss)
@@ -211,20 +220,20 @@ class RingStateMachine:
             if last is not None and t > last[0] + MAX_AHEAD_STEPS:
                 self.counts["unplaced_implausible_step"] += 1
                 return None
-            hit = self.expected(ch, pos, t)
+            hit = self._at_step(ch, pos, t)
             if hit is None:
                 self.counts["unplaced_no_message_at_step"] += 1
                 return None
-            coll, st = hit
-            m = self.message_number(ch, pos, coll, st)
+            coll, st, m = hit
         else:
             hit = self.by_message(ch, pos, m)
             if hit is None:
                 self.counts["unplaced_past_end"] += 1
                 return None
             coll, st, t = hit
-        proto = self.model.protocol(self.model[coll])
-        if by_psn and not self._slot_agrees(s, proto, self.model[coll].kind, t):
+        spec = self.model[coll]
+        proto = self.model.protocol(spec)
+        if by_psn and not self._slot_agrees(s, proto, spec.kind, t):
             self.counts["unplaced_slot"] += 1
             return None
         if s.protocol is not None and len(s.data) and s.protocol != proto:
@@ -236,12 +245,12 @@ class RingStateMachine:
             if len(self.mismatches) < 20:
                 self.mismatches.append(
                     f"{s.connection} step {t}: {s.wire_bytes} wire bytes, but the configuration expects "
-                    f"{st.wire_bytes} ({self.model[coll].label} #{coll}, {st.phase} chunk {st.chunk})")
+                    f"{st.wire_bytes} ({spec.label} #{coll}, {st.phase} chunk {st.chunk})")
             return None
         self.last[key] = (t, m) if last is None or t >= last[0] else last
         self._advance(s, m, t, proto)
         self.counts["placed"] += 1
-        return Placement(coll, self.model[coll], st, ch, pos, s, t)
+        return Placement(coll, spec, st, ch, pos, s, t)
 
     # -- the message after the last one, proven by PSNs -----------------------------------------
 
@@ -312,10 +321,13 @@ class RingStateMachine:
         for qp, psn, npkts in s.pieces or ((s.qp, s.psn, s.npkts),):
             got = self.cursors.setdefault((s.stream, qp), [])
             c = _Cursor(m, t, psn + npkts, s.va, proto)
-            k = bisect.bisect_right(got, c.end, key=lambda x: x.end)
-            if k and got[k - 1].end == c.end:
-                continue  # placed once already (a copy)
-            got.insert(k, c)
+            if not got or got[-1].end < c.end:  # the usual case: the QP's newest send, in PSN order
+                got.append(c)
+            else:
+                k = bisect.bisect_right(got, c.end, key=lambda x: x.end)
+                if k and got[k - 1].end == c.end:
+                    continue  # placed once already (a copy)
+                got.insert(k, c)
             if len(got) > MAX_ANCHORS:
                 del got[0]
 
