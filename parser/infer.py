@@ -21,7 +21,7 @@ from mirrorckpt.config.layout import BucketSpec, JobLayout, RingSpec, address_te
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import protocols, protowalk, schedule
 from mirrorckpt.parser.channels import ChannelResolver, channel_candidates, resolve_channels  # noqa: F401
-from mirrorckpt.parser.collectives import JobModel, shape
+from mirrorckpt.parser.collectives import JobModel, ring_threads, shape
 from mirrorckpt.parser.errors import InferenceError, VersionMismatch
 from mirrorckpt.parser.nccl import ConnKey, NcclDecoder, NcclSend
 from mirrorckpt.parser.ringfind import find_ring, sequences
@@ -218,7 +218,7 @@ def _shapes_payload(seq, ring, nparams) -> list | None:
     all-gather on rank 0's channel-0 connection (the broadcast is small: one channel)."""
     s0 = seq.get(0)
     plan = schedule.allgather_plan(1, 8, ring.nranks, ring.nchannels, s0.protocol, ring.nccl_version,
-                                   nthreads=ring.nthreads)
+                                   nthreads=ring_threads(ring, s0.protocol))
     start = len(plan.messages(0, 0))
     payload = np.zeros(0, np.uint8)
     for t in range(start, start + 128):
@@ -396,7 +396,8 @@ def _solve_counts(conns, ranks, ring, es, limit: int = 64) -> tuple[list[int], l
             break
         counts.append(found)
         protos.append(proto)
-        plan = schedule.allreduce_plan(found, es, R, ring.nchannels, proto, ring.nccl_version)
+        plan = schedule.allreduce_plan(found, es, R, ring.nchannels, proto, ring.nccl_version,
+                                       nthreads=ring_threads(ring, proto))
         used = set()
         for k in keys:
             ch = _channel_for(plan, seqs[k], m[k], used)
@@ -423,7 +424,8 @@ def _channel_for(plan, seq, m, used):
 
 
 def _fits(n, es, ring, proto, keys, seqs, m) -> bool:
-    plan = schedule.allreduce_plan(n, es, ring.nranks, ring.nchannels, proto, ring.nccl_version)
+    plan = schedule.allreduce_plan(n, es, ring.nranks, ring.nchannels, proto, ring.nccl_version,
+                                   nthreads=ring_threads(ring, proto))
     used = set()
     for k in keys:
         ch = _channel_for(plan, seqs[k], m[k], used)
