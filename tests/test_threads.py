@@ -122,3 +122,25 @@ def test_a_thread_count_neither_plan_fits_is_named_not_guessed(tmp_path_factory)
     assert "(allreduce of 9010 x float32, Simple) expects" in msg
     r = CliRunner().invoke(main, ["doctor"] + [str(out / f) for f in EGRESS])
     assert r.exit_code == 1 and "fit neither Simple thread count" in r.output
+
+
+def test_protocol_mix_applies_the_inferred_count_to_simple_collectives_only(tmp_path_factory):
+    """NCCL's tuning model picks LL, LL128 and Simple per bucket: only the Simple ones run 256
+    (+32) threads; LL128 keeps its 640. Replayed with no configuration: exact, 256 inferred."""
+    out = tmp_path_factory.mktemp("mix-v2.18-nt256")
+    truth = generate(GenConfig(ranks=2, channels=1, protocol="auto", nccl_version="2.18", nthreads=256,
+                               model="mlp:512,1024,200", steps=3, seed=1, bucket_cap_mb=0.5,
+                               mirrors="0:egress,1:egress", send_truth=False), out)
+    by_proto = {}
+    for la in truth["wire"]["launches"]:
+        if la["count"] > 1000:
+            by_proto.setdefault(la["protocol"], set()).add(la["nthreads"])
+    assert by_proto == {"LL128": {640}, "Simple": {288}}
+    js, results, iterations, _ = _replay(out)
+    ars = [r for r in results if r.spec.kind == "allreduce"]
+    want = [c for c in truth["collectives"] if c["kind"] == "all_reduce"]
+    assert want and [r.sha256() for r in ars] == [c["sha256"] for c in want]
+    assert all(it.complete for it in iterations) and not js.report().mismatches
+    assert js.model.ring.nthreads == 256 and js.model.ring.protocol == "auto"
+    ll128 = [c for c in (js.model[i] for i in range(12)) if c is not None and js.model.protocol(c) == "LL128"]
+    assert ll128 and js.model.plan(ll128[0]).nthreads == 640
