@@ -209,8 +209,10 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
                 misfit.setdefault(v, {})[nt or SIMPLE_THREADS[0]] = why[0]
     tried = ", ".join(versions)
     for v, by in misfit.items():
-        if len(by) == 2:  # the same collective sequence fits neither thread count: say so, never guess
-            a, b = SIMPLE_THREADS
+        a, b = SIMPLE_THREADS
+        if len(by) == 2 and by[a] != by[b]:
+            # the same collective sequence parts from the wire at another place under each count:
+            # the thread count is what does not fit; say so, never guess
             raise InferenceError(
                 f"the Simple collectives fit neither Simple thread count under NCCL {v}: with {a} threads "
                 f"{by[a]}; with {b} threads {by[b]} (NCCL_NTHREADS set to another value? state it: "
