@@ -132,7 +132,11 @@ class RingSpec:
     nchannels: int = 1
     protocol: str = "LL"  # or "auto": per collective, read from the traffic
     nccl_version: str | None = "2.18"  # None: read from the traffic
-    nthreads: int | None = None  # None: NCCL's default for the protocol
+    # Simple thread count, maxThreads[RING][Simple] (NCCL_NTHREADS, or 256 on a PCI-limited ring):
+    # it applies to Simple collectives only (LL and LL128 keep their defaults, 512 and 640; an
+    # NCCL_NTHREADS below 512 also lowers LL's in NCCL, which is not modelled).
+    # None: NCCL's default 512, or what replay infers from the message sizes.
+    nthreads: int | None = None
     # Ring order per channel, listed from rank 0 (as NCCL_DEBUG=INFO prints "Channel 00 : 0 1 2").
     ring_orders: list[list[int]] | None = None
     # Address (IPv6 or IPv4 text) of each rank's NIC: rank -> address.

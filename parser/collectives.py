@@ -19,7 +19,13 @@ from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST, CollSpec
 from mirrorckpt.config.layout import JobLayout, RingSpec, dtype_size
 from mirrorckpt.parser import schedule
 from mirrorckpt.parser.errors import InferenceError
-from mirrorckpt.parser.nccl_versions import AUTO
+from mirrorckpt.parser.nccl_versions import AUTO, SIMPLE, protocol
+
+
+def ring_threads(ring: RingSpec, proto: str) -> int | None:
+    """maxThreads[RING][proto] the ring states: ``[ring] nthreads`` is the Simple thread count
+    (NCCL_NTHREADS or the PCI-limited 256); LL and LL128 keep NCCL's defaults (None)."""
+    return ring.nthreads if protocol(proto) == SIMPLE else None
 
 
 def shape(c: CollSpec) -> tuple:
@@ -132,20 +138,21 @@ class JobModel:
 
     def plan_as(self, c: CollSpec, proto: str) -> schedule.RingPlan:
         """The plan of ``c`` if it ran under ``proto``."""
-        key = (c.kind, c.count, c.dtype, c.root, proto)
+        r = self.ring
+        key = (c.kind, c.count, c.dtype, c.root, proto, ring_threads(r, proto))
         p = self._plans.get(key)
         if p is None:
-            r = self.ring
             if r.nccl_version is None:
                 raise InferenceError("the NCCL version is not known: the traffic did not show it; "
                                      "state it (--nccl-version, [ring] nccl_version)")
             args = (c.count, dtype_size(c.dtype), r.nranks, r.nchannels, proto, r.nccl_version)
+            nt = ring_threads(r, proto)
             if c.kind == ALLREDUCE:
-                p = schedule.allreduce_plan(*args, nthreads=r.nthreads)
+                p = schedule.allreduce_plan(*args, nthreads=nt)
             elif c.kind == BROADCAST:
-                p = schedule.broadcast_plan(*args, root=r.ring_index(0, c.root), nthreads=r.nthreads)
+                p = schedule.broadcast_plan(*args, root=r.ring_index(0, c.root), nthreads=nt)
             elif c.kind == ALLGATHER:
-                p = schedule.allgather_plan(*args, nthreads=r.nthreads)
+                p = schedule.allgather_plan(*args, nthreads=nt)
             else:
                 raise ValueError(f"unknown collective kind {c.kind!r}")
             self._plans[key] = p

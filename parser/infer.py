@@ -8,6 +8,12 @@ collective (``parser.protowalk``), and the job's collective sequence: DDP's star
 egress shows it, else a series of all-reduces whose element counts are solved from the message
 sizes. Every hypothesis is checked by placing every send with the state machine; one that leaves
 a single size mismatch is rejected.
+
+The Simple thread count (maxThreads[RING][Simple]: 512, or 256 on a PCI-limited ring) changes
+Simple chunk rounding up to 2.19 and the channel count of small collectives in every release. A job
+that shows Simple traffic is tried with 512, then 256; the count found is claimed only when the
+other one's plans contradict the wire (``Inferred.simple_threads``), else it is not determinable
+and NCCL's default stays. A stated ``[ring] nthreads`` is the only count tried.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from mirrorckpt.config.layout import BucketSpec, JobLayout, RingSpec, address_te
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import protocols, protowalk, schedule
 from mirrorckpt.parser.channels import ChannelResolver, channel_candidates, resolve_channels  # noqa: F401
-from mirrorckpt.parser.collectives import JobModel, shape
+from mirrorckpt.parser.collectives import JobModel, ring_threads, shape
 from mirrorckpt.parser.errors import InferenceError, VersionMismatch
 from mirrorckpt.parser.nccl import ConnKey, NcclDecoder, NcclSend
 from mirrorckpt.parser.ringfind import find_ring, sequences
@@ -38,6 +44,13 @@ class Inferred:
     ranks: dict[bytes, int]  # address -> rank
     channels: dict[ConnKey, int]  # ring connection -> channel
     notes: list[str]
+    # Simple thread count the wire proved (512 or 256), or None: not determinable (no Simple
+    # collective, or the window's Simple collectives plan alike under both) or stated
+    simple_threads: int | None = None
+    threads_note: str = ""
+
+
+SIMPLE_THREADS = (nv.max_threads(nv.SIMPLE), nv.max_threads(nv.SIMPLE, pci_limited=True))  # 512, 256
 
 
 def wire_family(decoders) -> nv.WireFamily:
@@ -64,8 +77,9 @@ def versions_to_try(decoders, stated: str | None) -> tuple[list[str], nv.WireFam
     return cands, fam
 
 
-def check(model: JobModel, ranks, channels, sends: list[NcclSend]) -> tuple[int, int]:
-    """(placed, mismatched) when every ring send is placed with this model, in arrival order."""
+def check(model: JobModel, ranks, channels, sends: list[NcclSend], why: list | None = None) -> tuple[int, int]:
+    """(placed, mismatched) when every ring send is placed with this model, in arrival order;
+    ``why`` gets the first size mismatch, if any."""
     sm = RingStateMachine(model, ranks, channels)
     try:
         for s in sends:
@@ -73,6 +87,8 @@ def check(model: JobModel, ranks, channels, sends: list[NcclSend]) -> tuple[int,
                 sm.place(s)
     except InferenceError:  # a collective whose protocol the traffic never showed
         return 0, 1
+    if why is not None and sm.mismatches:
+        why.append(sm.mismatches[0])
     return sm.counts["placed"], (sm.counts["mismatch"] + sm.counts["unplaced_no_message_at_step"]
                                  + sm.counts["protocol_mismatch"])
 
@@ -133,7 +149,7 @@ def _with_version(hint: JobModel, ring: RingSpec) -> JobModel:
     return m
 
 
-def _fit_hint(hint: JobModel, conns, ranks, ring, ring_list, notes):
+def _fit_hint(hint: JobModel, conns, ranks, ring, ring_list, notes, why=None):
     """The configured collective sequence, with what the configuration left open from the wire."""
     model = _with_version(hint, ring)
     got = _learn(model, conns, ranks)
@@ -144,7 +160,7 @@ def _fit_hint(hint: JobModel, conns, ranks, ring, ring_list, notes):
     channels = resolve_channels(model, ranks, conns_lists(conns), notes)
     if channels is None:
         return None
-    placed, bad = check(model, ranks, channels, ring_list)
+    placed, bad = check(model, ranks, channels, ring_list, why)
     return (model, channels) if bad == 0 and placed else None
 
 
@@ -162,28 +178,69 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
         pairs[(k.sender, k.receiver)] = pairs.get((k.sender, k.receiver), 0) + 1
     nch = max(pairs.values())
     ring_list = [s for s in sends if s.connection in conns]
-    tried = []
-    for v in versions:
-        ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=v,
-                        ring_orders=[order] * nch, addresses={r: address_text(a) for a, r in ranks.items()})
-        vnotes: list[str] = []
-        if hint is not None:
-            ring = dataclasses.replace(hint.ring, nccl_version=v)
-            got = _fit_hint(hint, conns, ranks, ring, ring_list, vnotes)
-        else:
-            got = _infer_ddp(conns, ranks, order, ring, dtype, ring_list, vnotes)
-        if got is None and hint is None:
-            got = _infer_allreduces(conns, ranks, ring, dtype, ring_list, vnotes)
-        if got is not None:
-            model, channels = got
-            _settle_protocol(model)
-            lo, hi = fam.releases()
-            where = "stated" if nccl_version else f"wire: {fam.describe()}"
-            notes += vnotes + [f"NCCL {v} schedule ({where}); protocols {_protocols_note(model)}"]
-            return Inferred(model, ranks, channels, notes)
-        tried.append(v)
+    stated = (hint.ring.nthreads if hint is not None else None) or (known.nthreads if known is not None else None)
+    shows_simple = any(s.protocol == nv.SIMPLE for s in ring_list)
+    # Thread count outermost: a 512-thread job is found exactly as before (never under 256 with
+    # another release), a 256-thread one only once no release fits it with 512.
+    counts = [stated] if stated else ([None, SIMPLE_THREADS[1]] if shows_simple else [None])
+    misfit: dict[str, dict[int, str]] = {}  # release -> thread count -> first size mismatch
+    for nt in counts:
+        for v in versions:
+            ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=v, nthreads=nt,
+                            ring_orders=[order] * nch, addresses={r: address_text(a) for a, r in ranks.items()})
+            vnotes: list[str] = []
+            why: list[str] = []
+            if hint is not None:
+                ring = dataclasses.replace(hint.ring, nccl_version=v, nthreads=nt)
+                got = _fit_hint(hint, conns, ranks, ring, ring_list, vnotes, why)
+            else:
+                got = _infer_ddp(conns, ranks, order, ring, dtype, ring_list, vnotes, why)
+            if got is None and hint is None:
+                got = _infer_allreduces(conns, ranks, ring, dtype, ring_list, vnotes, why)
+            if got is not None:
+                model, channels = got
+                _settle_protocol(model)
+                where = "stated" if nccl_version else f"wire: {fam.describe()}"
+                notes += vnotes + [f"NCCL {v} schedule ({where}); protocols {_protocols_note(model)}"]
+                threads, tnote = _thread_verdict(model, ranks, channels, ring_list, stated, shows_simple)
+                notes.append(tnote)
+                return Inferred(model, ranks, channels, notes, threads, tnote)
+            if why:
+                misfit.setdefault(v, {})[nt or SIMPLE_THREADS[0]] = why[0]
+    tried = ", ".join(versions)
+    for v, by in misfit.items():
+        a, b = SIMPLE_THREADS
+        if len(by) == 2 and by[a] != by[b]:
+            # the same collective sequence parts from the wire at another place under each count:
+            # the thread count is what does not fit; say so, never guess
+            raise InferenceError(
+                f"the Simple collectives fit neither Simple thread count under NCCL {v}: with {a} threads "
+                f"{by[a]}; with {b} threads {by[b]} (NCCL_NTHREADS set to another value? state it: "
+                "[ring] nthreads)")
     raise InferenceError("the message sizes fit neither DDP's start-up nor a series of all-reduces under NCCL "
-                         f"{', '.join(tried)} (give the job configuration)")
+                         f"{tried}{' with 512 or 256 Simple threads' if len(counts) > 1 else ''} "
+                         "(give the job configuration)")
+
+
+def _thread_verdict(model: JobModel, ranks, channels, ring_list, stated, shows_simple) -> tuple[int | None, str]:
+    """(Simple thread count the wire proves, note). The model fits the wire with its count; the
+    count is proved when the other candidate's plans leave a size mismatch."""
+    if stated:
+        return None, f"Simple threads: {stated} (stated, [ring] nthreads)"
+    if not shows_simple:
+        return None, "Simple threads: not determinable: no Simple collective seen"
+    mine = model.ring.nthreads or SIMPLE_THREADS[0]
+    other = SIMPLE_THREADS[1] if mine == SIMPLE_THREADS[0] else SIMPLE_THREADS[0]
+    alt = _with_version(model, dataclasses.replace(model.ring, nthreads=other))
+    why: list[str] = []
+    placed, bad = check(alt, ranks, channels, ring_list, why)
+    if bad == 0 and placed:
+        model.ring.nthreads = None  # nothing claimed: NCCL's default stays
+        return None, (f"Simple threads: not determinable: plans equal (the Simple collectives seen plan alike "
+                      f"with {SIMPLE_THREADS[0]} and {SIMPLE_THREADS[1]} threads; NCCL's default "
+                      f"{SIMPLE_THREADS[0]} assumed)")
+    model.ring.nthreads = None if mine == SIMPLE_THREADS[0] else mine
+    return mine, (f"Simple threads: {mine} (with {other}: {why[0] if why else 'the sends do not place'})")
 
 
 def _known(ring: RingSpec | None) -> tuple[dict[bytes, int], list[tuple[bytes, bytes]]]:
@@ -218,7 +275,7 @@ def _shapes_payload(seq, ring, nparams) -> list | None:
     all-gather on rank 0's channel-0 connection (the broadcast is small: one channel)."""
     s0 = seq.get(0)
     plan = schedule.allgather_plan(1, 8, ring.nranks, ring.nchannels, s0.protocol, ring.nccl_version,
-                                   nthreads=ring.nthreads)
+                                   nthreads=ring_threads(ring, s0.protocol))
     start = len(plan.messages(0, 0))
     payload = np.zeros(0, np.uint8)
     for t in range(start, start + 128):
@@ -240,7 +297,7 @@ def _shapes_payload(seq, ring, nparams) -> list | None:
     return None
 
 
-def _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes):
+def _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes, why=None):
     """DDP start-up on rank 0's egress: all-gather of the parameter count, shapes, weights."""
     for k, seq in conns.items():
         if ranks[k.sender] != 0:
@@ -256,7 +313,7 @@ def _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes):
         if shapes is None:
             continue
         for dt in ([dtype] if dtype else ["float32", "bfloat16", "float16"]):
-            got = _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes)
+            got = _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes, why)
             if got is not None:
                 if not dtype and dt != "float32":
                     notes.append(f"gradient dtype taken as {dt} (2-byte elements); give --dtype to be sure")
@@ -264,13 +321,15 @@ def _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes):
     return None
 
 
-def _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes):
+def _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes, why=None):
     layout = ddp.layout_from_wire(shapes, dt)
     model = JobModel.ddp(ring, layout)
     it1 = model.first_of_iteration(1)
     # Up to the rebuild broadcasts the sequence does not depend on the rebuilt buckets.
     got = _learn(model, conns, ranks, upto=it1 + 2)
     if got is None:
+        if why is not None:
+            why += _misfit(model, conns, ranks, upto=it1 + 2)
         return None
     model.protocols.update(got[0])
     _fill_unseen(model)
@@ -304,11 +363,41 @@ def _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes)
         channels = resolve_channels(model, ranks, conns_lists(conns), notes) or channels
     else:
         notes.append("rebuild broadcasts not seen: the first iteration's single bucket is kept")
-    placed, bad = check(model, ranks, channels, ring_list)
+    placed, bad = check(model, ranks, channels, ring_list, why)
     if bad == 0 and placed:
         notes.append(f"DDP job: {nparams} parameters, {len(layout.buckets)} buckets after the rebuild")
         return model, channels
     return None
+
+
+def _misfit(model: JobModel, conns, ranks, upto: int) -> list[str]:
+    """Where the model's plans first part from rank 0's sends (each of its connections taken as
+    channel 0, the furthest one kept): the collective, what it expects, what the wire has."""
+    best = (-1, "")
+    for k, seq in conns.items():
+        if ranks[k.sender] != 0:
+            continue
+        t = m = 0
+        for i in range(upto):
+            c = model[i]
+            if c is None:
+                break
+            p = model.pinned(c) or next(iter(protowalk._guesses(seq, m)))
+            plan = model.plan_as(c, p)
+            msgs = plan.messages(0, 0) if 0 in plan.channels else []
+            start = schedule.conn_step_start(t, p, c.kind)
+            bad = [(j, st, s) for j, st in enumerate(msgs)
+                   if not protowalk._fits(s := seq.get(m + j), st, start + st.conn_step, p)]
+            if bad:
+                j, st, s = bad[0]
+                if i > best[0]:
+                    has = (f"the wire has {s.wire_bytes}" if s.wire_bytes != st.wire_bytes
+                           else "the wire's protocol or flag differs")
+                    best = (i, f"{c.label} #{i} ({c.kind} of {c.count} x {c.dtype}, {p}) expects {st.wire_bytes} "
+                               f"wire bytes in its message {j} on {k}, {has}")
+                break
+            t, m = start + plan.conn_steps(0, 0), m + len(msgs)
+    return [best[1]] if best[1] else []
 
 
 def _fill_unseen(model: JobModel) -> None:
@@ -329,7 +418,7 @@ def conns_lists(conns) -> dict[ConnKey, list[NcclSend]]:
     return {k: list(v.values()) for k, v in conns.items()}
 
 
-def _infer_allreduces(conns, ranks, ring, dtype, ring_list, notes):
+def _infer_allreduces(conns, ranks, ring, dtype, ring_list, notes, why=None):
     """No DDP start-up: a series of all-reduces; solve each one's element count from the sizes."""
     for dt in ([dtype] if dtype else ["float32"]):
         es = dtype_size(dt)
@@ -342,7 +431,7 @@ def _infer_allreduces(conns, ranks, ring, dtype, ring_list, notes):
         channels = resolve_channels(model, ranks, conns_lists(conns), notes)
         if channels is None:
             continue
-        placed, bad = check(model, ranks, channels, ring_list)
+        placed, bad = check(model, ranks, channels, ring_list, why)
         if bad == 0 and placed:
             notes.append(f"no DDP start-up seen: all-reduces of {[n for n, _ in period]} {dt} elements")
             return model, channels
@@ -396,7 +485,8 @@ def _solve_counts(conns, ranks, ring, es, limit: int = 64) -> tuple[list[int], l
             break
         counts.append(found)
         protos.append(proto)
-        plan = schedule.allreduce_plan(found, es, R, ring.nchannels, proto, ring.nccl_version)
+        plan = schedule.allreduce_plan(found, es, R, ring.nchannels, proto, ring.nccl_version,
+                                       nthreads=ring_threads(ring, proto))
         used = set()
         for k in keys:
             ch = _channel_for(plan, seqs[k], m[k], used)
@@ -423,7 +513,8 @@ def _channel_for(plan, seq, m, used):
 
 
 def _fits(n, es, ring, proto, keys, seqs, m) -> bool:
-    plan = schedule.allreduce_plan(n, es, ring.nranks, ring.nchannels, proto, ring.nccl_version)
+    plan = schedule.allreduce_plan(n, es, ring.nranks, ring.nchannels, proto, ring.nccl_version,
+                                   nthreads=ring_threads(ring, proto))
     used = set()
     for k in keys:
         ch = _channel_for(plan, seqs[k], m[k], used)

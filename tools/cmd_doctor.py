@@ -4,8 +4,9 @@ appliance cannot follow it.
 It reports the NCCL release family (CTS layout, immediate byte order), the protocols and the
 QPs (NCCL_IB_QPS_PER_CONNECTION) each connection carries, the connections (UDP ports) between
 each pair of addresses, and whether the collectives run as one ring; then it tries the inference
-``replay`` runs. Each thing the appliance cannot follow is named with the NCCL setting that
-fixes it:
+``replay`` runs, and reports the Simple thread count it proved (512, or 256 on a PCI-limited ring),
+or "not determinable" when the Simple collectives seen plan alike under both. Each thing the
+appliance cannot follow is named with the NCCL setting that fixes it:
 
 * collective traffic from one rank to several peers: Tree (or per-channel ring orders) -> NCCL_ALGO=Ring;
 * only point-to-point sends (no collective connection): nothing to reassemble -> the gradients
@@ -81,6 +82,7 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
             got = infer(sends, streams.decoders, None, nccl_version)
             inferred = {"ranks": got.model.ring.nranks, "channels": got.model.ring.nchannels,
                         "nccl_version": got.model.ring.nccl_version, "protocol": got.model.ring.protocol,
+                        "simple_threads": got.simple_threads or got.threads_note.removeprefix("Simple threads: "),
                         "protocols": {f"{k[0]} {k[1]}x{k[2]}": p for k, p in sorted(got.model.protocols.items())}}
             notes = got.notes
         except InferenceError as e:
@@ -127,6 +129,7 @@ def doctor(captures, nccl_version, as_json):
                        f"protocol {i['protocol']}")
             for k, p in i["protocols"].items():
                 click.echo(f"  {k}: {p}")
+            click.echo(f"Simple threads: {i['simple_threads']}")
         for n in rep.get("notes", []):
             click.echo(f"note: {n}")
         for c in rep["causes"]:

@@ -41,7 +41,8 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--protocol", default="LL", show_default=True, type=click.Choice(["LL", "LL128", "Simple", "auto"]),
               help="NCCL_PROTO, or auto: per collective by NCCL's tuning model (its default).")
 @click.option("--nccl-version", default="2.18", show_default=True)
-@click.option("--nthreads", type=int, help="maxThreads[RING][protocol] if not NCCL's default (NCCL_NTHREADS).")
+@click.option("--nthreads", type=int, help="Simple thread count, maxThreads[RING][Simple] (NCCL_NTHREADS, or 256 on a "
+              "PCI-limited ring); LL and LL128 keep their defaults.")
 @click.option("--ring-orders", help="Ring order per channel from rank 0, e.g. '0,1,2;0,2,1' (default: 0..R-1).")
 @click.option("--mtu", default=1024, show_default=True, type=click.Choice(["256", "512", "1024", "2048", "4096"]))
 @click.option("--ipv6/--ipv4", default=True, show_default=True, help="RoCEv2 over IPv6 (link-local) or IPv4.")

@@ -285,7 +285,8 @@ def _complete_from_wire(job, captures, nccl_version, dtype, icrc):
     # the file's addresses and ring orders place ranks the mirrored links alone do not
     got = infer_from_streams(streams, dtype or job.grad_dtype, nccl_version, JobModel.from_job(job),
                              known=job.ring if job.ring.addresses else None)
-    ring = dataclasses.replace(job.ring, nccl_version=got.model.ring.nccl_version, protocol=got.model.ring.protocol)
+    ring = dataclasses.replace(job.ring, nccl_version=got.model.ring.nccl_version, protocol=got.model.ring.protocol,
+                               nthreads=got.model.ring.nthreads)
     return dataclasses.replace(job, ring=ring, protocols=dict(got.model.protocols)), ring.nccl_version
 
 

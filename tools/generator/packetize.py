@@ -15,6 +15,7 @@ import numpy as np
 from mirrorckpt.config.layout import RingSpec
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import ringreduce, schedule
+from mirrorckpt.parser.collectives import ring_threads
 from mirrorckpt.tools.generator import tuning
 from mirrorckpt.tools.generator.topology import P2P_CHUNK_BYTES, Topology
 from mirrorckpt.tools.generator.wire import Layer, P2pMsg, Wire, Work
@@ -124,7 +125,7 @@ class NcclRing:
         a = per_rank[0]
         proto = self.proto(nv.ALLGATHER, a.nbytes * self.ring.nranks)
         plan = schedule.allgather_plan(a.size, a.itemsize, self.ring.nranks, self.ring.nchannels, proto,
-                                       self.version, nthreads=self.ring.nthreads)
+                                       self.version, nthreads=ring_threads(self.ring, proto))
         src = CopyValues(lambda ch, chunk: per_rank[self.orders[ch][chunk]].reshape(-1))
         self._run(nv.ALLGATHER, what, a, {None: plan}, src)
         return [np.array(x, copy=True) for x in per_rank]
@@ -140,7 +141,7 @@ class NcclRing:
             if pos not in plans:
                 plans[pos] = schedule.broadcast_plan(flat.size, flat.itemsize, self.ring.nranks,
                                                      self.ring.nchannels, proto, self.version, root=pos,
-                                                     nthreads=self.ring.nthreads)
+                                                     nthreads=ring_threads(self.ring, proto))
         self._run(nv.BROADCAST, what, flat, plans, CopyValues(lambda ch, chunk: flat), root=root)
         return np.array(data, copy=True)
 
@@ -149,7 +150,7 @@ class NcclRing:
         a = per_rank[0]
         proto = self.proto(nv.ALLREDUCE, a.nbytes)
         plan = schedule.allreduce_plan(a.size, a.itemsize, self.ring.nranks, self.ring.nchannels, proto,
-                                       self.version, nthreads=self.ring.nthreads)
+                                       self.version, nthreads=ring_threads(self.ring, proto))
         vals = AllReduceValues(plan, [np.ascontiguousarray(x).reshape(-1) for x in per_rank], self.orders)
         self._run(nv.ALLREDUCE, what, a, {None: plan}, vals)
         if not vals.covered.all():
