@@ -90,6 +90,7 @@ SCHEMA = {
     },
     "job": {
         "name": (_str(), False), "kind": (_str(("ddp", "allreduce")), False), "startup": (_bool, False),
+        "p2p_fill": (_bool, False),
         "grad_dtype": (_str(tuple(DTYPES)), False), "counts": (_int_list, False),
         "params": (list, False), "buckets": (_table, False),
     },
@@ -149,6 +150,8 @@ class JobConfig:
     # (kind, count, dtype) -> protocol, as the traffic showed it when [ring] protocol is "auto"
     protocols: dict = field(default_factory=dict)
     name: str | None = None  # [job] name: recorded in the checkpoint root; another job's root is refused
+    # [job] p2p_fill: the workload sends an all-reduce's values its mirrors lack point to point (parser.concat)
+    p2p_fill: bool = False
 
 
 def _source(spec: str, base: Path | None) -> str:
@@ -192,7 +195,8 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
         raise ConfigError(f"{name}: [ring] {e}") from None
     j = _check(f"{name}: [job]", "job", raw.get("job", {}))
     cfg = JobConfig(ring=ring, kind=j.get("kind", "ddp"), startup=j.get("startup", True),
-                    grad_dtype=j.get("grad_dtype", "float32"), path=name, name=j.get("name") or None)
+                    grad_dtype=j.get("grad_dtype", "float32"), path=name, name=j.get("name") or None,
+                    p2p_fill=j.get("p2p_fill", False))
     if cfg.kind == "ddp":
         cfg.layout = _layout(name, j, cfg.grad_dtype)
     else:
@@ -281,6 +285,8 @@ def dump_job(cfg: JobConfig) -> str:
     lines += ["", "[job]"] + ([f"name = {_toml_value(cfg.name)}"] if cfg.name else [])
     lines += [f"kind = {_toml_value(cfg.kind)}", f"startup = {_toml_value(cfg.startup)}",
               f"grad_dtype = {_toml_value(cfg.grad_dtype)}"]
+    if cfg.p2p_fill:
+        lines.append("p2p_fill = true")
     if cfg.kind == "allreduce":
         lines.append(f"counts = {_toml_value(cfg.counts)}")
     else:

@@ -81,8 +81,18 @@ class CollectiveResult:
 
 
 class Concatenator:
-    def __init__(self, model: JobModel, collective_window: int = 8):
+    """``p2p_fill``: the job declares that its workload sends, point to point, the final values of
+    an all-reduce its mirrors lack, after that all-reduce and before the next collective (as the
+    iter_40000_p2p_iter10 capture's does). Then an all-reduce's one remaining hole is filled by the
+    one whole point-to-point send of exactly its size between the all-reduce's last send and the next
+    collective's first; none or more than one such send: the hole stays. Off by default: nothing on
+    the wire proves what a point-to-point send carries, and a foreign one of that size (a pipeline
+    activation, a tensor-parallel exchange, the next all-reduce's fill when this one's was lost)
+    would make a collective complete with wrong values."""
+
+    def __init__(self, model: JobModel, collective_window: int = 8, p2p_fill: bool = False):
         self.model = model
+        self.p2p_fill = p2p_fill
         self.collective_window = collective_window
         self.settle_margin = min(2, collective_window)  # collectives past a complete one before it goes
         self.open: dict[int, CollectiveResult] = {}
@@ -94,6 +104,7 @@ class Concatenator:
         self.ended: set[int] = set()
         self.expected: set[int] = set()  # streams known to exist: silent ones hold collectives back
         self.p2p: list[NcclSend] = []  # candidate extra sends for holes (point-to-point traffic)
+        self.span: dict[int, list[int]] = {}  # with p2p_fill: per collective, [first, last] send time
 
     def _result(self, i: int) -> CollectiveResult:
         r = self.open.get(i)
@@ -110,6 +121,12 @@ class Concatenator:
         self.frontier = max(self.frontier, p.coll)
         k = getattr(p.send, "stream", 0)
         self.streams[k] = max(self.streams.get(k, -1), p.coll)
+        if self.p2p_fill:  # every send of a collective (any phase) bounds when its fill may come
+            sp, t = self.span.get(p.coll), p.send.ts_ns
+            if sp is None:
+                self.span[p.coll] = [t, t]
+            else:
+                sp[0], sp[1] = min(sp[0], t), max(sp[1], t)
         c, st = p.spec, p.step
         if c.kind == ALLREDUCE and st.phase != REDUCED:
             return
@@ -163,24 +180,33 @@ class Concatenator:
         r.pieces += 1
 
     def add_p2p(self, s: NcclSend) -> None:
-        """A send outside the ring (point-to-point): kept as a candidate to fill a collective's hole."""
-        if s.complete and len(s.data):
+        """A send outside the ring (point-to-point): kept as a candidate to fill a collective's hole
+        when the job declares such fills (``p2p_fill``), else ignored."""
+        if self.p2p_fill and s.complete and len(s.data):
             self.p2p.append(s)
             del self.p2p[:-64]
 
     def _fill_from_p2p(self, r: CollectiveResult) -> None:
-        """An extra send whose size is exactly the collective's one remaining hole fills it."""
+        """With ``p2p_fill``: the one whole point-to-point send of exactly the all-reduce's one
+        remaining hole, between its last send and the next collective's first, fills it."""
+        if not self.p2p_fill:
+            return
+        for c in [c for c in self.span if c < r.index]:
+            del self.span[c]
         holes = r.holes
         if r.spec.kind != ALLREDUCE or len(holes) != 1 or r.conflict.any():
             return
         a, n = holes[0]
         es = dtype_size(r.spec.dtype)
-        for i, s in enumerate(self.p2p):
-            if len(s.data) == n * es and s.ts_ns >= r.last_ts:
-                del self.p2p[i]
-                self._put(r, a, n, s.data, [], f"point-to-point send on {s.connection}")
-                r.filled_by_p2p.append((a, n))
-                return
+        lo = max(r.last_ts, self.span.get(r.index, [0, 0])[1])
+        hi = min((sp[0] for c, sp in self.span.items() if c > r.index), default=None)
+        fit = [i for i, s in enumerate(self.p2p) if len(s.data) == n * es and s.ts_ns >= lo
+               and (hi is None or s.ts_ns < hi)]
+        if len(fit) != 1:
+            return  # none, or which of them carries the hole is not known
+        s = self.p2p.pop(fit[0])
+        self._put(r, a, n, s.data, [], f"point-to-point send on {s.connection}")
+        r.filled_by_p2p.append((a, n))
 
     def settled(self) -> int:
         """The collective every running stream has reached (the global one when all ended)."""

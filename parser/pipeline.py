@@ -107,7 +107,7 @@ class CollectiveAssembler:
     gloo decoder brings its own), so every transport shares the concatenator and what follows."""
 
     def __init__(self, model: JobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int] | None = None,
-                 collective_window: int | None = None, placer=None, nstreams: int = 0):
+                 collective_window: int | None = None, placer=None, nstreams: int = 0, p2p_fill: bool = False):
         from mirrorckpt.parser.infer import ChannelResolver
 
         self.model = model
@@ -115,7 +115,7 @@ class CollectiveAssembler:
         self.resolver = ChannelResolver(model, ranks, channels) if placer is None else None
         self.sm = placer if placer is not None else RingStateMachine(model, ranks, self.resolver.mapped)
         w = collective_window if collective_window is not None else default_collective_window(model)
-        self.concat = Concatenator(model, w)
+        self.concat = Concatenator(model, w, p2p_fill=p2p_fill)  # see Concatenator: off unless declared
         self.concat.expected = set(range(nstreams))  # silent ones hold collectives back (0: none known)
         self.iterations = IterationAssembler(model)
         self.startup: dict[str, CollectiveResult] = {}  # start-up collectives by label
@@ -195,8 +195,10 @@ class JobStream:
 
     def __init__(self, streams, model: JobModel | None = None, ranks: dict[bytes, int] | None = None,
                  channels: dict[ConnKey, int] | None = None, dtype: str | None = None,
-                 nccl_version: str | None = None, infer_after: int = 20000, collective_window: int | None = None):
+                 nccl_version: str | None = None, infer_after: int = 20000, collective_window: int | None = None,
+                 p2p_fill: bool = False):
         self.streams = streams
+        self.p2p_fill = p2p_fill
         self.model, self.ranks, self.channels = model, ranks, channels
         self.dtype, self.nccl_version = dtype, nccl_version
         self.infer_after = infer_after
@@ -212,7 +214,7 @@ class JobStream:
             self.model, self.ranks, self.channels = got.model, got.ranks, got.channels
             self.notes += got.notes
         self.assembler = CollectiveAssembler(self.model, self.ranks, self.channels, self.collective_window,
-                                             nstreams=self.streams.nstreams)
+                                             nstreams=self.streams.nstreams, p2p_fill=self.p2p_fill)
 
     def __iter__(self) -> Iterator[Item]:
         pending: list[NcclSend] = []

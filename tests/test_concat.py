@@ -5,8 +5,10 @@ The placements are the state machine's own, recorded from the bundled demo captu
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mirrorckpt.config.jobfile import load_job
 from mirrorckpt.parser.concat import Concatenator
@@ -78,3 +80,52 @@ def test_an_incomplete_collective_still_waits_for_the_whole_window(placements):
     assert settled is None or settled >= victim + window
     # and nothing after it overtook it: results stay in order
     assert list(out) == sorted(out)
+
+
+def _one_hole(model, ps, p2p_fill: bool, extra):
+    """The demo job with every copy of one reduced chunk of one all-reduce lost, and ``extra(hole)``
+    point-to-point sends offered after that all-reduce's last send; returns the victim's result."""
+    victim = next(p.coll for p in ps if p.spec.kind == "allreduce" and p.coll >= 4)
+    first = next(p for p in ps if p.coll == victim and p.step.nelem > 0 and p.step.phase == REDUCED)
+    lost = {id(p) for p in ps if p.coll == victim and p.step.phase == REDUCED and p.channel == first.channel
+            and p.step.offset == first.step.offset}
+    c = Concatenator(model, 8, p2p_fill=p2p_fill)
+    out, offered = {}, False
+    for p in ps:
+        if not offered and p.coll > victim:  # the victim's last send went by
+            for s in extra(first, max(q.send.ts_ns for q in ps if q.coll == victim) + 1):
+                c.add_p2p(s)
+            offered = True
+        if id(p) not in lost:
+            c.add(p)
+        out.update((r.index, r) for r in c.poll())
+    out.update((r.index, r) for r in c.poll(final=True))
+    return first, out[victim]
+
+
+def _foreign(first, ts_ns):
+    """A point-to-point send of exactly the hole's size whose values are not the result's (a
+    pipeline activation between the same hosts), after the collective's last send."""
+    nbytes = first.step.nelem * (len(first.send.data) // first.step.nelem)
+    junk = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
+    return [dataclasses.replace(first.send, data=junk, holes=[], ts_ns=ts_ns)]
+
+
+def test_a_foreign_send_of_the_holes_size_fills_nothing_by_default(placements):
+    """The old rule (any point-to-point send of the one hole's size, after the collective) made
+    this collective complete with the foreign send's bytes; undeclared, the hole stays."""
+    model, ps = placements
+    first, r = _one_hole(model, ps, False, _foreign)
+    assert not r.complete and r.filled_by_p2p == [] and r.sha256() is None
+    assert r.holes == [(first.step.offset, first.step.nelem)]
+
+
+def test_declared_the_fill_takes_the_send_it_is_promised(placements):
+    """``p2p_fill`` is the workload's promise that such a send carries the hole's values: it is
+    taken (and would be wrong for a foreign one, which is why it is off by default)."""
+    model, ps = placements
+    first, r = _one_hole(model, ps, True, _foreign)
+    assert r.complete and r.filled_by_p2p == [(first.step.offset, first.step.nelem)]
+    es = len(first.send.data) // first.step.nelem
+    a, n = first.step.offset, first.step.nelem
+    assert not np.array_equal(r.data[a * es:(a + n) * es], first.send.data[:n * es])  # the foreign bytes

@@ -203,7 +203,7 @@ def test_replay_of_the_generated_capture_like_the_real_one(generated):
 
     path, truth = generated
     for cap in (REAL, path):
-        res = CliRunner().invoke(main, ["replay", "--json", str(cap)], catch_exceptions=False)
+        res = CliRunner().invoke(main, ["replay", "--json", "--p2p-fill", str(cap)], catch_exceptions=False)
         r = json.loads(res.stdout)
         assert len(r["allreduces"]) == STEPS
         assert all(a["complete"] and a["filled_by_p2p"] == [[3072, 1928]] for a in r["allreduces"])

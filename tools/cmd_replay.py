@@ -70,19 +70,22 @@ def persist_spec(job, checkpoint_dir):
     return PersistSpec.from_dict(d)
 
 
-def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, transport="roce"):
-    """The job stream over capture files: NCCL over RoCEv2, or PyTorch DDP over gloo/TCP."""
+def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, transport="roce", p2p_fill=False):
+    """The job stream over capture files: NCCL over RoCEv2, or PyTorch DDP over gloo/TCP. ``p2p_fill``:
+    the job declares that point-to-point sends carry all-reduce holes' values (Concatenator; or the job
+    file, ``[job] p2p_fill``)."""
     if transport == "gloo":
         from mirrorckpt.parser.gloo_job import open_job_stream
 
         return open_job_stream(captures, job, dtype)
     streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
     kw = dict(model=JobModel.from_job(job), ranks=job.ring.ranks_by_address()) if job is not None else {}
-    return JobStream(streams, dtype=dtype, nccl_version=nccl_version, **kw)
+    p2p_fill = p2p_fill or (job is not None and job.p2p_fill)
+    return JobStream(streams, dtype=dtype, nccl_version=nccl_version, p2p_fill=p2p_fill, **kw)
 
 
 def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=None,
-        persist=None, progress=None, transport="roce", summarize=False):
+        persist=None, progress=None, transport="roce", summarize=False, p2p_fill=False):
     """The main job. ``training``: the replica's TrainingSpec, or a function of the layout; None
     keeps no replica. Returns (job stream, finished collectives, iterations, Appliance or None).
     ``summarize``: keep each all-reduce as its ``allreduce_entry`` and each iteration without its
@@ -91,7 +94,7 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
 
     from mirrorckpt.updater.appliance import Appliance, drive
 
-    js = open_stream(captures, job, dtype, nccl_version, icrc, transport)
+    js = open_stream(captures, job, dtype, nccl_version, icrc, transport, p2p_fill)
     app = Appliance(None, training, persist, on_iteration=progress) if training is not None else None
     results, iterations = [], []
 
@@ -126,8 +129,14 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 @click.option("--transport", type=click.Choice(["roce", "gloo"]), default="roce", show_default=True,
               help="NCCL over RoCEv2, or PyTorch DDP over gloo/TCP.")
+@click.option("--p2p-fill", is_flag=True,
+              help="The workload sends each all-reduce's values its mirrors lack point to point (as the "
+                   "iter_40000_p2p_iter10 capture's does): a send of exactly a finished all-reduce's one "
+                   "remaining hole, after it, fills it. Off by default: nothing on the wire proves what a "
+                   "point-to-point send carries, and a foreign one of that size would give wrong values. "
+                   "A job file says it with [job] p2p_fill = true.")
 def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer, lr, as_json, no_icrc, quiet,
-           transport):
+           transport, p2p_fill):
     """Replay mirror CAPTURES of one job: reassemble every all-reduce, keep the replica, commit checkpoints.
 
     With no CAPTURE, the bundled demo (tests/pcaps/demo) is replayed into ./mirrorckpt-demo."""
@@ -205,7 +214,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     try:
         with bar:
             js, results, iterations, app = run(captures, job, dtype, nccl_version, not no_icrc, training, persist,
-                                               progress, transport, summarize=True)
+                                               progress, transport, summarize=True, p2p_fill=p2p_fill)
     except CaptureError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

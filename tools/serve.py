@@ -454,7 +454,7 @@ class Daemon:
                     if model is None:
                         return
                 js = JobStream(source, model=model, ranks=ring.ranks_by_address(),
-                               nccl_version=model.ring.nccl_version, infer_after=2000)
+                               nccl_version=model.ring.nccl_version, infer_after=2000, p2p_fill=self.job.p2p_fill)
                 self.jobstream = js
                 streams.ring_connections = functools.partial(_ring_connections, js)
                 drive(js, _UpdaterQueue(self.iters_q, self.metrics, run))

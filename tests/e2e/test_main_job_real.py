@@ -22,7 +22,7 @@ def test_replica_equals_independent_adam(truth):
     training = lambda layout: TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-3),  # noqa: E731
                                            grad_dtype=layout.grad_dtype)
     js, results, iterations, app = run(
-        [str(CAPTURE)], training=training,
+        [str(CAPTURE)], training=training, p2p_fill=True,  # the workload sends the values rank 0's egress lacks
         progress=lambda i, replica: steps.append(state_sha256(replica.params, replica.optimizer)))
     assert app.summary.iterations_applied == 20 and len(steps) == 20
 

@@ -20,9 +20,12 @@ def replay_json(*args):
 def test_every_allreduce_equals_truth(truth, name):
     t = truth[name]
     extra = ["--dtype", "int32"] if t["workload"]["dtype"] == "int32" else []
+    want = t["allreduce_instances"]
+    # the workload that sends the values its mirror lacks point to point is declared so (the fill is off by default)
+    if any(w["coverage_with_p2p"] > w["coverage_from_ll"] for w in want):
+        extra.append("--p2p-fill")
     code, r = replay_json(FLOWCHECK / name, *extra)
     assert code == 0
-    want = t["allreduce_instances"]
     assert len(r["allreduces"]) == len(want)
     for got, w in zip(r["allreduces"], want):
         assert got["count"] == w["count"] and got["dtype"] == w["dtype"]
@@ -32,10 +35,22 @@ def test_every_allreduce_equals_truth(truth, name):
 
 
 def test_p2p_sends_fill_the_chunk_rank0_egress_lacks():
-    code, r = replay_json(FLOWCHECK / "iter_40000_p2p_iter10.pcapng")
+    code, r = replay_json(FLOWCHECK / "iter_40000_p2p_iter10.pcapng", "--p2p-fill")
+    assert len(r["allreduces"]) == 20
     for a in r["allreduces"]:
-        # rank 0's egress carries [0, 3072) reduced; the extra send carries [3072, 5000)
+        # rank 0's egress carries [0, 3072) reduced; the workload's own extra send carries [3072, 5000)
         assert a["filled_by_p2p"] == [[3072, 1928]] and a["complete"]
+
+
+def test_without_the_declaration_the_p2p_sends_fill_nothing():
+    """Nothing on the wire proves what a point-to-point send carries: undeclared, the chunk rank 0's
+    egress lacks stays a hole and no all-reduce or iteration is reported complete."""
+    code, r = replay_json(FLOWCHECK / "iter_40000_p2p_iter10.pcapng")
+    assert len(r["allreduces"]) == 20
+    for a in r["allreduces"]:
+        assert a["filled_by_p2p"] == [] and not a["complete"] and a["sha256"] is None
+        assert a["holes"] == [[3072, 1928]]
+    assert r["iterations"] and not any(it["complete"] for it in r["iterations"])
 
 
 def test_iter_80000_incomplete_with_holes(truth):

@@ -57,6 +57,7 @@ class GenConfig:
     noise: NoiseOptions = field(default_factory=NoiseOptions)
     faults: FaultOptions = field(default_factory=FaultOptions)
     p2p_fill: bool = False
+    p2p_noise: tuple[int, ...] = ()  # after each gradient all-reduce, foreign point-to-point sends of these sizes
     send_truth: bool = True  # every captured send in truth.json (large for big runs)
 
     def ring(self) -> RingSpec:
@@ -100,7 +101,7 @@ def generate(cfg: GenConfig, out_dir) -> dict:
     captures = mirrors_mod.CaptureSet(out, mirrors, topo, cfg.wire.ipv6, cfg.fmt, cfg.noise, cfg.faults,
                                       cfg.wire.switch_ns)
     wire = Wire(ring.nccl_version, cfg.wire, captures, cfg.seed, cfg.send_truth)
-    comm = NcclRing(ring, topo, wire, p2p_fill=cfg.p2p_fill)
+    comm = NcclRing(ring, topo, wire, p2p_fill=cfg.p2p_fill, p2p_noise=cfg.p2p_noise, seed=cfg.seed)
     try:
         result = run_training(cfg.model, cfg.ranks, cfg.steps, cfg.seed, cfg.training, comm,
                               batch_size=cfg.batch_size, bucket_cap_mb=cfg.bucket_cap_mb,
@@ -109,10 +110,12 @@ def generate(cfg: GenConfig, out_dir) -> dict:
         files = captures.close()
     path = write_truth(result, out)
     truth = json.loads(path.read_text())
+    wire_extra = {"p2p_noise": list(cfg.p2p_noise)} if cfg.p2p_noise else {}  # absent: the sets make.sh made
     truth["wire"] = {
         "ring": ring.to_dict(),
         "options": asdict(cfg.wire),
         "p2p_fill": cfg.p2p_fill,
+        **wire_extra,
         "noise": {"kinds": sorted(cfg.noise.kinds), "rate_hz": cfg.noise.rate_hz, "seed": cfg.noise.seed},
         "fault_rates": asdict(cfg.faults),
         "topology": _topology_facts(topo, cfg.wire.ipv6),
@@ -124,7 +127,8 @@ def generate(cfg: GenConfig, out_dir) -> dict:
     path.write_text(json.dumps(truth, sort_keys=True, indent=1) + "\n")
     job = JobConfig(ring=ring, kind="ddp", startup=True, layout=result.layout, grad_dtype=cfg.training.grad_dtype,
                     training=_no_none(cfg.training.to_dict()),
-                    mirrors=[MirrorSpec(m.rank, m.direction, mirrors_mod.file_name(m, cfg.fmt)) for m in mirrors])
+                    mirrors=[MirrorSpec(m.rank, m.direction, mirrors_mod.file_name(m, cfg.fmt)) for m in mirrors],
+                    p2p_fill=cfg.p2p_fill)  # the workload it generates does send the missing values
     (out / JOB_FILE).write_text(dump_job(job))
     return truth
 

@@ -99,7 +99,8 @@ class SliceValues:
 class NcclRing:
     """Comm for ``ring.nranks`` ranks; emits through ``wire`` (its sink writes the mirrors)."""
 
-    def __init__(self, ring: RingSpec, topo: Topology, wire: Wire, p2p_fill: bool = False):
+    def __init__(self, ring: RingSpec, topo: Topology, wire: Wire, p2p_fill: bool = False,
+                 p2p_noise: tuple[int, ...] = (), seed: int = 0):
         if not 2 <= ring.nranks <= 16:
             raise ValueError(f"the generator simulates 2..16 ranks, not {ring.nranks}")
         self.ring, self.topo, self.wire = ring, topo, wire
@@ -108,6 +109,8 @@ class NcclRing:
         self.fabric = tuning.Fabric()
         self.version = nv.version(ring.nccl_version)
         self.p2p_fill = p2p_fill
+        self.p2p_noise = tuple(p2p_noise)
+        self._noise_rng = np.random.default_rng([seed, 0x9292])
         self.index = 0  # collectives issued (the trainer's record numbers them the same way)
         self.plans: list[dict] = []
         self._iteration = None
@@ -157,6 +160,8 @@ class NcclRing:
             raise AssertionError(f"{what}: the plan left element {int(np.argmin(vals.covered))} unreduced")
         if self.p2p_fill and what.startswith("grad:"):
             self._fill(plan, vals.result, what)
+        if self.p2p_noise and what.startswith("grad:"):
+            self._noise(vals.result, what)
         return vals.result.reshape(a.shape)
 
     # -- internals -------------------------------------------------------------------------------
@@ -197,6 +202,26 @@ class NcclRing:
                            "used_channels": any_plan.channels, "protocol": any_plan.protocol})
         self.wire.run(works, Layer(any_plan.protocol, kind), source, label, self._gap(what))
         self.index += 1
+
+    def _noise(self, result: np.ndarray, what: str) -> None:
+        """Rank 0 sends its next rank, point to point on the connection ``_fill`` uses, one message of
+        each ``p2p_noise`` size (bytes) of values that are not the all-reduce's (a pipeline activation,
+        a tensor-parallel exchange): foreign sends as large as pieces of the result."""
+        dst = self.orders[0][1]
+        pair = self.topo.p2p_pair(0, dst, self.version)
+        conn = self.wire.conn(("p2p", 0, dst), pair)
+        es = result.itemsize
+        vals = self._noise_rng.standard_normal(sum(self.p2p_noise) // es).astype(result.dtype)
+        msgs, lo = [], 0
+        for k, nbytes in enumerate(self.p2p_noise):
+            if nbytes % es or not 0 < nbytes <= P2P_CHUNK_BYTES:
+                raise ValueError(f"p2p noise message of {nbytes} bytes: not a positive multiple of {es} "
+                                 f"up to {P2P_CHUNK_BYTES}")
+            msgs.append(P2pMsg(nbytes, k, lo, nbytes // es))
+            lo += nbytes // es
+        label = {"collective": None, "what": f"p2p_noise:{what}", "kind": "p2p"}
+        self.wire.run([Work(conn, msgs, channel=-1)], Layer(nv.SIMPLE, nv.BROADCAST, p2p=True),
+                      SliceValues(vals), label, self.wire.opts.collective_gap_ns)
 
     def _fill(self, plan: schedule.AllReducePlan, result: np.ndarray, what: str) -> None:
         """Rank 0 sends its next rank, point to point, the final values its egress lacks (the extra
