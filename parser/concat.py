@@ -41,6 +41,9 @@ class CollectiveResult:
     conflict: np.ndarray  # bool per element: copies disagreed
     pieces: int = 0
     filled_by_p2p: list[tuple[int, int]] = field(default_factory=list)  # element ranges
+    # the fill is off, yet exactly one point-to-point send would have filled the one hole: said in
+    # the report, so an operator whose workload sends such copies can declare it
+    p2p_candidate: bool = False
     conflicts: list[str] = field(default_factory=list)
     last_ts: int = 0
     _sealed: bool | None = field(default=None, init=False, repr=False, compare=False)  # see seal()
@@ -104,7 +107,8 @@ class Concatenator:
         self.ended: set[int] = set()
         self.expected: set[int] = set()  # streams known to exist: silent ones hold collectives back
         self.p2p: list[NcclSend] = []  # candidate extra sends for holes (point-to-point traffic)
-        self.span: dict[int, list[int]] = {}  # with p2p_fill: per collective, [first, last] send time
+        self.p2p_seen: list[tuple[int, int]] = []  # fill off: (bytes, time) of those sends, for the hint
+        self.span: dict[int, list[int]] = {}  # per collective, [first, last] send time
 
     def _result(self, i: int) -> CollectiveResult:
         r = self.open.get(i)
@@ -121,12 +125,11 @@ class Concatenator:
         self.frontier = max(self.frontier, p.coll)
         k = getattr(p.send, "stream", 0)
         self.streams[k] = max(self.streams.get(k, -1), p.coll)
-        if self.p2p_fill:  # every send of a collective (any phase) bounds when its fill may come
-            sp, t = self.span.get(p.coll), p.send.ts_ns
-            if sp is None:
-                self.span[p.coll] = [t, t]
-            else:
-                sp[0], sp[1] = min(sp[0], t), max(sp[1], t)
+        sp, t = self.span.get(p.coll), p.send.ts_ns  # any phase: bounds when a fill may come
+        if sp is None:
+            self.span[p.coll] = [t, t]
+        else:
+            sp[0], sp[1] = min(sp[0], t), max(sp[1], t)
         c, st = p.spec, p.step
         if c.kind == ALLREDUCE and st.phase != REDUCED:
             return
@@ -182,17 +185,18 @@ class Concatenator:
     def add_p2p(self, s: NcclSend) -> None:
         """A send outside the ring (point-to-point): kept as a candidate to fill a collective's hole
         when the job declares such fills (``p2p_fill``), else ignored."""
-        if self.p2p_fill and s.complete and len(s.data):
+        if not (s.complete and len(s.data)):
+            return
+        if self.p2p_fill:
             self.p2p.append(s)
             del self.p2p[:-64]
+        else:
+            self.p2p_seen.append((len(s.data), s.ts_ns))
+            del self.p2p_seen[:-64]
 
     def _fill_from_p2p(self, r: CollectiveResult) -> None:
         """With ``p2p_fill``: the one whole point-to-point send of exactly the all-reduce's one
         remaining hole, between its last send and the next collective's first, fills it."""
-        if not self.p2p_fill:
-            return
-        for c in [c for c in self.span if c < r.index]:
-            del self.span[c]
         holes = r.holes
         if r.spec.kind != ALLREDUCE or len(holes) != 1 or r.conflict.any():
             return
@@ -200,10 +204,13 @@ class Concatenator:
         es = dtype_size(r.spec.dtype)
         lo = max(r.last_ts, self.span.get(r.index, [0, 0])[1])
         hi = min((sp[0] for c, sp in self.span.items() if c > r.index), default=None)
-        fit = [i for i, s in enumerate(self.p2p) if len(s.data) == n * es and s.ts_ns >= lo
-               and (hi is None or s.ts_ns < hi)]
+        sizes = [(len(s.data), s.ts_ns) for s in self.p2p] if self.p2p_fill else self.p2p_seen
+        fit = [i for i, (nb, ts) in enumerate(sizes) if nb == n * es and ts >= lo and (hi is None or ts < hi)]
         if len(fit) != 1:
             return  # none, or which of them carries the hole is not known
+        if not self.p2p_fill:
+            r.p2p_candidate = True
+            return
         s = self.p2p.pop(fit[0])
         self._put(r, a, n, s.data, [], f"point-to-point send on {s.connection}")
         r.filled_by_p2p.append((a, n))
@@ -245,6 +252,8 @@ class Concatenator:
                 self.open.pop(self.next_out)
             if not r.complete:
                 self._fill_from_p2p(r)
+            for c in [c for c in self.span if c <= r.index]:  # later fills look only at later ones
+                del self.span[c]
             r.seal()
             out.append(r)
             self.next_out += 1

@@ -36,7 +36,8 @@ def allreduce_entry(r: CollectiveResult) -> dict | None:
     return {"collective": r.index, "iteration": r.spec.iteration, "bucket": r.spec.bucket,
             "count": r.count, "dtype": r.spec.dtype, "coverage": round(r.coverage, 6), "complete": r.complete,
             "sha256": r.sha256(), "holes": [list(h) for h in r.holes],
-            "filled_by_p2p": [list(h) for h in r.filled_by_p2p], "conflicts": r.conflicts}
+            "filled_by_p2p": [list(h) for h in r.filled_by_p2p], "p2p_candidate": r.p2p_candidate,
+            "conflicts": r.conflicts}
 
 
 def allreduce_report(results) -> list[dict]:
@@ -334,6 +335,12 @@ def _print(report, ars, iterations, summary, secs, nbytes):
                    f"{a['count']} x {a['dtype']} {state}{extra}")
     good = sum(it.complete for it in iterations)
     click.echo(f"{len(ars)} all-reduces, {good}/{len(iterations)} iterations complete")
+    hinted = sum(bool(a.get("p2p_candidate")) for a in ars)
+    if hinted:
+        click.echo(f"note: {hinted} incomplete all-reduce(s) have their one hole followed, before the next "
+                   "collective, by exactly one point-to-point send of its size; nothing proves what such a send "
+                   "carries, so it is not used. If the job's own workload sends those values (as the "
+                   "iter_40000_p2p_iter10 capture's does), replay with --p2p-fill ([job] p2p_fill = true)")
     if summary is not None:
         click.echo(f"replica: {summary['iterations_applied']} iterations applied (optimizer step "
                    f"{summary['replica_step']}), {summary['iterations_incomplete']} incomplete, "

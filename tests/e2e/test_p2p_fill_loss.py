@@ -130,6 +130,8 @@ def test_a_foreign_send_of_the_missing_chunk_s_size_never_completes(tmp_path):
     results, its = g.replay(g.batches, p2p_fill=False)
     assert len(its) == 5 and not any(it.complete for it in its)
     assert all(r.holes == [(3072, 1928)] and not r.filled_by_p2p for r in results)
+    # the report says a send of the hole's size followed (an operator decides what it is)
+    assert all(r.p2p_candidate for r in results if r.spec.kind == "allreduce")
     assert list(g.verdicts(g.batches, p2p_fill=True)) == [0, 0, 5, 5]  # the hazard, declared wrongly
 
 
