@@ -40,11 +40,12 @@ from mirrorckpt.control.endpoint import ControlClient
 from mirrorckpt.control.trainer import (
     Restored,
     TrainerLink,
-    _load,
     ddp_layout,
+    load_trainer_state,
     local,
     parse_restore,
     set_rng_states,
+    started,
     unwrap,
 )
 from mirrorckpt.updater.dcp_keys import loads
@@ -229,12 +230,7 @@ def attach_sharded(model, optimizer, mesh, *, appliances: dict[str, tuple[str, i
                          "checkpoint with dcp.load itself)")
     link = ShardLink(model, optimizer, shards=shards, group=g.name, appliance=appliances[g.name], secret=secret,
                      **kw)
-    if restored is not None:
-        link.iterations_done = restored.iterations_done
-        link.restored = restored
-    if connect_timeout and link.client is not None:
-        link.client.wait_connected(connect_timeout)
-    return link
+    return started(link, restored, connect_timeout)
 
 
 def _as_dtensor(src: torch.Tensor, like):
@@ -287,7 +283,7 @@ def restore_sharded(model, optimizer, *, appliances: dict[str, tuple[str, int]],
             st[k] = _as_dtensor(v, p) if p is not None and v.dim() and tuple(v.shape) == tuple(local(p).shape) else v
     groups = loads(meta["param_groups"])
     sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
-    _load(module, optimizer, scheduler, params, ostate, groups, sched)
+    load_trainer_state(module, optimizer, scheduler, params, ostate, groups, sched)
     set_rng_states(rng)
     dp = meta.get("data_position")
     if data is not None and dp is not None:

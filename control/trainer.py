@@ -767,7 +767,10 @@ class Restored:
 
 
 @torch.no_grad()
-def _load(module, optimizer, scheduler, params: dict, ostate: dict, groups: list[dict], sched_state) -> None:
+def load_trainer_state(module, optimizer, scheduler, params: dict, ostate: dict, groups: list[dict],
+                       sched_state) -> None:
+    """Parameters, optimizer state by name (none for a name it lacks), param groups and scheduler
+    state into a trainer's module, optimizer and scheduler."""
     named = reducer_params(module)
     names = [n for n, _ in named]
     if sorted(params) != sorted(names):
@@ -826,7 +829,7 @@ def load_restore_state(module, optimizer, scheduler, reply) -> tuple[dict, dict]
     params, ostate, rng, meta = parse_restore(reply)
     groups = loads(meta["param_groups"])
     sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
-    _load(module, optimizer, scheduler, params, ostate, groups, sched)
+    load_trainer_state(module, optimizer, scheduler, params, ostate, groups, sched)
     return meta, rng
 
 
@@ -881,6 +884,11 @@ def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, s
     link = TrainerLink(ddp_model, optimizer, appliance=appliance, secret=secret, scheduler=scheduler,
                        scaler=scaler, data=data, training=training, ring=ring, job=job, parts=parts,
                        fingerprint_every=fingerprint_every, client_options=client_options)
+    return started(link, restored, connect_timeout)
+
+
+def started(link: TrainerLink, restored: Restored | None, connect_timeout: float) -> TrainerLink:
+    """A new link counts from the restored step, once connected (``connect_timeout`` s at most)."""
     if restored is not None:
         link.iterations_done = restored.iterations_done
         link.restored = restored
