@@ -125,15 +125,20 @@ def test_fused_trainer_and_for_loop_replica_2000_steps_within_tolerance_and_corr
                                                * math.sqrt(v["steps_since_exact"] + 1))
 
 
+def run_checked(job, plane, steps: int) -> None:
+    """``steps`` trainer steps, all applied by the replica and fingerprint-checked (every 20th)."""
+    for _ in range(steps):
+        job.step()
+    assert wait_for(lambda: plane.replica.iterations_done == steps)
+    job.link.flush()
+    assert wait_for(lambda: plane.stats.fingerprints_checked >= steps // 20 - 1)
+
+
 def test_same_implementation_on_a_cpu_trainer_is_bit_exact_and_the_manifest_says_so(tmp_path):
     plane = plane_for(tmp_path, 20)
     job = WireJob(plane, impl="for-loop", clip=0.05)
     try:
-        for _ in range(200):
-            job.step()
-        assert wait_for(lambda: plane.replica.iterations_done == 200)
-        job.link.flush()
-        assert wait_for(lambda: plane.stats.fingerprints_checked >= 9)
+        run_checked(job, plane, 200)
         r = plane.replica
         assert r.policy.exact
         assert r.fingerprints(optimizer=True) == gockpt.state_fingerprints(job.link.names, job.link.masters, job.opt)
@@ -167,11 +172,7 @@ def test_bf16_autocast_trainer_within_tolerance(tmp_path):
     plane = plane_for(tmp_path, 1000, replica_impl="for-loop")
     job = WireJob(plane, impl="fused", autocast=True)
     try:
-        for _ in range(200):
-            job.step()
-        assert wait_for(lambda: plane.replica.iterations_done == 200)
-        job.link.flush()
-        assert wait_for(lambda: plane.stats.fingerprints_checked >= 9)
+        run_checked(job, plane, 200)
     finally:
         job.close()
         plane.stop()
