@@ -149,6 +149,12 @@ def feed_all(placer: GlooPlacer, ops) -> list[Placement]:
     return out + placer.flush()
 
 
+def feed_before(placer: GlooPlacer, job, coll: int) -> None:
+    """Every op of the collectives before ``coll``, placed."""
+    for i in range(coll):
+        feed_all(placer, [o for ops in job.ops[i].values() for o in ops])
+
+
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_every_collective_of_a_ddp_job_is_placed_exactly(P):
     job = Job(P)
@@ -176,8 +182,7 @@ def test_a_direction_is_handed_on_only_once_its_whole_send_list_agreed():
     job = Job(3)
     placer = GlooPlacer(job.model, job.ranks, max_segment=SEGMENT)
     coll = job.model.first_of_iteration(2)
-    for i in range(coll):
-        feed_all(placer, [o for ops in job.ops[i].values() for o in ops])
+    feed_before(placer, job, coll)
     (s, d), ops = next(iter(job.ops[coll].items()))
     assert len(ops) > 2
     for op in ops[:-1]:
@@ -218,8 +223,7 @@ def test_a_framing_break_releases_what_its_stream_held():
     job = Job(3)
     placer = GlooPlacer(job.model, job.ranks, max_segment=SEGMENT)
     coll = job.model.first_of_iteration(1)
-    for i in range(coll):
-        feed_all(placer, [o for ops in job.ops[i].values() for o in ops])
+    feed_before(placer, job, coll)
     (s, d), ops = next(iter(job.ops[coll].items()))
     for op in ops[:-1]:
         assert placer.feed([op]) == []
@@ -239,8 +243,7 @@ def test_a_length_the_schedule_does_not_have_breaks_the_direction():
     job = Job(3)
     placer = GlooPlacer(job.model, job.ranks, max_segment=SEGMENT)
     coll = job.model.first_of_iteration(2)
-    for i in range(coll):
-        feed_all(placer, [o for ops in job.ops[i].values() for o in ops])
+    feed_before(placer, job, coll)
     items = list(job.ops[coll].items())
     (s, d), ops = items[0]
     j = 3
