@@ -109,6 +109,7 @@ class Concatenator:
         self.p2p: list[NcclSend] = []  # candidate extra sends for holes (point-to-point traffic)
         self.p2p_seen: list[tuple[int, int]] = []  # fill off: (bytes, time) of those sends, for the hint
         self.span: dict[int, list[int]] = {}  # per collective, [first, last] send time
+        self._incomplete_at: dict[int, int] = {}  # the head collective's pieces when last found incomplete
 
     def _result(self, i: int) -> CollectiveResult:
         r = self.open.get(i)
@@ -234,6 +235,16 @@ class Concatenator:
             self.next_out += 1
         return out
 
+    def _complete_now(self, r: CollectiveResult) -> bool:
+        """``r.complete``, asked again only once something was placed into it since the last no
+        (each ask is a pass over its flags, and poll runs for every batch of sends)."""
+        if self._incomplete_at.get(r.index) == r.pieces:
+            return False
+        if r.complete:
+            return True
+        self._incomplete_at = {r.index: r.pieces}
+        return False
+
     def poll(self, final: bool = False) -> list[CollectiveResult]:
         """Collectives finished (every running stream moved ``collective_window`` past them, or ``final``),
         in order. A complete one goes as soon as every running stream is ``settle_margin`` past it: the
@@ -244,7 +255,7 @@ class Concatenator:
         while True:
             if not (final and self.next_out <= self.frontier or self.next_out + self.collective_window <= settled):
                 r = self.open.get(self.next_out)
-                if r is None or not r.complete or self.next_out + self.settle_margin > settled:
+                if r is None or self.next_out + self.settle_margin > settled or not self._complete_now(r):
                     break
             r = self.open.pop(self.next_out, None)
             if r is None:
