@@ -118,3 +118,50 @@ def test_drop_counters_move_while_the_sends_queue_is_full(monkeypatch):
             out.get(timeout=0.1)
         except queue.Empty:
             pass
+
+
+def _daemon_that_dies(pid_file: str) -> None:
+    """A stand-in for `serve` killed outright: starts a capture worker, then vanishes."""
+    import multiprocessing as mp
+    import os
+
+    from mirrorckpt.tools.serve import COUNTERS, WorkerSpec, worker_main
+
+    ctx = mp.get_context("spawn")
+    shared = ctx.Array("q", len(COUNTERS), lock=False)
+    shared[0] = -1  # the worker's first published counters overwrite it: then it is capturing
+    out, stop = ctx.Queue(2), ctx.Event()  # referenced until the end: the child unpickles them late
+    w = ctx.Process(target=worker_main, args=(WorkerSpec(port=0, source="afpacket:lo"), out, stop, shared),
+                    daemon=False)
+    w.start()
+    deadline = time.monotonic() + 60
+    while shared[0] == -1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(pid_file, "w") as f:
+        f.write(str(w.pid) if shared[0] != -1 else "never started")
+    os._exit(0)
+
+
+def test_a_capture_worker_ends_when_its_daemon_is_killed(tmp_path):
+    """SIGKILL of `serve` used to leave its capture processes polling their ports forever."""
+    import multiprocessing as mp
+    import os
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.fail("needs root (AF_PACKET); CI runs it as root")
+    pid_file = tmp_path / "worker.pid"
+    p = mp.get_context("spawn").Process(target=_daemon_that_dies, args=(str(pid_file),))
+    p.start()
+    p.join(60)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    pytest.fail(f"capture worker {pid} still running 20 s after its daemon died")

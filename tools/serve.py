@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -89,6 +90,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None) ->
     from mirrorckpt.parser.packet_path import PacketPath
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
+    parent = os.getppid()  # a daemon killed outright (SIGKILL) must not leave its workers capturing
     local: queue.Queue = queue.Queue()
     held = {"bytes": 0}  # bytes waiting in `local`; the capture edge drops beyond spec.local_bytes
     lock = threading.Lock()
@@ -156,6 +158,8 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None) ->
             publish()
             if stop.is_set():
                 break
+            if os.getppid() != parent:  # orphaned (sources yield at least every poll): nobody reads
+                os._exit(1)  # the queue, and a put or the decode thread could wait on it forever
     except CaptureError as e:
         damage = str(e)
     except Exception as e:  # noqa: BLE001  (any other failure must not look like a clean end of the source)
