@@ -62,7 +62,7 @@ class IterationAssembler:
     def __init__(self, model: JobModel):
         self.model = model
         self.current: dict[int, CollectiveResult] = {}
-        self.values: dict[int, np.ndarray] = {}  # bucket -> its copy, shared by both items
+        self.values: dict[int, np.ndarray] = {}  # bucket -> its values, shared by both items
         self.iteration = 0
 
     def _buckets(self, i: int) -> int:
@@ -75,8 +75,11 @@ class IterationAssembler:
             out.append(self._emit())
         self.current[b] = r
         if r.complete and i == self.iteration:
-            self.values[b] = r.values().copy()
-            out.append(ReducedBucket(i, b, self.values[b]))
+            # The result's own buffer, read-only: the concatenator never writes a finished result
+            # again, and a copy here cost as much as placing the bucket.
+            v = self.values[b] = r.values()
+            v.flags.writeable = False
+            out.append(ReducedBucket(i, b, v))
         if len(self.current) == self._buckets(i):
             out.append(self._emit())
         return out
