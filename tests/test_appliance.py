@@ -220,7 +220,7 @@ def test_pipelined_and_whole_iteration_replicas_and_checkpoints_are_bit_identica
         persist = PersistSpec(directory=str(tmp_path / str(pipelined)), every_iterations=1, keep_last=100,
                               memory_budget_bytes=1)  # every snapshot written at once: the same steps both ways
         app = Appliance(None, training, persist, pipelined=pipelined)
-        stream = _torn(items, lambda: app.replica.resync(copy.deepcopy(fallback_state))) if torn else items
+        stream = _torn(items, lambda a=app: a.replica.resync(copy.deepcopy(fallback_state))) if torn else items
         drive(stream, app)
         s = app.close()
         steps = sorted(ckptdir.parse_step(p.name) for p in (tmp_path / str(pipelined)).glob("step-*"))
