@@ -157,7 +157,8 @@ PIPELINED = "\n[updater]\npipelined = true\n"
 
 @pytest.fixture
 def daemons(monkeypatch):
-    """serve's Daemon, kept for the test to look at (and serve's log handler put back after)."""
+    """serve's Daemon, kept for the test to look at (serve's log handler and its SIGTERM/SIGINT
+    handlers, which it leaves ignoring both, put back after)."""
     import logging
 
     from mirrorckpt.tools import serve as serve_mod
@@ -171,8 +172,11 @@ def daemons(monkeypatch):
 
     monkeypatch.setattr(serve_mod, "Daemon", Kept)
     handlers = logging.getLogger("mirrorckpt").handlers[:]
+    sigs = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     yield made
     logging.getLogger("mirrorckpt").handlers[:] = handlers
+    for s, h in sigs.items():
+        signal.signal(s, h)
 
 
 @pytest.mark.parametrize("text, flags, want", [
