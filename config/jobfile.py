@@ -105,11 +105,12 @@ SCHEMA = {
                 "fingerprint_every": (_int(1), False), "tls_cert": (_str(), False), "tls_key": (_str(), False),
                 "tls_ca": (_str(), False)},
     "metrics": {"listen": (_str(), False)},
+    "updater": {"pipelined": (_bool, False)},
     "capture": {"backend": (_str(("file", "afpacket", "dpdk")), False), "batch_frames": (_int(1), False),
                 "queue_bytes": (_int(1), False), "window": (_int(1), False)},
 }
 TOP = {"ring": _table, "job": _table, "training": _table, "persist": _table, "mirror": list, "control": _table,
-       "metrics": _table, "capture": _table}
+       "metrics": _table, "capture": _table, "updater": _table}
 
 
 def _check(where: str, section: str, d: dict) -> dict:
@@ -146,12 +147,19 @@ class JobConfig:
     control: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     capture: dict = field(default_factory=dict)
+    # [updater] pipelined: step each bucket as soon as it is final (updater.appliance.Appliance)
+    updater: dict = field(default_factory=dict)
     path: str = ""
     # (kind, count, dtype) -> protocol, as the traffic showed it when [ring] protocol is "auto"
     protocols: dict = field(default_factory=dict)
     name: str | None = None  # [job] name: recorded in the checkpoint root; another job's root is refused
     # [job] p2p_fill: the workload sends an all-reduce's values its mirrors lack point to point (parser.concat)
     p2p_fill: bool = False
+
+    @property
+    def pipelined(self) -> bool:
+        """[updater] pipelined (default off)."""
+        return bool(self.updater.get("pipelined", False))
 
 
 def _source(spec: str, base: Path | None) -> str:
@@ -209,7 +217,7 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
             raise ConfigError(f"{name}: [[mirror]] #{i + 1} rank: {mm['rank']} is outside the ring "
                               f"(ranks 0..{ring.nranks - 1})")
         cfg.mirrors.append(MirrorSpec(mm["rank"], mm.get("direction", "both"), _source(mm.get("source", ""), base)))
-    for sec in ("persist", "control", "metrics", "capture"):
+    for sec in ("persist", "control", "metrics", "capture", "updater"):
         if sec in raw:
             setattr(cfg, sec, _check(f"{name}: [{sec}]", sec, raw[sec]))
     cfg.training = dict(raw.get("training", {}))
@@ -297,7 +305,7 @@ def dump_job(cfg: JobConfig) -> str:
                 lines.append(f"dtype = {_toml_value(p.dtype)}")
         lines += ["", "[job.buckets]", f"first = {_toml_value([list(b.params) for b in lay.bucket_list(0)])}",
                   f"after_rebuild = {_toml_value([list(b.params) for b in lay.buckets])}"]
-    for sec in ("training", "persist", "control", "metrics", "capture"):
+    for sec in ("training", "persist", "control", "metrics", "capture", "updater"):
         d = _drop_none(getattr(cfg, sec))
         if d:
             lines += ["", f"[{sec}]"] + [f"{k} = {_toml_value(v)}" for k, v in d.items()]

@@ -6,7 +6,12 @@ that drifted holds a wrong state: closing commits nothing new."""
 
 from __future__ import annotations
 
+import copy
+import json
+from collections.abc import Iterator
+
 import numpy as np
+import pytest
 import torch
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, PersistSpec, TrainingSpec
@@ -140,3 +145,105 @@ def test_a_restarted_runs_first_iteration_follows_ddps_first_bucket_layout():
     b.apply(ReducedIteration(3, [g], wire_index=0))  # a restarted run's first iteration: one bucket
     for pa, pb in zip(a.params, b.params):
         assert torch.equal(pa, pb)
+
+
+# -- pipelined against whole-iteration steps on a generated capture ---------------------------
+
+GEN_STEPS, TORN = 8, 4  # iteration TORN loses its second bucket; the replica is resynced after TORN + 1
+
+
+@pytest.fixture(scope="module", params=["adam", "adamw-clip"])
+def generated(request, tmp_path_factory):
+    """A 3-rank job (two buckets after DDP's rebuild, two mirrored egress ports), its job file and
+    its items as the parser hands them; the clip job's norm is clipped in most iterations."""
+    from mirrorckpt.config.jobfile import load_job
+    from mirrorckpt.config.training import ClipSpec
+    from mirrorckpt.tools.cmd_replay import open_stream
+    from mirrorckpt.tools.generator.gen import GenConfig, generate
+
+    clip = request.param.endswith("clip")
+    opt = OptimizerSpec(name="adamw" if clip else "adam", lr=1e-2, weight_decay=0.01 if clip else 0.0)
+    d = tmp_path_factory.mktemp(request.param)
+    generate(GenConfig(ranks=3, channels=1, model="mlp:32,64,16,4", steps=GEN_STEPS, seed=3, bucket_cap_mb=0.004,
+                       training=TrainingSpec(optimizer=opt, clip=ClipSpec(0.05) if clip else None),
+                       mirrors="0:egress,1:egress", send_truth=False), d)
+    job = load_job(d / "job.toml")
+    items = list(open_stream([m.source for m in job.mirrors], job))
+    assert sum(isinstance(x, ReducedBucket) for x in items) == 1 + 2 * (GEN_STEPS - 1)
+    return job, items, json.loads((d / "truth.json").read_text())["iterations"]
+
+
+def _torn(items: list, resync) -> Iterator:
+    """The items with iteration TORN incomplete (its first bucket final and handed on, the second
+    never), and ``resync()`` called after iteration TORN + 1 (a fallback's state arriving)."""
+    for x in items:
+        if isinstance(x, ReducedBucket) and x.iteration == TORN and x.bucket == 1:
+            continue
+        if isinstance(x, ReducedIteration) and x.index == TORN:
+            x = ReducedIteration(TORN, [], complete=False, holes={1: [(0, 5)]})
+        yield x
+        if isinstance(x, ReducedIteration) and x.index == TORN + 1:
+            resync()
+
+
+@pytest.mark.parametrize("torn", [False, True])
+def test_pipelined_and_whole_iteration_replicas_and_checkpoints_are_bit_identical(generated, tmp_path, monkeypatch,
+                                                                                   torn):
+    """The same generated capture through the appliance both ways: every committed checkpoint and
+    the final replica are bit-identical (and the trainer's own, from the generator's truth). With
+    ``torn``, iteration TORN's first bucket is stepped ahead, the iteration turns out incomplete, the
+    step is rolled back, the replica stays stale (later iterations skipped) until a resync brings
+    the trainer's state after TORN + 1, and both ways go on from it. With clipping, each bucket's
+    gradient norms are taken as the bucket arrives (pipelined) and combined at the last one."""
+    from mirrorckpt.config.training import TrainingSpec as T
+    from mirrorckpt.updater.fingerprint import state_sha256
+    from mirrorckpt.updater.replica import Replica
+
+    job, items, truth = generated
+    training = T.from_dict(job.training)
+    ref = Replica.from_initial_weights(job.layout, training, next(x for x in items
+                                                                   if isinstance(x, InitialWeights)).values)
+    for x in items:
+        if isinstance(x, ReducedIteration) and x.index <= TORN + 1:
+            ref.apply(x)
+    fallback_state = ref.state()
+    real_norm, norm_calls = torch._foreach_norm, []
+
+    def counting(tensors, *a, **kw):
+        norm_calls.append(len(tensors))
+        return real_norm(tensors, *a, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_norm", counting)
+    runs = {}
+    for pipelined in (True, False):
+        norm_calls.clear()
+        persist = PersistSpec(directory=str(tmp_path / str(pipelined)), every_iterations=1, keep_last=100,
+                              memory_budget_bytes=1)  # every snapshot written at once: the same steps both ways
+        app = Appliance(None, training, persist, pipelined=pipelined)
+        stream = _torn(items, lambda a=app: a.replica.resync(copy.deepcopy(fallback_state))) if torn else items
+        drive(stream, app)
+        s = app.close()
+        steps = sorted(ckptdir.parse_step(p.name) for p in (tmp_path / str(pipelined)).glob("step-*"))
+        runs[pipelined] = (s, steps, {n: read_state(tmp_path / str(pipelined) / ckptdir.step_dirname(n))
+                                      for n in steps}, state_sha256(app.replica.params, app.replica.optimizer))
+        if training.clip is not None:  # one norm call per bucket handed on (not while stale), or per iteration
+            skipped = {TORN + 1} if torn else set()
+            buckets = [len(job.layout.bucket_list(x.iteration)[x.bucket].params)
+                       for x in (_torn(items, lambda: None) if torn else items)
+                       if isinstance(x, ReducedBucket) and x.iteration not in skipped]
+            whole = [len(job.layout.params)] * s.iterations_applied
+            assert norm_calls == (buckets if pipelined else whole), (pipelined, norm_calls)
+    (s1, steps1, ck1, sha1), (s0, steps0, ck0, sha0) = runs[True], runs[False]
+    assert s1.to_dict() | {"seconds": 0, "checkpoints": []} == s0.to_dict() | {"seconds": 0, "checkpoints": []}
+    assert s1.iterations_applied == GEN_STEPS - 2 * torn  # TORN incomplete, TORN + 1 skipped (stale)
+    assert s1.iterations_incomplete == int(torn) and s1.stale_events == int(torn)
+    assert steps1 == steps0 == [n for n in range(1, GEN_STEPS + 1) if not (torn and TORN < n <= TORN + 2)]
+    for n in steps1:
+        a, b = ck1[n], ck0[n]
+        assert (a.iterations_done, a.step) == (b.iterations_done, b.step) == (n, n)
+        for k in a.params:
+            assert torch.equal(a.params[k], b.params[k]), (n, k)
+        for k, st in a.optim["state"].items():
+            for key, v in st.items():
+                assert torch.equal(v, b.optim["state"][k][key]), (n, k, key)
+    assert sha1 == sha0 == (truth[-1]["params_sha256"], truth[-1]["optim_sha256"])

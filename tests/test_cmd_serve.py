@@ -150,3 +150,58 @@ def _listening(port: int) -> bool:
     except OSError:
         time.sleep(0.2)
         return False
+
+
+PIPELINED = "\n[updater]\npipelined = true\n"
+
+
+@pytest.fixture
+def daemons(monkeypatch):
+    """serve's Daemon, kept for the test to look at (serve's log handler and its SIGTERM/SIGINT
+    handlers, which it leaves ignoring both, put back after)."""
+    import logging
+
+    from mirrorckpt.tools import serve as serve_mod
+
+    made = []
+
+    class Kept(serve_mod.Daemon):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(serve_mod, "Daemon", Kept)
+    handlers = logging.getLogger("mirrorckpt").handlers[:]
+    sigs = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield made
+    logging.getLogger("mirrorckpt").handlers[:] = handlers
+    for s, h in sigs.items():
+        signal.signal(s, h)
+
+
+@pytest.mark.parametrize("text, flags, want", [
+    ("", [], False), (PIPELINED, [], True), (PIPELINED, ["--no-pipelined"], False), ("", ["--pipelined"], True)])
+def test_pipelined_switch_reaches_the_appliance(tmp_path, monkeypatch, daemons, text, flags, want):
+    """[updater] pipelined in the job file, overridden by --pipelined/--no-pipelined, is the
+    serve appliance's: its buckets are stepped as they arrive (the demo job: one bucket in the
+    first iteration, two after DDP's rebuild), or not at all."""
+    from mirrorckpt.updater.replica import Replica
+
+    stepped = []
+    real = Replica.apply_bucket
+    monkeypatch.setattr(Replica, "apply_bucket", lambda self, *a, **kw: stepped.append(a[:2]) or real(self, *a, **kw))
+    res = CliRunner().invoke(main, ["serve", "--config", str(demo_config(tmp_path, text))] + flags)
+    assert res.exit_code == 0, res.output[-2000:]
+    (d,) = daemons
+    assert d.appliance.pipelined is want
+    assert d.appliance.summary.iterations_applied == 10
+    assert len(stepped) == (1 + 9 * 2 if want else 0)
+
+
+def test_pipelined_with_a_control_plane_is_an_error(tmp_path, daemons):
+    (tmp_path / "secret").write_bytes(SECRET)
+    control = f'\n[control]\nlisten = "127.0.0.1:0"\nsecret_file = "{tmp_path / "secret"}"\n'
+    for text, flags in ((PIPELINED + control, []), (control, ["--pipelined"])):
+        res = CliRunner().invoke(main, ["serve", "--config", str(demo_config(tmp_path, text))] + flags)
+        assert res.exit_code == 2 and "pipelined (or --pipelined) cannot be used with [control]" in res.stderr
+    assert not daemons

@@ -60,12 +60,22 @@ def test_round_trip(tmp_path):
     (("after_rebuild = [[1], [0]]", "after_rebuild = [[1], [1]]"), "every parameter must sit in exactly one bucket"),
     (('shape = [4]', 'shape = 4'), "shape: expected a list of integers"),
     (("nranks = 3", "nranks = 3\n[ring"), "job.toml:"),
+    (("[[mirror]]", "[updater]\npipelined = 1\n[[mirror]]"), "[updater] pipelined: expected true or false, got 1"),
+    (("[[mirror]]", "[updater]\npipeline = true\n[[mirror]]"), "[updater]: unknown key 'pipeline' (known: pipelined)"),
+    (("[ring]", "updater = 1\n[ring]"), "[updater] must be a table"),
 ])
 def test_errors_are_located(tmp_path, edit, message):
     text = GOOD.replace(*edit, 1)
     with pytest.raises(ConfigError) as e:
         load_job(write(tmp_path, text))
     assert message in str(e.value) and str(e.value).startswith("job.toml")
+
+
+def test_updater_pipelined_is_read_and_written(tmp_path):
+    assert not load_job(write(tmp_path, GOOD)).pipelined  # off by default
+    job = load_job(write(tmp_path, GOOD.replace("[[mirror]]", "[updater]\npipelined = true\n\n[[mirror]]", 1)))
+    assert job.pipelined and job.updater == {"pipelined": True}
+    assert load_job(write(tmp_path, dump_job(job), "again.toml")).pipelined
 
 
 def test_relative_sources_follow_the_file(tmp_path):

@@ -160,8 +160,12 @@ CONFIGS = {
         grad_dtype="float16", loss_scale=LossScaleSpec(init_scale=256.0, growth_interval=3,
                                                        scheduler_step_on_skip=False)),
     "adam-foreach": TrainingSpec(optimizer=OptimizerSpec("adam", lr=1e-2, foreach=True)),
+    "adam-clip-inf": TrainingSpec(optimizer=OptimizerSpec("adam", lr=1e-2), clip=ClipSpec(0.02, math.inf)),
+    "adamw-fp16-clip3": TrainingSpec(
+        optimizer=OptimizerSpec("adamw", lr=1e-2), clip=ClipSpec(0.5, 3.0), grad_dtype="float16",
+        loss_scale=LossScaleSpec(init_scale=512.0, growth_interval=2)),
 }
-INF_AT = {"adam-fp16-amsgrad-linear": {2}, "adamw-fp16-onecycle": {0, 4}}
+INF_AT = {"adam-fp16-amsgrad-linear": {2}, "adamw-fp16-onecycle": {0, 4}, "adamw-fp16-clip3": {3}}
 
 
 def _run_pair(name, n_iter=7, seed=1):
@@ -270,7 +274,8 @@ def test_layout_mismatch_names_the_bucket_and_applies_nothing():
 
 
 @pytest.mark.parametrize("name", ["adam-fp32", "sgd-dampening", "adam-foreach", "adamw-bf16-clip-cosine",
-                                  "adam-fp16-amsgrad-linear"])
+                                  "adam-fp16-amsgrad-linear", "sgd-nesterov-clip-step", "adam-clip-inf",
+                                  "adamw-fp16-clip3", "adamw-fp16-onecycle"])
 def test_pipelined_buckets_equal_whole_iteration(name):
     training, layout, ref, whole, rng, _ = _run_pair(name, seed=5)
     piped = Replica(layout, training, random_init(layout, 5))
@@ -289,6 +294,64 @@ def test_pipelined_buckets_equal_whole_iteration(name):
                 assert piped.state_sha256() == before  # buffered until the last bucket
         assert piped.state_sha256() == whole.state_sha256(), f"iteration {i}"
         assert piped.iterations_done == whole.iterations_done and piped.step == whole.step
+
+
+@pytest.mark.parametrize("name", ["sgd-nesterov-clip-step", "adamw-bf16-clip-cosine", "adam-clip-inf",
+                                  "adamw-fp16-clip3"])
+def test_pipelined_clip_norms_are_taken_per_bucket_as_it_arrives(name, monkeypatch):
+    """Global-norm clipping: each bucket's gradient norms are computed when the bucket arrives
+    (one ``_foreach_norm`` over that bucket's gradients), the last bucket only combines them; the
+    state is bit-identical to the whole-iteration step (and so to clip_grad_norm_)."""
+    training, layout, ref, whole, rng, _ = _run_pair(name, seed=11)
+    piped = Replica(layout, training, random_init(layout, 11))
+    calls = []
+    real = torch._foreach_norm
+
+    def counting(tensors, *a, **kw):
+        calls.append(len(tensors))
+        return real(tensors, *a, **kw)
+
+    for i in range(5):
+        scale = whole.scaler.state_dict()["scale"] if whole.scaler else 1.0
+        it = random_iteration(layout, i, rng, scale=scale * (40.0 if i == 2 else 1.0))  # i=2: clipped hard
+        ref.step(i, it.buckets)
+        whole.apply(it)
+        sizes = [len(layout.bucket_list(i)[b].params) for b in range(len(it.buckets))]
+        calls.clear()
+        monkeypatch.setattr(torch, "_foreach_norm", counting)
+        for b in reversed(range(len(it.buckets))):
+            assert piped.apply_bucket(i, b, it.buckets[b].copy()) == (b == 0)
+            if b:  # this bucket's norms, measured on arrival
+                assert calls == sizes[b:][::-1], (i, b, calls)
+        monkeypatch.setattr(torch, "_foreach_norm", real)
+        assert calls == sizes[::-1], f"iteration {i}: norms over {calls}, buckets of {sizes}"
+        assert piped.state_sha256() == whole.state_sha256() == ref.sha(), f"iteration {i}"
+        assert piped.step == whole.step
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_clip_norm_in_two_halves_is_torchs_bit_for_bit(norm_type):
+    """The per-bucket half and the combining half give clip_grad_norm_'s total norm and clipped
+    gradients exactly, for tensors large enough that torch reduces them on several threads."""
+    from mirrorckpt.updater.replica import _param_norms, _total_norm
+
+    g = torch.Generator().manual_seed(int(norm_type) if norm_type != math.inf else 99)
+    sizes = [1, 7, 4097, 300_001, 33, 65_536]
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    for p in params:
+        p.grad = torch.randn(p.numel(), generator=g) * 3
+    grads = [p.grad.clone() for p in params]
+    want = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type)
+    norms = {}
+    for bucket in ([4, 1], [0, 5, 3], [2]):
+        norms.update(zip(bucket, _param_norms([grads[i] for i in bucket], norm_type)))
+    total = _total_norm([norms[i] for i in range(len(sizes))], norm_type)
+    assert torch.equal(total, want)
+    twins = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    for t, gr in zip(twins, grads):
+        t.grad = gr
+    torch.nn.utils.clip_grads_with_norm_(twins, 0.5, total)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(params, twins))
 
 
 def test_pipelined_iteration_that_turns_incomplete_is_rolled_back():

@@ -389,8 +389,9 @@ class Daemon:
     """`mirrorckpt serve`: owns the workers, the parser and updater threads and the endpoints."""
 
     def __init__(self, job, training, persist, metrics, iteration_queue: int = 4, sends_queue: int = 64,
-                 pace=None, updater_delay: float = 0.0, control=None):
+                 pace=None, updater_delay: float = 0.0, control=None, pipelined: bool = False):
         self.job, self.training, self.persist, self.metrics = job, training, persist, metrics
+        self.pipelined = pipelined  # buckets stepped ahead of their iteration (Appliance; not with a control plane)
         self.pace = pace
         self.updater_delay = updater_delay  # tests: a deliberately slow updater
         self.control = control  # control.appliance_side.AppliancePlane: fallbacks, drift checks, restore
@@ -599,7 +600,8 @@ class Daemon:
             self.control.start()
             log.info("control plane listening", extra={"port": self.control.port})
         else:
-            self._appliance = Appliance(self.job.layout, self.training, self.persist, on_stale=self._on_stale)
+            self._appliance = Appliance(self.job.layout, self.training, self.persist, on_stale=self._on_stale,
+                                        pipelined=self.pipelined)
             self._appliance.on_commit = self._on_commit
         self.start_workers()
         parser = threading.Thread(target=self._parser, name="parser", daemon=True)

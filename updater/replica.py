@@ -75,6 +75,10 @@ class _Pending:
     done: set[int] = field(default_factory=set)
     journal: list[tuple[int, dict | None]] = field(default_factory=list)  # (param, saved state or None)
     meta: dict = field(default_factory=dict)
+    # a step that waits for the last bucket (not separable): what each bucket contributes is
+    # computed when it arrives; the last one only combines it
+    found_inf: bool = False  # fp16: any non-finite gradient in the buckets unscaled so far
+    norms: dict[int, torch.Tensor] = field(default_factory=dict)  # param -> its gradient's clip norm
 
 
 class Replica:
@@ -371,10 +375,11 @@ class Replica:
             idx.append(i)
         return idx
 
-    def _optimizer_step(self, idx: list[int], meta: dict | None = None):
+    def _optimizer_step(self, idx: list[int], meta: dict | None = None, norms: dict | None = None):
         """optimizer.step() over the parameters ``idx``; the others carry no gradient and are skipped.
         Clipping multiplies by the trainer's own coefficient when it sent one (its norm's reduction
-        order is its device's); else the norm is computed here."""
+        order is its device's); else the norm is computed here, or combined from ``norms`` (each
+        parameter's gradient norm, computed as its bucket arrived: ``_total_norm``)."""
         for i in idx:
             self.params[i].grad = self._grads[i]
         try:
@@ -385,6 +390,9 @@ class Replica:
                     coef = torch.tensor(float(given["coef"]), dtype=torch.float32)
                     for i in idx:
                         self._grads[i].mul_(coef)  # what clip_grads_with_norm_ does: one exact-rounded product
+                elif norms is not None:
+                    torch.nn.utils.clip_grads_with_norm_([self.params[i] for i in idx], c.max_norm,
+                                                         _total_norm([norms[i] for i in idx], c.norm_type))
                 else:
                     torch.nn.utils.clip_grad_norm_([self.params[i] for i in idx], c.max_norm, c.norm_type)
             self.optimizer.step()
@@ -392,17 +400,24 @@ class Replica:
             for i in idx:
                 self.params[i].grad = None
 
-    def _step_all(self, meta: dict | None = None) -> bool:
+    def _step_all(self, meta: dict | None = None, pending: _Pending | None = None) -> bool:
         """The trainer's step over all parameters once every gradient is loaded; False if skipped.
-        The trainer's skip decision (its inf/nan check) is taken as given when it sent one."""
+        The trainer's skip decision (its inf/nan check) is taken as given when it sent one.
+        ``pending``: an iteration whose buckets were unscaled and measured as they arrived
+        (``_prepare_bucket``)."""
         idx = list(range(len(self.params)))
-        found_inf = self.scaler.unscale_(self._grads) if self.scaler is not None else False
+        if self.scaler is None:
+            found_inf = False
+        elif pending is not None:
+            found_inf = pending.found_inf
+        else:
+            found_inf = self.scaler.unscale_(self._grads)
         given = (meta or {}).get("skipped")
         if given is not None and bool(given) != found_inf:
             self.decisions_overridden += 1
             found_inf = bool(given)
         if not found_inf:
-            self._optimizer_step(idx, meta)
+            self._optimizer_step(idx, meta, pending.norms if pending is not None and self.training.clip else None)
         if self.scaler is not None:
             self.scaler.update(found_inf)
         return not found_inf
@@ -468,14 +483,29 @@ class Replica:
         if self.separable:
             p.journal += self._save_undo(idx)
             self._optimizer_step(idx)
+        else:
+            self._prepare_bucket(p, idx)
         p.done.add(bucket_index)
         p.meta.update(meta or {})
         if len(p.done) < len(p.buckets):
             return False
-        stepped = True if self.separable else self._step_all(p.meta)
+        stepped = True if self.separable else self._step_all(p.meta, p)
         self._pending = None
         self._finish(iteration, stepped, p.meta)
         return True
+
+    @torch.no_grad()
+    def _prepare_bucket(self, p: _Pending, idx: list[int]) -> None:
+        """A bucket of a step that cannot run before the last one: what of the step is per
+        parameter is done now, on this bucket's fp32 gradients, with the ops the whole step runs on
+        them: fp16's unscale and inf check (elementwise, the loss scale only changes after the
+        step) and each gradient's clip norm (torch's per-tensor norms; the last bucket only
+        combines them). Nothing of the state changes, so an incomplete iteration needs no undo."""
+        grads = [self._grads[i] for i in idx]
+        if self.scaler is not None:
+            p.found_inf |= self.scaler.unscale_(grads)
+        if self.training.clip is not None:
+            p.norms.update(zip(idx, _param_norms(grads, self.training.clip.norm_type)))
 
     def _save_undo(self, idx: list[int]) -> list[tuple[int, dict | None]]:
         """Copy parameters ``idx`` and their optimizer state into undo buffers that are allocated
@@ -514,3 +544,17 @@ class Replica:
                 self.optimizer.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                                for k, v in kept.items()}
         self._go_stale(p.iteration, holes)
+
+
+# Global-norm clipping in two halves, the ops torch.nn.utils.clip_grad_norm_ (torch 2.13-2.14,
+# ``_get_total_norm``) runs on CPU float32 gradients: one norm per tensor (``_foreach_norm``,
+# each tensor's norm on its own), then the norm of those norms stacked in parameter order. So the
+# per-tensor half can run bucket by bucket and the result is bit-identical (tests/test_replica.py).
+
+
+def _param_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    return list(torch._foreach_norm(grads, float(norm_type)))
+
+
+def _total_norm(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack(norms), float(norm_type))
