@@ -117,7 +117,7 @@ def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, tr
 
 
 def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=None,
-        persist=None, progress=None, transport="roce", summarize=False, p2p_fill=False):
+        persist=None, progress=None, transport="roce", summarize=False, p2p_fill=False, pipelined=False):
     """The main job. ``training``: the replica's TrainingSpec, or a function of the layout; None
     keeps no replica. Returns (job stream, finished collectives, iterations, Appliance or None).
     ``summarize``: keep each all-reduce as its ``allreduce_entry`` and each iteration without its
@@ -127,7 +127,8 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
     from mirrorckpt.updater.appliance import Appliance, drive
 
     js = open_stream(captures, job, dtype, nccl_version, icrc, transport, p2p_fill)
-    app = Appliance(None, training, persist, on_iteration=progress) if training is not None else None
+    app = Appliance(None, training, persist, on_iteration=progress, pipelined=pipelined) \
+        if training is not None else None
     results, iterations = [], []
     digests = Digests() if summarize else None
 
@@ -172,8 +173,11 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
                    "remaining hole, after it, fills it. Off by default: nothing on the wire proves what a "
                    "point-to-point send carries, and a foreign one of that size would give wrong values. "
                    "A job file says it with [job] p2p_fill = true.")
+@click.option("--pipelined/--no-pipelined", default=None,
+              help="Step each bucket's parameters as soon as the bucket is final (overrides [updater] "
+                   "pipelined; default off: see `serve --pipelined`).")
 def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer, lr, as_json, no_icrc, quiet,
-           transport, p2p_fill):
+           transport, p2p_fill, pipelined):
     """Replay mirror CAPTURES of one job: reassemble every all-reduce, keep the replica, commit checkpoints.
 
     With no CAPTURE, the bundled demo (tests/pcaps/demo) is replayed into ./mirrorckpt-demo."""
@@ -251,7 +255,9 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     try:
         with bar:
             js, results, iterations, app = run(captures, job, dtype, nccl_version, not no_icrc, training, persist,
-                                               progress, transport, summarize=True, p2p_fill=p2p_fill)
+                                               progress, transport, summarize=True, p2p_fill=p2p_fill,
+                                               pipelined=(job is not None and job.pipelined) if pipelined is None
+                                               else pipelined)
     except CaptureError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
