@@ -106,6 +106,8 @@ RELEASE_BYTES = 16 << 20  # hand back consumed pages in steps of this many bytes
 class CaptureReader:
     """Iterable of `FrameBatch`es of up to `batch_frames` frames; `.stats` counts what was read."""
 
+    stable_batches = True  # a batch stays valid after the next is read (a view of the read-only mapping)
+
     def __init__(self, path, batch_frames: int = DEFAULT_BATCH_FRAMES):
         if int(batch_frames) < 1:
             raise ValueError(f"batch_frames must be at least 1, not {batch_frames}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, CollSpec
 from mirrorckpt.config.layout import dtype_size, numpy_dtype
-from mirrorckpt.parser import _place
+from mirrorckpt.parser import _place, memory
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.nccl import NcclSend
 from mirrorckpt.parser.schedule import REDUCED
@@ -94,6 +94,7 @@ class Concatenator:
     would make a collective complete with wrong values."""
 
     def __init__(self, model: JobModel, collective_window: int = 8, p2p_fill: bool = False):
+        memory.keep_freed_memory()  # a result buffer per collective, and (serve) the sends unpickled
         self.model = model
         self.p2p_fill = p2p_fill
         self.collective_window = collective_window

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.streams import WIRE_IDLE, StreamStats
+from mirrorckpt.tools.sendring import SendRing
 
 log = logging.getLogger("mirrorckpt.serve")
 
@@ -82,9 +83,10 @@ class WorkerSpec:
 COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc")
 
 
-def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None) -> None:
-    """Capture thread + packet-path thread; sends go to the main process through ``out``,
-    counters through ``shared`` (an int64 array laid out as COUNTERS)."""
+def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ring=None) -> None:
+    """Capture thread + packet-path thread; sends go to the main process through ``out`` (their
+    bytes through ``ring``, a sendring.SendRing, when given), counters through ``shared`` (an
+    int64 array laid out as COUNTERS)."""
     from mirrorckpt.capture.batch import CaptureError
     from mirrorckpt.capture.source import open_source, paced
     from mirrorckpt.parser.packet_path import PacketPath
@@ -102,10 +104,15 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None) ->
     pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port)
     damage = None
 
+    def given_up() -> bool:  # while the ring is full
+        return stop.is_set() or os.getppid() != parent
+
     def put(sends):
         # what the decoder has seen of the release goes with its sends: the parser decides it
         fam = pp.nccl.family
-        out.put(("sends", spec.port, (sends, fam.cts.name if fam.cts else None, fam.imm_order)))
+        cts = fam.cts.name if fam.cts else None
+        for bare, span in ring.pack(sends, given_up) if ring is not None else [(sends, None)]:
+            out.put(("sends", spec.port, (bare, cts, fam.imm_order, span)))
 
     def decode():
         from mirrorckpt.parser.errors import VersionMismatch
@@ -141,6 +148,9 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None) ->
             opts["batch_frames"] = min(spec.batch_frames, DPDK_MAX_BATCH)
         src = open_source(spec.source, **opts)
         it = paced(src, spec.pace) if spec.pace is not None else src
+        # a live source reuses its buffers once we move on; a file's batches are views of a
+        # read-only mapping that stays valid
+        keep = getattr(src, "stable_batches", False)
         for batch in it:
             counters["frames"] += len(batch)
             counters["bytes"] += batch.nbytes
@@ -149,7 +159,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None) ->
                 if room:
                     held["bytes"] += batch.nbytes
             if room:
-                local.put(batch.copy())  # the source may reuse its buffer once we move on
+                local.put(batch if keep else batch.copy())
             else:
                 counters["dropped_capture"] += len(batch)
             kstats = getattr(src, "kernel_drops", None)
@@ -195,8 +205,10 @@ class QueueStreams:
     for files in one process)."""
 
     def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0,
-                 idle_seconds: float = 2.0, replay_bytes: int = 256 << 20, shared: list | None = None):
+                 idle_seconds: float = 2.0, replay_bytes: int = 256 << 20, shared: list | None = None,
+                 rings: list | None = None):
         self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
+        self.rings = rings  # per port: the worker's sendring.SendRing (None: bytes come pickled)
         self.shared = shared  # per port: the worker's counters (COUNTERS), read by sync_counters
         self.nstreams = nports
         self.stats = [StreamStats(f"port {k}") for k in range(nports)]
@@ -271,6 +283,9 @@ class QueueStreams:
                                               if (kept := [x for x in sends if x.connection not in ring]))
             self._outside_bytes = sum(x.data.nbytes for sends in self._outside for x in sends)
         outside = [x for x in sends if x.connection not in ring]
+        for x in outside:  # kept: their own bytes, not a view that holds a whole ring chunk
+            if x.data.base is not None:
+                x.data = x.data.copy()
         if outside:
             self._outside.append(outside)
             self._outside_bytes += sum(x.data.nbytes for x in outside)
@@ -297,7 +312,9 @@ class QueueStreams:
             if kind == "sends":
                 self.last_seen[port] = unsettled = time.monotonic()
                 self.stalled.discard(port)
-                payload, cts, imm = payload
+                payload, cts, imm, *span = payload
+                if span and span[0] is not None:
+                    payload = self.rings[port].unpack(payload, span[0])
                 self.decoders[port].saw(cts, imm)
                 payload = self._admit(payload)
                 if payload:
@@ -402,6 +419,8 @@ class Daemon:
         self.stopping = threading.Event()
         self.workers: list = []
         self.shared = [self.ctx.Array("q", len(COUNTERS), lock=False) for _ in job.mirrors]
+        ring_bytes = job.capture.get("transfer_bytes", 128 << 20)
+        self.rings = [SendRing(self.ctx, ring_bytes) for _ in job.mirrors] if ring_bytes else None
         # capture timestamps are this host's clock: wire-to-step and wire-to-commit times are measured
         self.live = bool(job.mirrors) and all(str(m.source).startswith(("afpacket:", "dpdk:")) for m in job.mirrors)
         self._wire_ts: dict[int, int] = {}  # checkpoint step -> its iteration's last capture timestamp
@@ -417,7 +436,8 @@ class Daemon:
             spec = WorkerSpec(port=i, source=m.source, batch_frames=cap.get("batch_frames", 65536),
                               local_bytes=cap.get("queue_bytes", 256 << 20), nccl_version=self.job.ring.nccl_version,
                               pace=self.pace)
-            p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture, self.shared[i]),
+            ring = self.rings[i] if self.rings else None
+            p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture, self.shared[i], ring),
                                  name=f"mirrorckpt-capture-{i}", daemon=True)
             p.start()
             self.workers.append(p)
@@ -444,7 +464,8 @@ class Daemon:
         from mirrorckpt.updater.appliance import drive
 
         streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping,
-                               replay_bytes=self.job.capture.get("queue_bytes", 256 << 20), shared=self.shared)
+                               replay_bytes=self.job.capture.get("queue_bytes", 256 << 20), shared=self.shared,
+                               rings=self.rings)
         self.streams = streams
         try:
             while not self.stopping.is_set():

@@ -1,0 +1,87 @@
+"""The shared-memory ring that carries capture workers' send bytes to the parser (tools/sendring)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import threading
+import time
+
+import numpy as np
+from mirrorckpt.parser.nccl import ConnKey, NcclSend
+from mirrorckpt.tools.sendring import SendRing
+
+CTX = mp.get_context("spawn")
+
+
+def send(nbytes: int, seed: int) -> NcclSend:
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8)
+    return NcclSend(connection=ConnKey(b"a" * 16, b"b" * 16, 1), qp=None, protocol="Simple", data=data, holes=[],
+                    wire_bytes=nbytes, size=nbytes, va=seed, form="normal", ts_ns=seed)
+
+
+def through(ring: SendRing, parser: SendRing, sends: list) -> list:
+    """What the parser gets: each queue item pickled as the multiprocessing queue does."""
+    out = []
+    for bare, span in ring.pack(sends):
+        out += parser.unpack(pickle.loads(pickle.dumps(bare)), span)
+    return out
+
+
+def test_sends_arrive_whole_in_order_across_many_wraps():
+    ring = SendRing(CTX, 1 << 16)  # 16 KiB chunks
+    parser = ring  # the parser's side (one process here; see the next test for two)
+    sizes = [0, 1, 4096, 5000, 16384, 16385, 70000, 3, 12000] * 20  # empty, chunk-sized, larger than a chunk
+    sends = [send(n, k) for k, n in enumerate(sizes)]
+    want = [s.data.copy() for s in sends]
+    got = []
+    for k in range(0, len(sends), 7):
+        got += through(ring, parser, sends[k:k + 7])
+    assert [g.va for g in got] == [s.va for s in sends]
+    for g, w in zip(got, want):
+        assert g.data.dtype == np.uint8 and np.array_equal(g.data, w)
+    assert ring.written > 10 * ring.nbytes  # the ring was reused many times over
+    for s, w in zip(sends, want):  # the worker's own sends keep their bytes (its decoder may hold them)
+        assert np.array_equal(s.data, w)
+
+
+def test_a_full_ring_waits_for_the_parser_and_gives_up_when_told():
+    ring = SendRing(CTX, 1 << 16)
+    items = list(ring.pack([send(16384, k) for k in range(4)]))  # the whole ring in flight, nothing copied out
+    assert all(span is not None for _, span in items)
+    stop = threading.Event()
+    done = []
+    t = threading.Thread(target=lambda: done.append(list(ring.pack([send(100, 9)], stop.is_set))))
+    t.start()
+    time.sleep(0.3)
+    assert not done  # waiting for room
+    ring.unpack(*items[0])  # the parser copies one chunk out: room again
+    t.join(5)
+    assert done and done[0][0][1] is not None
+    full = SendRing(CTX, 1 << 16)
+    list(full.pack([send(16384, k) for k in range(4)]))
+    stop.set()
+    ((bare, span),) = full.pack([send(100, 7)], stop.is_set)
+    assert span is None and np.array_equal(bare[0].data, send(100, 7).data)  # pickled with its bytes instead
+
+
+def _worker(ring: SendRing, q) -> None:
+    for k in range(0, 60, 20):  # each call more than the ring holds
+        for bare, span in ring.pack([send(1000 * (j % 13), j) for j in range(k, k + 20)]):
+            q.put((bare, span))
+    q.put(None)
+
+
+def test_a_spawned_worker_hands_its_sends_through_the_ring():
+    ring = SendRing(CTX, 1 << 15)
+    q = CTX.Queue(maxsize=4)  # the worker must wait for room in the ring, not only in the queue
+    p = CTX.Process(target=_worker, args=(ring, q))
+    p.start()
+    got = []
+    while (item := q.get(timeout=60)) is not None:
+        got += ring.unpack(*item)
+    p.join(30)
+    assert p.exitcode == 0
+    assert [g.va for g in got] == list(range(60))
+    for g in got:
+        assert np.array_equal(g.data, send(1000 * (g.va % 13), g.va).data)
