@@ -97,7 +97,7 @@ SCHEMA = {
     "job.params": {"name": (_str(), True), "shape": (_int_list, True), "dtype": (_str(tuple(DTYPES)), False)},
     "job.buckets": {"first": (_int_lists, False), "after_rebuild": (_int_lists, True)},
     "mirror": {"rank": (_int(0), True), "direction": (_str(("egress", "ingress", "both")), False),
-               "source": (_str(), False)},
+               "source": (_str(), False), "workers": (_int(1), False)},
     "persist": {"directory": (_str(), True), "every_iterations": (_int(1), False),
                 "every_seconds": (_num(0), False), "keep_last": (_int(1), False),
                 "memory_budget_bytes": (_int(0), False), "writer_threads": (_int(1), False)},
@@ -216,7 +216,8 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
         if mm["rank"] >= ring.nranks:
             raise ConfigError(f"{name}: [[mirror]] #{i + 1} rank: {mm['rank']} is outside the ring "
                               f"(ranks 0..{ring.nranks - 1})")
-        cfg.mirrors.append(MirrorSpec(mm["rank"], mm.get("direction", "both"), _source(mm.get("source", ""), base)))
+        cfg.mirrors.append(MirrorSpec(mm["rank"], mm.get("direction", "both"), _source(mm.get("source", ""), base),
+                                      mm.get("workers", 1)))
     for sec in ("persist", "control", "metrics", "capture", "updater"):
         if sec in raw:
             setattr(cfg, sec, _check(f"{name}: [{sec}]", sec, raw[sec]))
@@ -313,4 +314,6 @@ def dump_job(cfg: JobConfig) -> str:
         lines += ["", "[[mirror]]", f"rank = {m.rank}", f"direction = {_toml_value(m.direction)}"]
         if m.source:
             lines.append(f"source = {_toml_value(m.source)}")
+        if m.workers != 1:
+            lines.append(f"workers = {m.workers}")
     return "\n".join(lines) + "\n"

@@ -190,7 +190,10 @@ class MirrorSpec:
     rank: int
     direction: str = "both"  # "egress" (frames the rank sends), "ingress" (frames it receives), "both"
     source: str = ""  # capture file or interface
+    workers: int = 1  # capture processes sharing the port, split by QP pair (capture.fanout)
 
     def __post_init__(self):
         if self.direction not in ("egress", "ingress", "both"):
             raise ValueError(f"mirror direction must be egress, ingress or both, got {self.direction!r}")
+        if self.workers < 1:
+            raise ValueError(f"mirror workers must be at least 1, got {self.workers}")

@@ -56,6 +56,9 @@ def check_sources(job) -> list[str]:
                 errors.append(f"{where}: {problem}")
         elif not m.source.startswith("dpdk:") and not Path(m.source.removeprefix("file:")).is_file():
             errors.append(f"{where}: no capture file {m.source!r}")
+        if m.workers > 1 and m.source.startswith("dpdk:"):
+            errors.append(f"[[mirror]] #{i + 1} workers = {m.workers}: a dpdk source has one worker (splitting "
+                          "its port over RSS queues is not built); use afpacket or workers = 1")
     return errors
 
 

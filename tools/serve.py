@@ -76,6 +76,7 @@ class WorkerSpec:
     icrc: bool = True
     nccl_version: str | None = None  # None: the decoder reads the release's wire facts from the traffic
     pace: str | float | None = None  # file replay: None (as fast as possible), "recorded", Gbit/s
+    share: tuple[int, int] = (0, 1)  # worker k of N on this port: the frames of its QP pairs (capture.fanout)
 
 
 # A worker's counters, in the shared array the main process reads: they must not wait behind
@@ -87,6 +88,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     """Capture thread + packet-path thread; sends go to the main process through ``out`` (their
     bytes through ``ring``, a sendring.SendRing, when given), counters through ``shared`` (an
     int64 array laid out as COUNTERS)."""
+    from mirrorckpt.capture import fanout
     from mirrorckpt.capture.batch import CaptureError
     from mirrorckpt.capture.source import open_source, paced
     from mirrorckpt.parser.packet_path import PacketPath
@@ -151,6 +153,9 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         # a live source reuses its buffers once we move on; a file's batches are views of a
         # read-only mapping that stays valid
         keep = getattr(src, "stable_batches", False)
+        k, n = spec.share
+        if n > 1 and keep:  # every worker reads the file and keeps the frames of its QP pairs
+            it = (fanout.share(b, k, n) for b in it)
         for batch in it:
             counters["frames"] += len(batch)
             counters["bytes"] += batch.nbytes
@@ -206,12 +211,13 @@ class QueueStreams:
 
     def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0,
                  idle_seconds: float = 2.0, replay_bytes: int = 256 << 20, shared: list | None = None,
-                 rings: list | None = None):
+                 rings: list | None = None, labels: list[str] | None = None):
         self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
+        self.labels = labels or [str(k) for k in range(nports)]  # the metrics' port label per stream
         self.rings = rings  # per port: the worker's sendring.SendRing (None: bytes come pickled)
         self.shared = shared  # per port: the worker's counters (COUNTERS), read by sync_counters
         self.nstreams = nports
-        self.stats = [StreamStats(f"port {k}") for k in range(nports)]
+        self.stats = [StreamStats(f"port {lab}") for lab in self.labels]
         self.finished: dict[int, str | None] = {}  # port -> damage (None: clean end)
         self.last_seen: dict[int, float] = {}
         self.stall_seconds = stall_seconds
@@ -341,7 +347,7 @@ class QueueStreams:
 
     def _stats(self, port: int, c: dict) -> None:
         old = self.counters.get(port, {})
-        m, lp = self.metrics, str(port)
+        m, lp = self.metrics, self.labels[port]
         m.frames.labels(lp).inc(max(0, c["frames"] - old.get("frames", 0)))
         m.bytes.labels(lp).inc(max(0, c["bytes"] - old.get("bytes", 0)))
         m.dropped.labels(lp, "capture").inc(max(0, c["dropped_capture"] - old.get("dropped_capture", 0)))
@@ -402,6 +408,11 @@ def _ring_connections(js) -> dict:
     return a.resolver.mapped if a is not None and a.resolver is not None else {}
 
 
+def stream_label(mirror: int, worker: int, workers: int) -> str:
+    """A capture stream's name in metrics and logs: the port, and the worker when it has several."""
+    return str(mirror) if workers == 1 else f"{mirror}.{worker}"
+
+
 class Daemon:
     """`mirrorckpt serve`: owns the workers, the parser and updater threads and the endpoints."""
 
@@ -418,9 +429,11 @@ class Daemon:
         self.stop_capture = self.ctx.Event()
         self.stopping = threading.Event()
         self.workers: list = []
-        self.shared = [self.ctx.Array("q", len(COUNTERS), lock=False) for _ in job.mirrors]
+        # one stream per capture worker: (mirror index, worker k, workers N)
+        self.stream_of = [(i, k, m.workers) for i, m in enumerate(job.mirrors) for k in range(m.workers)]
+        self.shared = [self.ctx.Array("q", len(COUNTERS), lock=False) for _ in self.stream_of]
         ring_bytes = job.capture.get("transfer_bytes", 128 << 20)
-        self.rings = [SendRing(self.ctx, ring_bytes) for _ in job.mirrors] if ring_bytes else None
+        self.rings = [SendRing(self.ctx, ring_bytes) for _ in self.stream_of] if ring_bytes else None
         # capture timestamps are this host's clock: wire-to-step and wire-to-commit times are measured
         self.live = bool(job.mirrors) and all(str(m.source).startswith(("afpacket:", "dpdk:")) for m in job.mirrors)
         self._wire_ts: dict[int, int] = {}  # checkpoint step -> its iteration's last capture timestamp
@@ -432,13 +445,14 @@ class Daemon:
 
     def start_workers(self) -> None:
         cap = self.job.capture
-        for i, m in enumerate(self.job.mirrors):
-            spec = WorkerSpec(port=i, source=m.source, batch_frames=cap.get("batch_frames", 65536),
+        for s, (i, k, n) in enumerate(self.stream_of):
+            m = self.job.mirrors[i]
+            spec = WorkerSpec(port=s, source=m.source, batch_frames=cap.get("batch_frames", 65536),
                               local_bytes=cap.get("queue_bytes", 256 << 20), nccl_version=self.job.ring.nccl_version,
-                              pace=self.pace)
-            ring = self.rings[i] if self.rings else None
-            p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture, self.shared[i], ring),
-                                 name=f"mirrorckpt-capture-{i}", daemon=True)
+                              pace=self.pace, share=(k, n))
+            ring = self.rings[s] if self.rings else None
+            p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture, self.shared[s], ring),
+                                 name=f"mirrorckpt-capture-{stream_label(i, k, n)}", daemon=True)
             p.start()
             self.workers.append(p)
         log.info("capture workers started", extra={"ports": [m.source for m in self.job.mirrors]})
@@ -463,9 +477,9 @@ class Daemon:
         from mirrorckpt.parser.pipeline import JobStream
         from mirrorckpt.updater.appliance import drive
 
-        streams = QueueStreams(self.sends_q, len(self.job.mirrors), self.metrics, self.stopping,
+        streams = QueueStreams(self.sends_q, len(self.stream_of), self.metrics, self.stopping,
                                replay_bytes=self.job.capture.get("queue_bytes", 256 << 20), shared=self.shared,
-                               rings=self.rings)
+                               rings=self.rings, labels=[stream_label(*x) for x in self.stream_of])
         self.streams = streams
         try:
             while not self.stopping.is_set():

@@ -83,6 +83,31 @@ def test_serve_keeps_a_bit_exact_replica(job_dir, tmp_path):
     assert restore.verify(restore.latest(tmp_path / "ck")).ok
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir, tmp_path, workers):
+    """[[mirror]] workers = N: N capture processes share each port, each decoding the frames of its
+    QP pairs (capture.fanout); every iteration is still reassembled and the replica is bit-exact."""
+    import numpy as np
+    from mirrorckpt.capture import fanout
+    from mirrorckpt.capture.pcapfile import read_all
+
+    cfg = config(job_dir, tmp_path)
+    cfg.write_text(cfg.read_text().replace('direction = "egress"', f'direction = "egress"\nworkers = {workers}'))
+    job = load_job(cfg)
+    assert [m.workers for m in job.mirrors] == [workers, workers]
+    # the generated QP pairs fall into more than one share: the split is real
+    shares = np.concatenate([fanout.worker_of(read_all(m.source), workers) for m in job.mirrors])
+    assert len(np.unique(shares)) > 1
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    logs = [json.loads(line) for line in res.stderr.splitlines() if line.startswith("{")]
+    stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
+    assert stopped["iterations_applied"] == STEPS and stopped["iterations_incomplete"] == 0
+    want = truth(job_dir)["iterations"][-1]
+    assert replica_sha(tmp_path / "ck", job) == (want["params_sha256"], want["optim_sha256"])
+
+
 def test_status_while_running_and_clean_sigterm(long_job_dir, tmp_path):
     job_dir = long_job_dir
     port = free_port()
