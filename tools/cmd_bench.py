@@ -33,6 +33,7 @@ SECTIONS = {
     "goodput": ("mirrorckpt.benchmarks.bench_goodput", "run", {}, {"steps": 120, "mtbf_s": 3.0, "every": 10}),
     "joint": ("mirrorckpt.benchmarks.bench_joint", "run", {"nparams": 16_000_000}, {"nparams": 4_000_000, "reps": 2}),
     "e2e": ("mirrorckpt.benchmarks.bench_e2e", "run", {}, {"repeat": 2, "memory_steps": None}),
+    "serve": ("mirrorckpt.benchmarks.bench_serve", "run", {}, {"repeat": 1, "long": 12}),
     "latency": ("mirrorckpt.benchmarks.bench_latency", "run", {}, {"sizes": ("64,128,32", "512,1024,512"),
                                                                     "steps": 12}),
     "large": ("mirrorckpt.benchmarks.bench_large", "run_all", {},
@@ -360,6 +361,37 @@ def _render_e2e(name, r) -> list[str]:
     for f in r.get("fig10", []):
         lines.append(f"| {f['job']} | {f['protocol']} | {f['port_GB_per_iteration']:.1f} | {f['wire_seconds']:.2f} | "
                      f"{f['seconds_one_core']:.1f} | {f['cores_for_line_rate']:.1f} |")
+    return lines
+
+
+def _render_serve(name, r) -> list[str]:
+    protos = [p for p in ("Simple", "LL", "LL128") if isinstance(r.get(p), dict)]
+    x0 = r[protos[0]]
+    lines = ["## File-fed `serve`, by the slope method (issue 16)", "",
+             f"`mirrorckpt serve` in a fresh process on a {x0['steps'][0]}-step and a {x0['steps'][1]}-step capture "
+             f"of one generated job (2 ranks, 2 channels, `{x0['model']}` fp32) mirrored at one port in both "
+             "directions (the whole ring on one port), wall clock and CPU time of the daemon and its capture "
+             "workers, best of 3 each; the slope is the per-iteration rate, start-up cancels. The replica steps "
+             "every iteration (AdamW). `[capture] queue_bytes` is above the capture size, so a file offered faster "
+             "than the daemon decodes does not drop at the capture edge (as a live port would) and every run "
+             f"applies every iteration. {r['cores']} cores, shared by the workers, the parser thread and the "
+             f"updater thread; one-core memcpy in the same run: {r['memcpy_GBps']:.1f} GB/s.", "",
+             "| protocol | capture, short / long | variant | seconds, short / long | GB/s of capture (slope) | "
+             "GB per CPU second | every iteration applied |", "|---|---|---|---|---|---|---|"]
+    for p in protos:
+        x = r[p]
+        s, lg = (str(k) for k in x["steps"])
+        first = True
+        for v, y in x["variants"].items():
+            a, b = y["runs"][s], y["runs"][lg]
+            size = f"{x['bytes'][s] / 1e6:.0f} / {x['bytes'][lg] / 1e6:.0f} MB" if first else ""
+            lines.append(f"| {p if first else ''} | {size} | {v} | {a['seconds']:.2f} / {b['seconds']:.2f} | "
+                         f"{_f(y['slope_GBps'])} | {_f(y['GB_per_cpu_second'])} | "
+                         f"{'yes' if y['every_iteration'] else 'NO'} |")
+            first = False
+    if r.get("load_average_after"):
+        load = ", ".join(f"{x:.1f}" for x in r["load_average_after"])
+        lines += ["", f"Load average at the end of the section: {load}."]
     return lines
 
 

@@ -1,0 +1,109 @@
+"""File-fed `mirrorckpt serve` by the slope method (issue 16): capture workers, the parser process
+and the replica as they run on a mirror port, one port carrying a 2-rank job both ways.
+
+For each protocol a generated 2-rank, 2-channel job mirrored at rank 0's port ("0:both": the
+whole ring on one port) is captured twice, ``short`` and ``long`` steps. Each capture is served
+in a fresh process (wall clock and the CPU time of the daemon and its workers), best of
+``repeat``; the slope between the two is the per-iteration rate. ``[capture] queue_bytes`` is
+set above the capture size: a file source offered faster than the daemon decodes would otherwise
+drop at the capture edge (what a live port does), and a run with drops measures less work. Every
+run must apply every iteration with none incomplete. Variants: the sends' bytes pickled through
+the queue (``transfer_bytes = 0``, the old path), through the shared-memory ring, and the port
+split over two workers (``[[mirror]] workers = 2``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mirrorckpt.benchmarks.bench_e2e import PMTU, memcpy_GBps
+
+VARIANTS = {"pickled, 1 worker": {"transfer_bytes": 0, "workers": 1},
+            "shared ring, 1 worker": {"workers": 1},
+            "shared ring, 2 workers": {"workers": 2}}
+
+
+def build(out: Path, protocol: str, steps: int, model: str) -> None:
+    from mirrorckpt.tools.generator.gen import GenConfig, generate
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    generate(GenConfig(ranks=2, channels=2, protocol=protocol, model=model, steps=steps, seed=1, mirrors="0:both",
+                       wire=WireOptions(pmtu=PMTU[protocol]), send_truth=False), out)
+
+
+def config(job_dir: Path, variant: dict) -> Path:
+    text = (job_dir / "job.toml").read_text().replace('source = "', f'source = "{job_dir}/')
+    text = text.replace('direction = "both"', f'direction = "both"\nworkers = {variant["workers"]}')
+    text += f"\n[capture]\nqueue_bytes = {1 << 40}\n"
+    if "transfer_bytes" in variant:
+        text += f"transfer_bytes = {variant['transfer_bytes']}\n"
+    p = job_dir / f"serve_w{variant['workers']}_t{variant.get('transfer_bytes', 'ring')}.toml"
+    p.write_text(text)
+    return p
+
+
+def serve_once(cfg: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
+                       capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        raise RuntimeError(f"serve {cfg} exited {p.returncode}: {p.stderr[-2000:]}")
+    stopped = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{") and "appliance stopped" in x][-1]
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"seconds": wall, "cpu_seconds": cpu, "applied": stopped["iterations_applied"],
+            "incomplete": stopped["iterations_incomplete"]}
+
+
+def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: Path) -> dict:
+    dirs = {}
+    for steps in (short, long):
+        dirs[steps] = tmp / f"{protocol}_{steps}"
+        build(dirs[steps], protocol, steps, model)
+    res: dict = {"protocol": protocol, "model": model, "steps": [short, long],
+                 "bytes": {str(s): sum(f.stat().st_size for f in d.glob("*.pcap*")) for s, d in dirs.items()},
+                 "variants": {}}
+    for name, variant in VARIANTS.items():
+        runs = {}
+        for steps, d in dirs.items():
+            cfg = config(d, variant)
+            best = None
+            for _ in range(repeat):
+                r = serve_once(cfg)
+                r["every_iteration"] = r["applied"] == steps and r["incomplete"] == 0
+                if best is None or r["seconds"] < best["seconds"]:
+                    best = r
+            runs[str(steps)] = best
+        a, b = runs[str(short)], runs[str(long)]
+        nbytes = res["bytes"][str(long)] - res["bytes"][str(short)]
+        dt, dc = b["seconds"] - a["seconds"], b["cpu_seconds"] - a["cpu_seconds"]
+        res["variants"][name] = {"runs": runs, "slope_GBps": nbytes / dt / 1e9 if dt > 0.05 else None,
+                                 "GB_per_cpu_second": nbytes / dc / 1e9 if dc > 0.05 else None,
+                                 "every_iteration": a["every_iteration"] and b["every_iteration"]}
+    return res
+
+
+def run(protocols=("Simple", "LL"), model: str = "linear:2000000", short: int = 2, long: int = 42,
+        repeat: int = 3) -> dict:
+    out: dict = {"memcpy_GBps": memcpy_GBps(), "cores": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as t:
+        for p in protocols:
+            out[p] = measure(p, model, short, long, repeat, Path(t))
+            subprocess.run(["rm", "-rf", *map(str, Path(t).glob(p + "_*"))], check=True)
+    out["load_average_after"] = os.getloadavg()
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(), indent=1))
