@@ -16,6 +16,10 @@ are valid only until then** (a stage that keeps bytes copies them), as `FrameBat
   byte-identical to the wire.
 - Timestamps are the kernel's receive times (ns). Frames longer than a block can hold are
   cut (caplen < wirelen) and counted as truncated.
+- Fanout (`fanout_workers` > 1): N processes each open the interface as worker 0..N-1 of one
+  PACKET_FANOUT group and each receives exactly `fanout.worker_of(frames, N) == worker`
+  (UDP source port mod N, non-UDP to worker 0), split in the kernel by a classic BPF program;
+  see "Fanout" below.
 - `stats()` adds the kernel's PACKET_STATISTICS: `kernel_drops` counts frames lost because
   no block was free (the consumer was too slow or the ring too small).
 
@@ -28,6 +32,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
+import json
 import mmap
 import os
 import select
@@ -64,6 +70,11 @@ _BLOCK_STATUS = 8  # byte offset of block_status in a block
 _BLOCK_NUM_PKTS = 12
 
 SO_ATTACH_FILTER = 26
+PACKET_FANOUT = 18
+PACKET_FANOUT_DATA = 22
+PACKET_FANOUT_CBPF = 6
+PACKET_FANOUT_FLAG_IGNORE_OUTGOING = 0x4000  # the group's hook: the member's own setting is unused
+FANOUT_DIR = "/run/mirrorckpt/fanout"  # members of each group, for joining in worker order
 
 
 class _DropAll:
@@ -75,6 +86,177 @@ class _DropAll:
 
 
 _DROP_ALL = _DropAll()
+
+
+# -- fanout -------------------------------------------------------------------------------
+#
+# The kernel hands a frame to member `program(frame) % members` of a PACKET_FANOUT_CBPF group,
+# where member i is the i-th socket that joined (a member that leaves is replaced by the last
+# one). So the program returns the worker itself (UDP source port mod N, computed with BPF_MOD)
+# and worker k must be the k-th to join: `_FanoutRegistry` makes joins wait their turn. Every
+# member also carries a socket filter that accepts only its own share, so a socket never holds
+# another worker's frame: not between its bind and its join (the socket then still receives on
+# its own), nor while fewer than N have joined (the kernel reduces the program's result mod the
+# members joined so far: a missing worker's frames reach a member that drops them). Rollover
+# stays off: a worker whose ring is full drops and counts, its frames do not move elsewhere.
+
+_LD, _LDX, _ALU, _JMP, _RET = 0x00, 0x01, 0x04, 0x05, 0x06
+_W, _H, _B = 0x00, 0x08, 0x10
+_ABS, _IND, _LEN, _MSH = 0x20, 0x40, 0x80, 0xA0
+_SUB, _AND, _MOD = 0x10, 0x50, 0x90
+_JA, _JEQ, _JGE = 0x00, 0x10, 0x30
+_K, _X, _A = 0x00, 0x08, 0x10
+_SKF_LL_OFF = -0x200000  # loads relative to the link-layer (MAC) header
+_SKF_AD_VLAN_TAG_PRESENT = -0x1000 + 48  # 1 when the kernel holds an outer tag apart
+_ETH_VLAN = (0x8100, 0x88A8)
+_IPPROTO_UDP = 17
+
+
+def fanout_program(workers: int, worker: int | None = None) -> list[tuple[int, int, int, int]]:
+    """The classic BPF program of `fanout.worker_of`, as (code, jt, jf, k) rows.
+
+    `worker` None: the fanout program (run with the packet data at the network header, the
+    way the kernel runs it on received frames), returning the frame's worker. Otherwise the
+    socket filter of member `worker` (data at the MAC header): the whole frame when the frame
+    is that worker's, nothing else.
+
+    The ethertype is read at MAC header + 12 (after the outer tag, which the kernel moved into
+    metadata); the program handles the tags still in the data, so that the outer tag and the
+    inline ones make at most two, as `fanout.worker_of`. Every load is preceded by a length
+    check (a load past the end would end the program with 0, which for a socket filter means
+    "drop"): a frame too short for a header `worker_of` reads is worker 0's, as there."""
+    workers = int(workers)
+    net = 0 if worker is None else 14  # where the network header is in the program's data
+    code: list[list] = []  # [code, jt label/offset, jf label/offset, k]
+    labels: dict[str, int] = {}
+
+    def op(c, k=0, jt=0, jf=0):
+        code.append([c, jt, jf, k if isinstance(k, str) else k & 0xFFFFFFFF])
+
+    def at(name):
+        labels[name] = len(code)
+
+    def need(n):  # the frame holds at least n bytes of data (else worker 0); clobbers A
+        op(_LD | _W | _LEN)
+        op(_JMP | _JGE | _K, n, 0, "zero")
+
+    def dispatch(base: int, next_tag: str | None):
+        """A holds the ethertype of the header ending at `base` (network-relative)."""
+        op(_JMP | _JEQ | _K, 0x0800, f"v4_{base}", 0)
+        op(_JMP | _JEQ | _K, 0x86DD, f"v6_{base}", 0)
+        if next_tag is None:
+            op(_RET | _K, 0)
+            return
+        op(_JMP | _JEQ | _K, _ETH_VLAN[0], next_tag, 0)
+        op(_JMP | _JEQ | _K, _ETH_VLAN[1], next_tag, "zero")
+
+    op(_LD | _H | _ABS, _SKF_LL_OFF + 12)
+    dispatch(net, "tag1")
+    at("tag1")  # one tag in the data (the outer one, if any, is in metadata)
+    need(net + 4)
+    op(_LD | _H | _ABS, net + 2)
+    dispatch(net + 4, "tag2")
+    at("tag2")  # a second tag in the data: only if the kernel holds none apart
+    op(_LD | _W | _ABS, _SKF_AD_VLAN_TAG_PRESENT)
+    op(_JMP | _JEQ | _K, 0, 0, "zero")
+    need(net + 8)
+    op(_LD | _H | _ABS, net + 6)
+    dispatch(net + 8, None)
+    for base in (net, net + 4, net + 8):
+        at(f"v4_{base}")
+        need(base + 20)
+        op(_LD | _B | _ABS, base + 9)
+        op(_JMP | _JEQ | _K, _IPPROTO_UDP, 0, "zero")
+        op(_LD | _B | _ABS, base)
+        op(_ALU | _AND | _K, 0x0F)
+        op(_JMP | _JGE | _K, 5, 0, "zero")  # IHL below 5: not a header worker_of reads
+        op(_LDX | _B | _MSH, base)  # X = 4 * IHL
+        op(_LD | _W | _LEN)
+        op(_ALU | _SUB | _K, base + 2)  # (no wrap: at least base + 20)
+        op(_JMP | _JGE | _X, 0, 0, "zero")  # the source port is in the frame
+        op(_LD | _H | _IND, base)  # the UDP source port
+        op(_JMP | _JA, "port")
+        at(f"v6_{base}")
+        need(base + 42)
+        op(_LD | _B | _ABS, base + 6)
+        op(_JMP | _JEQ | _K, _IPPROTO_UDP, 0, "zero")
+        op(_LD | _H | _ABS, base + 40)
+        op(_JMP | _JA, "port")
+    at("port")
+    op(_ALU | _MOD | _K, workers)
+    if worker is None:
+        op(_RET | _A)
+        at("zero")
+        op(_RET | _K, 0)
+    else:
+        op(_JMP | _JEQ | _K, worker, 0, "none")
+        op(_RET | _K, 0xFFFFFFFF)  # the whole frame
+        at("zero")  # a frame without a UDP source port is worker 0's
+        op(_RET | _K, 0xFFFFFFFF if worker == 0 else 0)
+        at("none")
+        op(_RET | _K, 0)
+    rows = []
+    for i, (c, jt, jf, k) in enumerate(code):
+        jt, jf, k = (labels[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf, k))
+        assert 0 <= jt < 256 and 0 <= jf < 256, "jump out of range"
+        rows.append((c, jt, jf, k))
+    return rows
+
+
+class _Prog:
+    """A `struct sock_fprog` (keeps its instructions alive)."""
+
+    def __init__(self, rows):
+        self.insn = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *r) for r in rows))
+        self.fprog = struct.pack("HxxxxxxQ", len(rows), ctypes.addressof(self.insn))
+class _FanoutRegistry:
+    """The members of fanout group `group` in the current thread's network namespace, as a
+    file (FANOUT_DIR/NETNS-INODE-GROUP) under an exclusive flock: worker -> socket inode.
+    A member counts while its socket lives (listed in /proc/thread-self/net/packet), so a
+    killed worker leaves no stale entry. Processes must share FANOUT_DIR (one mount namespace)."""
+
+    def __init__(self, group: int):
+        ns = os.stat("/proc/thread-self/ns/net").st_ino
+        os.makedirs(FANOUT_DIR, exist_ok=True)
+        self.path = os.path.join(FANOUT_DIR, f"{ns}-{group}")
+
+    @contextlib.contextmanager
+    def locked(self):
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def read(fd: int) -> dict:
+        """{"workers": N, "members": {worker: inode}} of the members whose sockets live."""
+        raw = os.pread(fd, 1 << 16, 0)
+        state = json.loads(raw) if raw.strip() else {}
+        with open("/proc/thread-self/net/packet") as f:
+            live = {int(line.split()[8]) for line in f.readlines()[1:]}
+        members = {int(k): v for k, v in state.get("members", {}).items() if v in live}
+        return {"workers": state.get("workers"), "members": members}
+
+    @staticmethod
+    def write(fd: int, state: dict) -> None:
+        raw = json.dumps(state).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, raw, 0)
+
+    def members(self) -> list[int]:
+        with self.locked() as fd:
+            return sorted(self.read(fd)["members"])
+
+
+def fanout_members(group: int, netns: str | None = None) -> list[int]:
+    """The workers of fanout group `group` (in `netns`) that have joined, in worker order.
+    Each worker receives its whole share only once all have: [0, 1, ..., N-1]."""
+    with in_netns(netns) if netns else contextlib.nullcontext():
+        return _FanoutRegistry(group).members()
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 
@@ -125,15 +307,27 @@ class AfPacketRing:
     A batch holds at most `max_blocks` blocks (default: a quarter of the ring, so the kernel
     keeps most of it while a batch is processed). Without traffic `__next__` returns an empty
     batch after `poll_timeout` seconds; after `idle_timeout` seconds without a frame (None:
-    never) iteration ends. `netns`: open the socket in that network namespace."""
+    never) iteration ends. `netns`: open the socket in that network namespace.
+
+    Fanout: with `fanout_workers` N > 1 (or a `fanout_group`) the ring is worker
+    `fanout_worker` (0..N-1) of fanout group `fanout_group` (0..65535; default the interface's
+    index, so each port has its own) and receives only the frames `fanout.worker_of` gives
+    that worker. Worker k joins the group only after workers 0..k-1 have (the kernel numbers
+    members in join order): the constructor waits up to `fanout_timeout` seconds for them.
+    A worker receives its whole share only once all N have joined (`wait_fanout`)."""
 
     def __init__(self, iface: str, *, block_size: int = 1 << 20, block_count: int = 64,
                  block_timeout_ms: int = 10, promiscuous: bool = True,
                  ignore_outgoing: bool = True, max_blocks: int | None = None,
                  poll_timeout: float = 0.1, idle_timeout: float | None = None,
-                 netns: str | None = None):
+                 netns: str | None = None, fanout_workers: int = 1, fanout_worker: int = 0,
+                 fanout_group: int | None = None, fanout_timeout: float = 30.0):
         self.iface = str(iface)
+        self.netns = netns
         self.name = f"afpacket:{self.iface}" + (f"@{netns}" if netns else "")
+        self.fanout_workers, self.fanout_worker, self.fanout_group = _check_fanout(
+            self.name, fanout_workers, fanout_worker, fanout_group)
+        self.fanout_timeout = float(fanout_timeout)
         page = mmap.PAGESIZE
         if block_size < page or block_size % page or block_size % _FRAME_SIZE:
             raise ValueError(f"{self.name}: block_size {block_size} must be a multiple of the "
@@ -187,6 +381,10 @@ class AfPacketRing:
                                    f"blocks of {self.block_size} bytes: {e.strerror}") from None
             self._mm = mmap.mmap(sock.fileno(), self.block_size * self.block_count,
                                  mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            fanout = self.fanout_workers > 1 or self.fanout_group is not None
+            if fanout:  # from bind on, only this worker's frames (also before it joins)
+                share = _Prog(fanout_program(self.fanout_workers, self.fanout_worker))
+                sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, share.fprog)
             sock.bind((self.iface, ETH_P_ALL))
             hatype = sock.getsockname()[3]
             if hatype not in (ARPHRD_ETHER, ARPHRD_LOOPBACK):
@@ -194,12 +392,76 @@ class AfPacketRing:
             if promiscuous:
                 mreq = struct.pack("iHH8s", ifindex, PACKET_MR_PROMISC, 0, b"")
                 sock.setsockopt(SOL_PACKET, PACKET_ADD_MEMBERSHIP, mreq)
+            if fanout:
+                if self.fanout_group is None:
+                    self.fanout_group = ifindex & 0xFFFF
+                self._join_fanout(ignore_outgoing)
         except OSError as e:
             self._release_mapping()
             raise CaptureError(f"{self.name}: {e.strerror or e}") from e
         except BaseException:
             self._release_mapping()
             raise
+
+    def _join_fanout(self, ignore_outgoing: bool) -> None:
+        """Joins the fanout group as member `fanout_worker`, after workers 0..k-1 (they must
+        hold the kernel's member slots 0..k-1), and installs the group's program."""
+        n, k, group = self.fanout_workers, self.fanout_worker, self.fanout_group
+        what = f"{self.name}: fanout group {group}"
+        flags = PACKET_FANOUT_CBPF | (PACKET_FANOUT_FLAG_IGNORE_OUTGOING if ignore_outgoing else 0)
+        args = struct.pack("HHI", group, flags, n)  # struct fanout_args; max_num_members = N
+        prog = _Prog(fanout_program(n))
+        inode = os.fstat(self._sock.fileno()).st_ino
+        reg = _FanoutRegistry(group)
+        deadline = time.monotonic() + self.fanout_timeout
+        while True:
+            with reg.locked() as fd:
+                state = reg.read(fd)
+                members = state["members"]
+                if members and state["workers"] != n:
+                    raise CaptureError(f"{what} has {state['workers']} workers, not {n}")
+                if k in members:
+                    raise CaptureError(f"{what}: worker {k} is already capturing (another process)")
+                if set(members) == set(range(k)):
+                    try:
+                        self._sock.setsockopt(SOL_PACKET, PACKET_FANOUT, args)
+                    except OSError as e:
+                        why = {errno.EINVAL: "the group exists in this namespace on another "
+                                             "interface or with other settings",
+                               errno.ENOSPC: f"the group already has {n} members (a process "
+                                             "outside this appliance joined it?)"}
+                        raise CaptureError(f"{what}: cannot join: "
+                                           f"{why.get(e.errno, e.strerror)}") from None
+                    self._sock.setsockopt(SOL_PACKET, PACKET_FANOUT_DATA, prog.fprog)
+                    members[k] = inode
+                    reg.write(fd, {"workers": n, "members": members})
+                    return
+            if time.monotonic() >= deadline:
+                missing = sorted(set(range(k)) - set(members))
+                later = sorted(j for j in members if j > k)
+                msg = (f"{what}: worker {k} waited {self.fanout_timeout:g} s for workers "
+                       f"{missing} to join first (members join in worker order)")
+                if later:
+                    msg += (f"; workers {later} are still members: one that left has had its "
+                            "slot given to the last member, restart them all")
+                raise CaptureError(msg)
+            time.sleep(0.01)
+
+    def fanout_members(self) -> list[int]:
+        """The workers of this ring's fanout group that have joined (see `fanout_members`)."""
+        if self.fanout_group is None:
+            return []
+        return fanout_members(self.fanout_group, self.netns)
+
+    def wait_fanout(self, timeout: float = 30.0) -> bool:
+        """Waits until all `fanout_workers` workers have joined the group (True), or False
+        after `timeout` seconds. Until then frames of the missing workers are not captured."""
+        deadline = time.monotonic() + timeout
+        while self.fanout_members() != list(range(self.fanout_workers)):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     # -- iteration ----------------------------------------------------------------------
 
@@ -330,6 +592,25 @@ class AfPacketRing:
             weakref.finalize(mm, sock.close)
             return
         sock.close()
+
+
+def _check_fanout(name: str, workers, worker, group) -> tuple[int, int, int | None]:
+    def integer(what, v):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name}: {what} must be an integer, not {v!r}")
+        return int(v)
+
+    workers, worker = integer("fanout_workers", workers), integer("fanout_worker", worker)
+    if not 1 <= workers <= 256:
+        raise ValueError(f"{name}: fanout_workers must be 1..256, not {workers}")
+    if not 0 <= worker < workers:
+        raise ValueError(f"{name}: fanout_worker must be 0..{workers - 1} "
+                         f"(fanout_workers {workers}), not {worker}")
+    if group is not None:
+        group = integer("fanout_group", group)
+        if not 0 <= group <= 0xFFFF:
+            raise ValueError(f"{name}: fanout_group must be 0..65535, not {group}")
+    return workers, worker, group
 
 
 def open_ring(iface: str, **opts) -> AfPacketRing:
