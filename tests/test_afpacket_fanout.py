@@ -271,6 +271,19 @@ def test_a_full_ring_drops_and_counts_its_own_frames_only(port, mix):
     assert set(got1) <= set(want[1])
 
 
+def test_frames_sent_on_the_port_are_not_captured(port, mix):
+    """ignore_outgoing holds for the group too (PACKET_FANOUT_FLAG_IGNORE_OUTGOING: once the
+    socket joined, the group's hook receives, not its own)."""
+    m, _ = port
+    rings = [member(port, 2, k) for k in range(2)]
+    try:
+        with FrameSender(m.ifname, netns=m.netns, qdisc_bypass=False) as out:  # seen by taps
+            assert out.send(mix) == len(mix)
+        assert [drain(r) for r in rings] == [[], []]
+    finally:
+        close_all(rings)
+
+
 def test_fanout_options_are_checked(port):
     m, _ = port
     spec = f"afpacket:{m.ifname}@{m.netns}"
