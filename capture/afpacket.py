@@ -616,7 +616,13 @@ def _check_fanout(name: str, workers, worker, group) -> tuple[int, int, int | No
 def open_ring(iface: str, **opts) -> AfPacketRing:
     """`open_source("afpacket:IFACE", ...)`: an `AfPacketRing` (options as its constructor);
     "afpacket:IFACE@NETNS" captures IFACE in network namespace NETNS (an appliance whose mirror
-    port sits in a namespace or container while its control plane listens outside)."""
+    port sits in a namespace or container while its control plane listens outside).
+
+    Fanout: `open_source("afpacket:IFACE", fanout_workers=N, fanout_worker=k)` in each of N
+    processes (k = 0..N-1; optional `fanout_group`, default the interface index, and
+    `fanout_timeout`, how long worker k waits for workers 0..k-1 to join first). Each ring
+    receives the frames `fanout.worker_of(frames, N) == k`, all of them once every worker has
+    joined (`ring.wait_fanout()`, or `fanout_members(group, netns)` from anywhere)."""
     name, sep, netns = iface.partition("@")
     if sep:
         if not name or not netns:
