@@ -79,6 +79,8 @@ class WorkerSpec:
     share: tuple[int, int] = (0, 1)  # worker k of N on this port: the frames of its QP pairs (capture.fanout)
 
 
+FANOUT_WAIT_S = 60.0  # for the other workers of a port to join its AF_PACKET fanout group
+
 # A worker's counters, in the shared array the main process reads: they must not wait behind
 # the sends in the bounded queue, or the drop counters freeze exactly while the pipeline backs up.
 COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc")
@@ -146,6 +148,9 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         # AF_PACKET hands over whole ring blocks; files and DPDK take a frame count per batch
         # (DPDK's at most DPDK_MAX_BATCH: a batch must fit in the port's mbuf pool)
         opts = {} if spec.source.startswith("afpacket:") else {"batch_frames": spec.batch_frames}
+        k, n = spec.share
+        if n > 1 and spec.source.startswith("afpacket:"):  # the kernel splits the port (capture.fanout)
+            opts.update(fanout_workers=n, fanout_worker=k)
         if spec.source.startswith("dpdk:"):
             opts["batch_frames"] = min(spec.batch_frames, DPDK_MAX_BATCH)
         src = open_source(spec.source, **opts)
@@ -153,9 +158,11 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         # a live source reuses its buffers once we move on; a file's batches are views of a
         # read-only mapping that stays valid
         keep = getattr(src, "stable_batches", False)
-        k, n = spec.share
         if n > 1 and keep:  # every worker reads the file and keeps the frames of its QP pairs
             it = (fanout.share(b, k, n) for b in it)
+        elif n > 1 and not (hasattr(src, "wait_fanout") and src.wait_fanout(FANOUT_WAIT_S)):
+            raise CaptureError(f"{spec.source}: worker {k} of {n}: not every worker joined the port's fanout "
+                               f"group within {FANOUT_WAIT_S:g} s (their frames would be captured by nobody)")
         for batch in it:
             counters["frames"] += len(batch)
             counters["bytes"] += batch.nbytes

@@ -143,10 +143,10 @@ def on_monitor(job, hook: str) -> tuple[int, int]:
 # -- the appliance ------------------------------------------------------------------------
 
 
-def serve_config(job, tmp: Path, source: str) -> Path:
+def serve_config(job, tmp: Path, source: str, workers: int = 1) -> Path:
     """The generated job.toml with one live [[mirror]] source, persistence and metrics."""
     cfg = load_job(job["dir"] / "job.toml")
-    cfg.mirrors = [MirrorSpec(MIRRORED[0], "egress", source)]  # one interface: one capture source
+    cfg.mirrors = [MirrorSpec(MIRRORED[0], "egress", source, workers)]  # one interface: one capture source
     cfg.persist = {"directory": str(tmp / "ck"), "keep_last": 3}
     cfg.metrics = {"listen": LISTEN}
     path = tmp / "serve.toml"
@@ -247,21 +247,43 @@ def replica_matches_truth(job, cfg: Path) -> list[int]:
     return steps
 
 
-def run_through_mirror(job, tmp: Path, source_of, hook: str = "ingress") -> None:
+def shares(job, hook: str, workers: int) -> list[int]:
+    """Frames the monitor receives per fanout worker (ingress: each mirrored rank's frames once)."""
+    from mirrorckpt.capture import fanout
+
+    assert hook == "ingress"
+    return [sum(int((fanout.worker_of(job["frames"][r], workers) == k).sum()) for r in MIRRORED)
+            for k in range(workers)]
+
+
+def run_through_mirror(job, tmp: Path, source_of, hook: str = "ingress", workers: int = 1) -> None:
     """The whole acceptance on one backend: `source_of(monitor interface)` is the [[mirror]] source."""
     frames, nbytes = on_monitor(job, hook)
     topo = mirror_topology(job, hook)
     app = None
     try:
-        cfg = serve_config(job, tmp, source_of(topo.monitors[0].ifname))
+        mon = topo.monitors[0]
+        cfg = serve_config(job, tmp, source_of(mon.ifname), workers)
         app = Appliance(topo, cfg, tmp)
         # The capture is open once the worker reports its port (before that, frames would be lost).
-        app.wait_status(lambda s: "port 0:" in s, "capture port reported")
+        app.wait_status(lambda s: "port 0" in s, "capture port reported")
+        if workers > 1:  # and every worker of the port joined its fanout group (default id: the ifindex)
+            from mirrorckpt.capture.afpacket import fanout_members
+
+            group = int(topo.run(mon.netns, "cat", f"/sys/class/net/{mon.ifname}/ifindex").stdout)
+            deadline = time.monotonic() + DEADLINE
+            while fanout_members(group, mon.netns) != list(range(workers)):
+                assert time.monotonic() < deadline, "the port's workers never all joined its fanout group"
+                time.sleep(0.1)
         assert inject(topo, job["frames"]) == sum(len(b) for b in job["frames"])
         text = app.wait_status(settled, "last iteration applied and committed")
 
         # `mirrorckpt status`: every frame, no drop, every iteration applied, replica at the last step
-        assert f"port 0: {frames} frames," in text, text
+        if workers == 1:
+            assert f"port 0: {frames} frames," in text, text
+        else:  # each worker its share: the frames of its QP pairs
+            for k, n in enumerate(shares(job, hook, workers)):
+                assert f"port 0.{k}: {n} frames," in text, text
         assert "dropped 0 (capture) 0 (kernel), 0 ICRC failures" in text, text
         assert f"iterations: {STEPS} complete, 0 incomplete" in text, text
         assert f"replica: step {STEPS}, iteration {STEPS - 1}, lag 0, in step" in text, text
@@ -270,10 +292,15 @@ def run_through_mirror(job, tmp: Path, source_of, hook: str = "ingress") -> None
 
         # the Prometheus endpoint itself
         m = app.metrics()
-        assert samples(m, "mirrorckpt_frames_received_total") == {("0",): frames}
-        assert samples(m, "mirrorckpt_bytes_received_total") == {("0",): nbytes}
-        assert samples(m, "mirrorckpt_frames_dropped_total") == {("0", "capture"): 0, ("0", "kernel"): 0}
-        assert samples(m, "mirrorckpt_icrc_failures_total") == {("0",): 0}
+        if workers == 1:
+            assert samples(m, "mirrorckpt_frames_received_total") == {("0",): frames}
+            assert samples(m, "mirrorckpt_bytes_received_total") == {("0",): nbytes}
+            assert samples(m, "mirrorckpt_frames_dropped_total") == {("0", "capture"): 0, ("0", "kernel"): 0}
+            assert samples(m, "mirrorckpt_icrc_failures_total") == {("0",): 0}
+        else:
+            assert samples(m, "mirrorckpt_frames_received_total") == {
+                (f"0.{k}",): n for k, n in enumerate(shares(job, hook, workers))}
+            assert sum(samples(m, "mirrorckpt_bytes_received_total").values()) == nbytes
         assert samples(m, "mirrorckpt_iterations_total") == {("complete",): STEPS}
         for name, want in [("mirrorckpt_replica_step", STEPS), ("mirrorckpt_replica_iteration", STEPS - 1),
                            ("mirrorckpt_wire_iteration", STEPS - 1), ("mirrorckpt_replica_lag_iterations", 0),
@@ -306,6 +333,13 @@ def run_through_mirror(job, tmp: Path, source_of, hook: str = "ingress") -> None
 
 def test_afpacket_serve_keeps_a_bit_exact_replica_through_a_port_mirror(job, tmp_path):
     run_through_mirror(job, tmp_path, lambda iface: f"afpacket:{iface}")
+
+
+def test_afpacket_serve_with_two_workers_on_the_port_keeps_a_bit_exact_replica(job, tmp_path):
+    """[[mirror]] workers = 2 on a live port: the kernel splits it by QP pair (AF_PACKET fanout),
+    each worker receives exactly its share, and the replica is bit-exact."""
+    assert min(shares(job, "ingress", 2)) > 0  # both workers have QP pairs to decode
+    run_through_mirror(job, tmp_path, lambda iface: f"afpacket:{iface}", workers=2)
 
 
 def test_dpdk_net_af_packet_serve_keeps_a_bit_exact_replica_through_a_port_mirror(job, tmp_path):
