@@ -209,6 +209,8 @@ class _Prog:
     def __init__(self, rows):
         self.insn = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *r) for r in rows))
         self.fprog = struct.pack("HxxxxxxQ", len(rows), ctypes.addressof(self.insn))
+
+
 class _FanoutRegistry:
     """The members of fanout group `group` in the current thread's network namespace, as a
     file (FANOUT_DIR/NETNS-INODE-GROUP) under an exclusive flock: worker -> socket inode.
