@@ -96,7 +96,7 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
 
 def run(protocols=("Simple", "LL"), model: str = "linear:2000000", short: int = 2, long: int = 42,
         repeat: int = 3) -> dict:
-    out: dict = {"memcpy_GBps": memcpy_GBps(), "cores": os.cpu_count()}
+    out: dict = {"memcpy_GBps": memcpy_GBps(), "cores": os.cpu_count(), "repeat": repeat}
     with tempfile.TemporaryDirectory() as t:
         for p in protocols:
             out[p] = measure(p, model, short, long, repeat, Path(t))
