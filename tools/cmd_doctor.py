@@ -119,7 +119,11 @@ def doctor(captures, nccl_version, as_json):
         for pair, n in rep.get("connections_per_pair", {}).items():
             click.echo(f"connections {pair}: {n}")
         if rep.get("qps_per_connection"):
-            click.echo(f"QPs per connection: {', '.join(map(str, rep['qps_per_connection']))}")
+            q = rep["qps_per_connection"]
+            click.echo(f"QPs per connection: {', '.join(map(str, q))}" + (
+                " ([[mirror]] workers > 1 keeps every message in one worker)" if q == [1] else
+                " ([[mirror]] workers > 1 would split a connection's QPs: its messages cut over them come "
+                "out incomplete; use workers = 1)"))
         for c in rep["connections"]:
             click.echo(f"connection {c['connection']}: {c['kind']}, {c['sends']} sends, {c['qps']} QP(s), "
                        f"protocols {', '.join(c['protocols']) or '-'}")

@@ -118,6 +118,7 @@ def test_doctor_names_point_to_point_only_traffic(tmp_path):
     cap = FLOWCHECK / "allreduce+p2p.pcapng"
     r = CliRunner().invoke(main, ["doctor", str(cap)])
     assert r.exit_code == 0 and "algorithm: ring" in r.output and "point-to-point" in r.output
+    assert "QPs per connection: 1 ([[mirror]] workers > 1 keeps every message in one worker)" in r.output
     p2p = {int(line.split(":")[-1].split(":")[0]) for line in r.output.splitlines()
            if line.startswith("connection ") and "point-to-point" in line
            for line in [line.split(": point")[0]]}
@@ -155,3 +156,4 @@ def test_doctor_counts_qps_per_connection(tmp_path, release):
     assert rep["qps_per_connection"] == [2]
     r1 = CliRunner().invoke(main, ["doctor"] + [str(tmp_path / f) for f in EGRESS])
     assert "QPs per connection: 2" in r1.output and "2 QP(s)" in r1.output
+    assert "workers > 1 would split a connection's QPs" in r1.output  # [[mirror]] workers: one QP pair per worker
