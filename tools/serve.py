@@ -81,6 +81,20 @@ class WorkerSpec:
 
 FANOUT_WAIT_S = 60.0  # for the other workers of a port to join its AF_PACKET fanout group
 
+
+def split_connection(decoder) -> str | None:
+    """What to tell the operator when a connection seems to cut its messages over several QPs
+    (NCCL_IB_QPS_PER_CONNECTION > 1): a port's workers are split by QP pair, so each message's
+    pieces land in different workers and come out incomplete (never wrong). A message that lost a
+    whole piece looks the same, hence a warning, not a stop."""
+    cut = [c.key for c in decoder.conns.values() if c.qp_mode == "cut"]
+    if not cut:
+        return None
+    return (f"connection {cut[0]} cuts messages over several QPs (NCCL_IB_QPS_PER_CONNECTION > 1, or a "
+            "lost piece): [[mirror]] workers > 1 splits a port by QP pair, so the pieces of such messages "
+            "land in different workers and no iteration they carry can be reassembled; use workers = 1 for "
+            "this port if it persists (`mirrorckpt doctor` shows the QPs per connection)")
+
 # A worker's counters, in the shared array the main process reads: they must not wait behind
 # the sends in the bounded queue, or the drop counters freeze exactly while the pipeline backs up.
 COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc")
@@ -121,6 +135,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     def decode():
         from mirrorckpt.parser.errors import VersionMismatch
 
+        warned = None
         try:
             while True:
                 b = local.get()
@@ -131,6 +146,10 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
                 _, sends = pp.feed(b)
                 counters["icrc"] = pp.counters.icrc_failed
                 publish()
+                if spec.share[1] > 1 and not warned:
+                    warned = split_connection(pp.nccl)
+                    if warned:
+                        out.put(("warn", spec.port, warned))
                 if sends:
                     put(sends)
             _, sends = pp.flush()
@@ -336,6 +355,8 @@ class QueueStreams:
                 from mirrorckpt.parser.errors import VersionMismatch
 
                 raise VersionMismatch(f"port {port}: {payload}")
+            elif kind == "warn":
+                log.warning("%s", payload, extra={"port": self.labels[port]})
             elif kind == "end":
                 self.sync_counters()
                 self.finished[port] = payload

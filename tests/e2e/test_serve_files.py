@@ -108,6 +108,30 @@ def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir,
     assert replica_sha(tmp_path / "ck", job) == (want["params_sha256"], want["optim_sha256"])
 
 
+def test_workers_on_a_port_whose_connections_cut_messages_over_qps_say_why_nothing_is_applied(tmp_path):
+    """NCCL_IB_QPS_PER_CONNECTION = 2 (2.18: each message cut over both QPs): split by QP pair, a
+    message's pieces land in different workers and nothing can be reassembled (never wrong); serve
+    says why in a warning instead of running on silently. One worker follows the same job."""
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    d = tmp_path / "gen"
+    generate(GenConfig(ranks=3, channels=2, model="mlp:600,64,8", steps=3, nccl_version="2.18", seed=4,
+                       training=TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2)),
+                       mirrors="0:egress,1:egress", wire=WireOptions(qps_per_connection=2)), d)
+    for workers in (2, 1):
+        (tmp_path / f"w{workers}").mkdir()
+        cfg = config(d, tmp_path / f"w{workers}")
+        cfg.write_text(cfg.read_text().replace('direction = "egress"', f'direction = "egress"\nworkers = {workers}'))
+        res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        logs = [json.loads(x) for x in res.stderr.splitlines() if x.startswith("{")]
+        warned = [x for x in logs if x["level"] == "warning" and "cuts messages over several QPs" in x["msg"]]
+        assert bool(warned) == (workers > 1), res.stderr[-2000:]
+        stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
+        assert stopped["iterations_applied"] == (3 if workers == 1 else 0)
+
+
 def test_status_while_running_and_clean_sigterm(long_job_dir, tmp_path):
     job_dir = long_job_dir
     port = free_port()
