@@ -165,3 +165,34 @@ def test_a_capture_worker_ends_when_its_daemon_is_killed(tmp_path):
         time.sleep(0.1)
     os.kill(pid, 9)
     pytest.fail(f"capture worker {pid} still running 20 s after its daemon died")
+
+
+def test_many_sends_and_none_placed_is_said_once(caplog):
+    """Sends keep coming and the state machine places none (a job file that does not match, or a
+    port's workers splitting connections of several QPs): one warning naming the reasons; none while
+    the job stream is not set up, and none once sends are placed."""
+    from mirrorckpt.tools import serve
+
+    def warned():
+        return [r.getMessage() for r in caplog.records if "none placed in a collective" in r.getMessage()]
+
+    n = serve.UNPLACED_WARN_SENDS
+    s = QueueStreams(queue.Queue(), 1, Metrics(), threading.Event())
+    caplog.set_level("WARNING", logger="mirrorckpt.serve")
+    s._check_placed(2 * n)  # no job stream yet: not counted
+    counts = {"not_ring": 0}
+    s.placement = lambda: counts
+    for _ in range(n // 100 - 1):
+        counts["not_ring"] += 100
+        s._check_placed(100)
+    assert not warned()
+    counts["not_ring"] += 100
+    s._check_placed(100)
+    s._check_placed(100)
+    assert warned() == [f"{n} sends captured and none placed in a collective (why: not_ring {n}): the job file "
+                        "may not match the traffic, or a port's workers split connections that use several QPs "
+                        "(`mirrorckpt doctor CAPTURE` tells both)"]
+    ok = QueueStreams(queue.Queue(), 1, Metrics(), threading.Event())
+    ok.placement = lambda: {"placed": 1, "not_ring": 5 * n}
+    ok._check_placed(5 * n)
+    assert len(warned()) == 1

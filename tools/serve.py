@@ -80,6 +80,7 @@ class WorkerSpec:
 
 
 FANOUT_WAIT_S = 60.0  # for the other workers of a port to join its AF_PACKET fanout group
+UNPLACED_WARN_SENDS = 2000  # sends seen with none placed before the parser says so
 
 
 def split_connection(decoder) -> str | None:
@@ -260,6 +261,9 @@ class QueueStreams:
         self.restart = threading.Event()
         self.rearmed_ns = 0
         self.ring_connections = dict  # () -> the current pass's ring connections (a container)
+        self.placement = lambda: None  # () -> the pass's placement counts (RingStateMachine.counts)
+        self.sends_seen = 0
+        self._placement_checked = False
         self.replay_bytes = replay_bytes
         self._outside: collections.deque[list] = collections.deque()
         self._outside_bytes = 0
@@ -351,6 +355,7 @@ class QueueStreams:
                 payload = self._admit(payload)
                 if payload:
                     yield payload
+                    self._check_placed(len(payload))
             elif kind == "fatal":
                 from mirrorckpt.parser.errors import VersionMismatch
 
@@ -363,6 +368,24 @@ class QueueStreams:
                 self.stats[port].damage = payload
                 if payload:
                     log.error("capture source failed", extra={"port": port, "error": payload})
+
+    def _check_placed(self, n: int) -> None:
+        """Says once when many sends came and none was placed in a collective: the traffic does
+        not match the job file, or a port's workers split connections of several QPs."""
+        if self._placement_checked:
+            return
+        counts = self.placement()
+        if counts is None:
+            return  # the job stream is not set up yet (its release read from the first sends)
+        self.sends_seen += n
+        if counts.get("placed", 0):
+            self._placement_checked = True  # placing: nothing to say, and nothing more to check
+        elif self.sends_seen >= UNPLACED_WARN_SENDS:
+            self._placement_checked = True
+            why = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+            log.warning(f"{self.sends_seen} sends captured and none placed in a collective (why: {why}): the "
+                        "job file may not match the traffic, or a port's workers split connections that use "
+                        "several QPs (`mirrorckpt doctor CAPTURE` tells both)")
 
     def sync_counters(self) -> None:
         """Brings the metrics up to the workers' shared counters (any thread; the daemon calls it
@@ -428,6 +451,12 @@ class _UpdaterQueue:
         self.metrics.wire_iteration.set(it.index)
         self.q.put(it)
         self.metrics.queue_depth.labels("iterations").set(self.q.qsize())
+
+
+def _placement(js) -> dict | None:
+    """The placement counts of a job stream's state machine so far (None before its set-up)."""
+    a = js.assembler
+    return dict(a.sm.counts) if a is not None else None
 
 
 def _ring_connections(js) -> dict:
@@ -525,6 +554,7 @@ class Daemon:
                                nccl_version=model.ring.nccl_version, infer_after=2000, p2p_fill=self.job.p2p_fill)
                 self.jobstream = js
                 streams.ring_connections = functools.partial(_ring_connections, js)
+                streams.placement = functools.partial(_placement, js)
                 drive(js, _UpdaterQueue(self.iters_q, self.metrics, run))
                 if not streams.restart.is_set():
                     return  # every capture source ended
