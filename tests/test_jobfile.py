@@ -63,12 +63,21 @@ def test_round_trip(tmp_path):
     (("[[mirror]]", "[updater]\npipelined = 1\n[[mirror]]"), "[updater] pipelined: expected true or false, got 1"),
     (("[[mirror]]", "[updater]\npipeline = true\n[[mirror]]"), "[updater]: unknown key 'pipeline' (known: pipelined)"),
     (("[ring]", "updater = 1\n[ring]"), "[updater] must be a table"),
+    (("rank = 0", "rank = 0\nworkers = 0"), "workers: expected an integer >= 1, got 0"),
+    (("[[mirror]]", "[capture]\ntransfer_bytes = -1\n[[mirror]]"), "transfer_bytes: expected an integer >= 0"),
 ])
 def test_errors_are_located(tmp_path, edit, message):
     text = GOOD.replace(*edit, 1)
     with pytest.raises(ConfigError) as e:
         load_job(write(tmp_path, text))
     assert message in str(e.value) and str(e.value).startswith("job.toml")
+
+
+def test_mirror_workers_are_read_and_written(tmp_path):
+    job = load_job(write(tmp_path, GOOD.replace("rank = 0", "rank = 0\nworkers = 3", 1)))
+    assert [m.workers for m in job.mirrors][0] == 3 and all(m.workers == 1 for m in job.mirrors[1:])
+    again = load_job(write(tmp_path, dump_job(job), "again.toml"))
+    assert again.mirrors == job.mirrors
 
 
 def test_updater_pipelined_is_read_and_written(tmp_path):
