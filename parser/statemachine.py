@@ -98,8 +98,8 @@ class RingStateMachine:
     def _extend(self, tr: _Track, t: int | None = None, m: int | None = None, coll: int | None = None) -> bool:
         """Tabulates collectives until step ``t``, message ``m`` or collective ``coll`` is
         covered; False when the job's sequence ends first."""
-        if t is not None and t > tr.t_end + MAX_AHEAD_STEPS:
-            return False  # a step no plausible sequence reaches: garbage, not followed
+        if (t is not None and t > tr.t_end + MAX_AHEAD_STEPS) or (m is not None and m > tr.m_end + MAX_AHEAD_STEPS):
+            return False  # a step (a message: one step at least) no plausible sequence reaches: garbage
         while (t is not None and tr.t_end <= t) or (m is not None and tr.m_end <= m) or \
                 (coll is not None and len(tr.t0) <= coll):
             c = self.model[len(tr.t0)]

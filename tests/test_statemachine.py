@@ -355,6 +355,20 @@ def test_steps_past_the_job_or_far_ahead_are_not_placed():
                                 unplaced_implausible_step=1)
 
 
+def test_a_message_number_no_sequence_reaches_is_refused_at_once():
+    """A CTS index far past anything tabulated (a damaged or fuzzed capture: the fuzz test found
+    inference walking the unending sequence for it until memory ran out) is garbage: no message,
+    and the table is not extended for it."""
+    model = ddp_model("Simple")
+    sm = RingStateMachine(model, model.ring.ranks_by_address(), channel_map(model.ring))
+    assert sm.by_message(0, 0, MAX_AHEAD_STEPS + 10) is None
+    assert len(sm.track(0, 0).t0) == 0
+    assert sm.by_message(0, 0, 1 << 40) is None
+    st = next(st for st in model.plan(model[0]).messages(0, 0) if st.wire_bytes)
+    assert sm.place(make_send(model, 0, 0, st, 0, 1 << 40, "cts")) is None
+    assert sm.counts == Counter(unplaced_past_end=1)
+
+
 def test_a_channel_small_collectives_never_use_gives_up():
     """Every all-reduce fits one channel: a step on channel 1 is never reached, and the unending
     sequence is not walked for it."""
