@@ -196,3 +196,24 @@ def test_many_sends_and_none_placed_is_said_once(caplog):
     ok.placement = lambda: {"placed": 1, "not_ring": 5 * n}
     ok._check_placed(5 * n)
     assert len(warned()) == 1
+
+
+def test_a_port_is_reported_only_once_it_captures():
+    """A worker still opening its source (DPDK's EAL, a fanout group not yet whole) sees no frame:
+    the port shows in the metrics (and `status`) only once it captures, so nobody takes it for ready."""
+    import ctypes
+
+    from mirrorckpt.tools.serve import COUNTERS
+
+    arr = (ctypes.c_int64 * len(COUNTERS))()
+    s = QueueStreams(queue.Queue(), 1, Metrics(), threading.Event(), shared=[arr])
+
+    def ports():
+        return {x.labels["port"] for fam in s.metrics.registry.collect() for x in fam.samples
+                if x.name == "mirrorckpt_frames_received_total"}
+
+    s.sync_counters()
+    assert ports() == set()
+    arr[COUNTERS.index("capturing")] = 1
+    s.sync_counters()
+    assert ports() == {"0"}

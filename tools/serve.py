@@ -98,7 +98,9 @@ def split_connection(decoder) -> str | None:
 
 # A worker's counters, in the shared array the main process reads: they must not wait behind
 # the sends in the bounded queue, or the drop counters freeze exactly while the pipeline backs up.
-COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc")
+# "capturing": 1 once the source is open (and a port's fanout group whole): frames sent before
+# then are not seen, so a port is reported only from then on.
+COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc", "capturing")
 
 
 def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ring=None) -> None:
@@ -183,6 +185,8 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         elif n > 1 and not (hasattr(src, "wait_fanout") and src.wait_fanout(FANOUT_WAIT_S)):
             raise CaptureError(f"{spec.source}: worker {k} of {n}: not every worker joined the port's fanout "
                                f"group within {FANOUT_WAIT_S:g} s (their frames would be captured by nobody)")
+        counters["capturing"] = 1
+        publish()
         for batch in it:
             counters["frames"] += len(batch)
             counters["bytes"] += batch.nbytes
@@ -397,6 +401,8 @@ class QueueStreams:
                 self._stats(port, dict(zip(COUNTERS, arr[:])))
 
     def _stats(self, port: int, c: dict) -> None:
+        if not c.get("capturing") and not c.get("frames"):
+            return  # not capturing yet: the port is not reported (status, metrics) before it can see frames
         old = self.counters.get(port, {})
         m, lp = self.metrics, self.labels[port]
         m.frames.labels(lp).inc(max(0, c["frames"] - old.get("frames", 0)))
