@@ -62,12 +62,7 @@ def test_joint_checkpoint_of_both_stages_equals_the_trainer(run):
     sel = restore.select(root, verify_data=True)
     assert sel.path == root / ckptdir.step_dirname(step) and not sel.problems
     want = _state(run, "job", step)
-    md = ckptdir.dcp_module().FileSystemReader(sel.path).read_metadata()
-    got = restore._read_flat(sel.path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
-    got = {k: v for k, v in got.items() if k.startswith(("model.", "optim.state."))}
-    assert set(got) == set(want)
-    for k, v in want.items():
-        assert torch.equal(got[k], v.reshape(got[k].shape)), k
+    rig.assert_model_and_optimizer_equal(sel.path, want)
 
 
 def test_stages_pull_their_shards_and_resume_bit_exactly(run):

@@ -70,8 +70,9 @@ def replica_sha(ckpt: Path, job) -> tuple[str, str]:
     return r.state_sha256()
 
 
-def test_serve_keeps_a_bit_exact_replica(job_dir, tmp_path):
-    cfg = config(job_dir, tmp_path)
+def serve_every_iteration_bit_exact(job_dir: Path, cfg: Path, ck: Path) -> None:
+    """`mirrorckpt serve` to the end of the captures: every iteration applied, none incomplete,
+    and the last committed replica is the trainer's."""
     res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -79,7 +80,12 @@ def test_serve_keeps_a_bit_exact_replica(job_dir, tmp_path):
     stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
     assert stopped["iterations_applied"] == STEPS and stopped["iterations_incomplete"] == 0
     want = truth(job_dir)["iterations"][-1]
-    assert replica_sha(tmp_path / "ck", load_job(cfg)) == (want["params_sha256"], want["optim_sha256"])
+    assert replica_sha(ck, load_job(cfg)) == (want["params_sha256"], want["optim_sha256"])
+
+
+def test_serve_keeps_a_bit_exact_replica(job_dir, tmp_path):
+    cfg = config(job_dir, tmp_path)
+    serve_every_iteration_bit_exact(job_dir, cfg, tmp_path / "ck")
     assert restore.verify(restore.latest(tmp_path / "ck")).ok
 
 
@@ -98,14 +104,7 @@ def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir,
     # the generated QP pairs fall into more than one share: the split is real
     shares = np.concatenate([fanout.worker_of(read_all(m.source), workers) for m in job.mirrors])
     assert len(np.unique(shares)) > 1
-    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    logs = [json.loads(line) for line in res.stderr.splitlines() if line.startswith("{")]
-    stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
-    assert stopped["iterations_applied"] == STEPS and stopped["iterations_incomplete"] == 0
-    want = truth(job_dir)["iterations"][-1]
-    assert replica_sha(tmp_path / "ck", job) == (want["params_sha256"], want["optim_sha256"])
+    serve_every_iteration_bit_exact(job_dir, cfg, tmp_path / "ck")
 
 
 def test_workers_on_a_port_whose_connections_cut_messages_over_qps_say_why_nothing_is_applied(tmp_path):

@@ -74,12 +74,7 @@ def test_joint_checkpoint_equals_the_trainers_state(run):
     dims = {s["fqn"]: s["tp_dim"] for g in shards["groups"] for s in g["shards"]}
     assert dims == {"0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": None}  # Colwise, Rowwise
     want = _state(run, "job", step)
-    md = ckptdir.dcp_module().FileSystemReader(sel.path).read_metadata()
-    got = restore._read_flat(sel.path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
-    got = {k: v for k, v in got.items() if k.startswith(("model.", "optim.state."))}
-    assert set(got) == set(want)
-    for k, v in want.items():
-        assert torch.equal(got[k], v.reshape(got[k].shape)), k
+    rig.assert_model_and_optimizer_equal(sel.path, want)
     # an unsharded trainer loads it with plain torch modules
     model = torch.nn.Sequential(torch.nn.Linear(DIMS[0], DIMS[1]), torch.nn.ReLU(), torch.nn.Linear(DIMS[1], DIMS[2]))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)

@@ -89,3 +89,17 @@ def hold_for_fallback(link, report: dict, timeout: float = 60.0) -> None:
         time.sleep(0.01)
     report["held_for_request"] = link.fallback_pending
     link.defer_fallbacks = False
+
+
+def assert_model_and_optimizer_equal(path: Path, want: dict) -> None:
+    """The model and optimizer tensors of the checkpoint at ``path`` equal ``want`` (flat key ->
+    tensor, any shape of the same elements), bit for bit and key for key."""
+    import torch
+    from mirrorckpt.updater import ckptdir, restore
+
+    md = ckptdir.dcp_module().FileSystemReader(path).read_metadata()
+    got = restore._read_flat(path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
+    got = {k: v for k, v in got.items() if k.startswith(("model.", "optim.state."))}
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v.reshape(got[k].shape)), k
