@@ -71,6 +71,19 @@ def ll128_intact(const uint8_t[::1] wire, uint8_t[::1] out, int line, int flag_o
     return flag if ok else 0
 
 
+cdef inline Py_ssize_t _run_end(const uint8_t *c, Py_ssize_t i, Py_ssize_t n, uint8_t v) noexcept nogil:
+    """First index at or after ``i`` whose flag is not ``v`` (flags are 0 or 1), eight at a time."""
+    cdef uint64_t w, want = 0x0101010101010101 if v else 0
+    while i + 8 <= n:
+        memcpy(&w, c + i, 8)
+        if w != want:
+            break
+        i += 8
+    while i < n and c[i] == v:
+        i += 1
+    return i
+
+
 def place_agreeing(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, const uint8_t[::1] src,
                    Py_ssize_t n, Py_ssize_t es):
     """Elements [start, start + n) of ``dst`` (``es`` bytes each) from ``src``: where already
@@ -92,23 +105,16 @@ def place_agreeing(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, con
     with nogil:
         i = 0
         while i < n:  # runs of covered elements: compare
-            j = i
-            while j < n and c[j]:
-                j += 1
+            j = _run_end(c, i, n, 1)
             if j > i and memcmp(d + i * es, s + i * es, (j - i) * es) != 0:
                 ok = False
                 break
-            while j < n and not c[j]:
-                j += 1
-            i = j
+            i = _run_end(c, j, n, 0)
         if ok:
             i = 0
             while i < n:  # runs of uncovered elements: copy
-                while i < n and c[i]:
-                    i += 1
-                j = i
-                while j < n and not c[j]:
-                    j += 1
+                i = _run_end(c, i, n, 1)
+                j = _run_end(c, i, n, 0)
                 if j > i:
                     memcpy(d + i * es, s + i * es, (j - i) * es)
                     memset(c + i, 1, j - i)

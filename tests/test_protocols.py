@@ -187,3 +187,37 @@ def test_place_agreeing_copies_compares_and_refuses_without_writing():
     assert np.array_equal(dst, before) and np.array_equal(covered, cov)
     with pytest.raises(ValueError):
         _place.place_agreeing(dst, covered.view(np.uint8), 8, src, 4, 4)
+
+
+@pytest.mark.parametrize("es", [1, 2, 4, 8])
+def test_place_agreeing_long_runs_match_numpy(es):
+    """Covered runs of every length around the kernel's eight-flag steps, at every alignment:
+    the same bytes and flags as a numpy reference, and a disagreement anywhere refused."""
+    from mirrorckpt.parser import _place
+
+    rng = np.random.default_rng(es)
+    n = 3000
+    runs = rng.integers(1, 40, 400)
+    covered = np.repeat(np.arange(len(runs)) % 2 == 1, runs)[:n]
+    dst = rng.integers(0, 256, n * es, dtype=np.uint8)
+    src = rng.integers(0, 256, n * es, dtype=np.uint8)
+    rows = lambda a: a.reshape(n, es)  # noqa: E731
+    rows(src)[covered] = rows(dst)[covered]  # where covered, the copies agree
+    for start in (0, 1, 7, 13):
+        m = n - start
+        want_dst, want_cov = dst.copy(), covered.copy()
+        sl = slice(start, start + m)
+        rows(want_dst)[sl][~covered[sl]] = rows(src)[:m][~covered[sl]]
+        want_cov[sl] = True
+        got_dst, got_cov = dst.copy(), covered.copy()
+        assert _place.place_agreeing(got_dst, got_cov.view(np.uint8), start, src, m, es) == (start == 0)
+        if start == 0:
+            assert np.array_equal(got_dst, want_dst) and got_cov.all()
+        else:  # shifted, the covered elements no longer agree: refused, nothing written
+            assert np.array_equal(got_dst, dst) and np.array_equal(got_cov, covered)
+    i = int(np.flatnonzero(covered)[-1])  # the last covered element differs: refused, nothing written
+    bad = src.copy()
+    bad[i * es] ^= 1
+    got_dst, got_cov = dst.copy(), covered.copy()
+    assert not _place.place_agreeing(got_dst, got_cov.view(np.uint8), 0, bad, n, es)
+    assert np.array_equal(got_dst, dst) and np.array_equal(got_cov, covered)
