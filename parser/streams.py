@@ -16,10 +16,19 @@ With a NIC's nanosecond clock two streams interleave frame by frame, and a stric
 the packet path for a frame or two at a time (its cost is per call: ~30x slower end to end). The
 concatenator keeps a frontier per stream, so a millisecond of skew between streams changes no
 verdict; it only has to stay far below the time the ring takes to reuse a buffer slot.
+
+With ``ahead`` > 0 the reading and decoding (frame walk, ICRC, PSN reassembly, NCCL sends) run on
+a thread of their own, at most ``ahead`` lists of sends before the caller: their compiled kernels
+let go of the GIL, so they overlap the placement that follows (a Simple replay's packet path was
+two thirds of its time). The caller sees the same lists in the same order, and ``ended`` as it was
+when the list it just got was made, never later (a stream counted ended early would let the
+concatenator finalize collectives before that stream's last sends).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -70,7 +79,8 @@ class SendStream(Protocol):
 
 class MirrorStreams:
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], icrc: bool = True,
-                 nccl_version: str | None = None, protocol: str | None = None, merge_ns: int = 1_000_000):
+                 nccl_version: str | None = None, protocol: str | None = None, merge_ns: int = 1_000_000,
+                 ahead: int = 0):
         self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k)
                       for k in range(len(sources))]
         self.ended: set[int] = set()  # streams with nothing more to come
@@ -78,8 +88,54 @@ class MirrorStreams:
         self.merge_ns = merge_ns
         self.stats = [StreamStats(name) for name, _ in sources]
         self._iters = [iter(b) for _, b in sources]
+        self.ahead = ahead
 
     def __iter__(self) -> Iterator[list[NcclSend]]:
+        if self.ahead <= 0:
+            return self._merge(self.ended)
+        return self._read_ahead()
+
+    def _read_ahead(self) -> Iterator[list[NcclSend]]:
+        """``_merge`` on a thread, ``ahead`` lists in front of the caller (see the module doc)."""
+        q: queue.Queue = queue.Queue(self.ahead)
+        stop = threading.Event()
+        done = object()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def run() -> None:
+            ended: set[int] = set()
+            try:
+                for sends in self._merge(ended):
+                    if not put((sends, frozenset(ended))):
+                        return
+                put((done, frozenset(ended)))
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                put((e, frozenset(ended)))
+
+        t = threading.Thread(target=run, name="mirror-read", daemon=True)
+        t.start()
+        try:
+            while True:
+                item, ended = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self.ended = set(ended)
+                if item is done:
+                    return
+                yield item
+        finally:
+            stop.set()  # the caller stopped early (an error, a closed generator): let the thread end
+            t.join()
+
+    def _merge(self, ended: set[int]) -> Iterator[list[NcclSend]]:
         """Frames of all streams in timestamp order: the stream with the oldest next frame is fed
         up to ``merge_ns`` past the next frame of any other stream (batches are cut there, not copied)."""
         heads: dict[int, FrameBatch] = {}
@@ -111,7 +167,7 @@ class MirrorStreams:
                 _, sends = self.paths[k].flush()
                 if sends:
                     yield sends
-                self.ended.add(k)
+                ended.add(k)
 
     def _next(self, k: int, it) -> FrameBatch | None:
         try:

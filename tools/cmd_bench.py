@@ -325,20 +325,24 @@ def _render_joint(name, r) -> list[str]:
 def _render_e2e(name, r) -> list[str]:
     protos = [p for p in ("Simple", "LL", "LL128") if p in r]
     lines = ["## End to end, by the slope method (issue 16)", "",
-             "`mirrorckpt replay --config job.toml --json` in a fresh process on a 2-step and a 22-step capture of "
+             "`mirrorckpt replay --config job.toml --quiet` in a fresh process on a 2-step and a 22-step capture of "
              f"one generated job (2 ranks, 2 channels, `{r[protos[0]]['model']}` fp32, the egress of both ranks), "
-             "wall clock, best of 3 each: the slope between them is the per-iteration rate, start-up cancels. "
-             f"Every all-reduce of every run is checked against the generator's truth. One-core memcpy in the same "
-             f"run: {r['memcpy_GBps']:.1f} GB/s (numpy copyto of 256 MiB, best of 5; "
+             "wall clock, best of 3 each: the slope between them is the per-iteration rate, start-up cancels; the "
+             "same slope of the CPU seconds (every thread of the process) is the rate per CPU second. "
+             "The same captures replayed with `--json` (which adds every all-reduce's sha256, on a thread of its "
+             "own) check every all-reduce against the generator's truth, and have a slope of their own. "
+             f"One-core memcpy in the same run: {r['memcpy_GBps']:.1f} GB/s (numpy copyto of 256 MiB, best of 5; "
              f"{r['memcpy_GBps_before']:.1f} before, {r['memcpy_GBps_after']:.1f} after).", "",
              "| protocol (PMTU) | capture, short / long | seconds, short / long | GB/s of capture (slope) | of memcpy |"
-             " peak RSS MB, short / long | every all-reduce exact |", "|---|---|---|---|---|---|---|"]
+             " GB per CPU second | with `--json`: GB/s | peak RSS MB, short / long | every all-reduce exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for p in protocols_present(r, protos):
         x = r[p]
         a, b = (x["runs"][str(k)] for k in x["steps"])
         lines.append(f"| {p} ({x['pmtu']}) | {a['bytes'] / 1e6:.0f} / {b['bytes'] / 1e6:.0f} MB | "
                      f"{a['seconds']:.2f} / {b['seconds']:.2f} | {_f(x['slope_GBps'])} | "
                      f"{_f(100 * x['of_memcpy'] if x['of_memcpy'] else None, 1)}% | "
+                     f"{_f(x.get('per_cpu_second_GB'))} | {_f(x.get('json_slope_GBps'))} | "
                      f"{a['peak_rss_MB']:.0f} / {b['peak_rss_MB']:.0f} | "
                      f"{'yes' if x['exact'] else 'NO'} ({a['allreduces_checked'] + b['allreduces_checked']}) |")
     if r.get("load_average_after"):

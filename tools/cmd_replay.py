@@ -30,6 +30,7 @@ from mirrorckpt.parser.streams import MirrorStreams
 from mirrorckpt.tools.progress import Progress
 
 DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
+READ_AHEAD = 4  # lists of sends the packet path's thread may hold ready (each a batch's: tens of MB at most)
 
 
 class Digests:
@@ -56,12 +57,16 @@ class Digests:
         self.pool.shutdown(wait=True)
 
 
-def allreduce_entry(r: CollectiveResult, digests: Digests | None = None) -> dict | None:
+def allreduce_entry(r: CollectiveResult, digests: Digests | None | bool = None) -> dict | None:
     """What the report says of one finished all-reduce (None for other collectives). With
-    ``digests`` its sha256 is a Future until ``allreduce_report`` reads it."""
+    ``digests`` its sha256 is a Future until ``allreduce_report`` reads it; ``digests=False``: no
+    sha256 at all (None)."""
     if r.spec.kind != "allreduce":
         return None
-    sha = digests.submit(r.data) if digests is not None and r.complete else r.sha256()
+    if digests is False:
+        sha = None
+    else:
+        sha = digests.submit(r.data) if digests is not None and r.complete else r.sha256()
     return {"collective": r.index, "iteration": r.spec.iteration, "bucket": r.spec.bucket,
             "count": r.count, "dtype": r.spec.dtype, "coverage": round(r.coverage, 6), "complete": r.complete,
             "sha256": sha, "holes": [list(h) for h in r.holes],
@@ -110,18 +115,24 @@ def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, tr
         from mirrorckpt.parser.gloo_job import open_job_stream
 
         return open_job_stream(captures, job, dtype)
-    streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
+    # With a job file the packet path reads ahead on its own thread (MirrorStreams); inference reads
+    # the decoders' state while it runs, so without one it stays on this thread.
+    streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version,
+                            ahead=READ_AHEAD if job is not None else 0)
     kw = dict(model=JobModel.from_job(job), ranks=job.ring.ranks_by_address()) if job is not None else {}
     p2p_fill = p2p_fill or (job is not None and job.p2p_fill)
     return JobStream(streams, dtype=dtype, nccl_version=nccl_version, p2p_fill=p2p_fill, **kw)
 
 
 def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=None,
-        persist=None, progress=None, transport="roce", summarize=False, p2p_fill=False, pipelined=False):
+        persist=None, progress=None, transport="roce", summarize=False, p2p_fill=False, pipelined=False,
+        hashes=True):
     """The main job. ``training``: the replica's TrainingSpec, or a function of the layout; None
     keeps no replica. Returns (job stream, finished collectives, iterations, Appliance or None).
     ``summarize``: keep each all-reduce as its ``allreduce_entry`` and each iteration without its
-    buckets, so replaying a capture of any length holds bounded memory (the CLI's report)."""
+    buckets, so replaying a capture of any length holds bounded memory (the CLI's report).
+    ``hashes``: the summary's sha256 of each complete all-reduce (only ``--json`` shows them; on
+    Simple they were a third of the CPU time)."""
     import dataclasses
 
     from mirrorckpt.updater.appliance import Appliance, drive
@@ -130,7 +141,7 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
     app = Appliance(None, training, persist, on_iteration=progress, pipelined=pipelined) \
         if training is not None else None
     results, iterations = [], []
-    digests = Digests() if summarize else None
+    digests = Digests() if summarize and hashes else (False if summarize else None)
 
     def keep(item):
         if isinstance(item, CollectiveResult):
@@ -143,7 +154,7 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
     try:
         drive(js, app, keep)
     finally:
-        if digests is not None:
+        if digests:
             digests.close()
     return js, results, iterations, app
 
@@ -257,7 +268,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
             js, results, iterations, app = run(captures, job, dtype, nccl_version, not no_icrc, training, persist,
                                                progress, transport, summarize=True, p2p_fill=p2p_fill,
                                                pipelined=(job is not None and job.pipelined) if pipelined is None
-                                               else pipelined)
+                                               else pipelined, hashes=as_json)
     except CaptureError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

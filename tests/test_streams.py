@@ -1,0 +1,57 @@
+"""MirrorStreams reading ahead on its own thread hands on exactly what it hands on without it: the
+same lists of sends in the same order, and each stream counted ended no earlier than its last
+sends; an error of the thread comes out in the caller, and a caller that stops early stops it."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from mirrorckpt.capture.pcapfile import open_capture
+from mirrorckpt.parser.streams import MirrorStreams
+
+PCAPS = Path(__file__).parent / "pcaps"
+
+
+def _sources(name: str, batch_frames: int):
+    return [(str(p), open_capture(p, batch_frames=batch_frames)) for p in sorted((PCAPS / name).glob("*.pcap*"))]
+
+
+def _walk(name: str, ahead: int, batch_frames: int = 8) -> tuple[list, MirrorStreams]:
+    ms = MirrorStreams(_sources(name, batch_frames), ahead=ahead)
+    seen = []
+    for sends in ms:
+        seen.append(([(s.stream, s.connection, s.seq, s.flag, s.ts_ns, s.psn, s.form, s.data.tobytes(), s.holes)
+                      for s in sends], set(ms.ended)))
+    return seen, ms
+
+
+@pytest.mark.parametrize("name", ["demo", "simple_r3_both", "ll_r2_noise_faults"])
+def test_reading_ahead_hands_on_the_same_sends_and_ends(name):
+    want, plain = _walk(name, ahead=0)
+    got, ahead = _walk(name, ahead=2)
+    assert len(want) >= 3  # small batches: several lists, so the thread runs ahead of the caller
+    assert got == want
+    assert ahead.ended == plain.ended == set(range(plain.nstreams))
+    assert [(s.frames, s.bytes) for s in ahead.stats] == [(s.frames, s.bytes) for s in plain.stats]
+    assert ahead.counters.classes == plain.counters.classes
+
+
+def test_an_error_of_the_reading_thread_comes_out_in_the_caller():
+    def broken():
+        yield from list(open_capture(PCAPS / "demo" / "rank0_egress.pcapng", batch_frames=64))[:3]
+        raise RuntimeError("disk gone")
+
+    ms = MirrorStreams([("x", broken())], ahead=2)
+    with pytest.raises(RuntimeError, match="disk gone"):
+        for _ in ms:
+            pass
+
+
+def test_a_caller_that_stops_early_stops_the_thread():
+    ms = MirrorStreams(_sources("demo", 16), ahead=1)
+    it = iter(ms)
+    next(it)
+    it.close()
+    assert not [t for t in threading.enumerate() if t.name == "mirror-read"]
