@@ -30,7 +30,7 @@ from mirrorckpt.parser.streams import MirrorStreams
 from mirrorckpt.tools.progress import Progress
 
 DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
-READ_AHEAD = 4  # lists of sends the packet path's thread may hold ready (each a batch's: tens of MB at most)
+READ_AHEAD = 2  # lists of sends the packet path's thread may hold ready (each a batch's: tens of MB at most)
 
 
 class Digests:
