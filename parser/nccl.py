@@ -669,7 +669,13 @@ class NcclDecoder:
         # takes its connection's (all-zero bytes are no evidence of Simple).
         flag = None
         # The common case (no lost bytes, every line intact) in one compiled pass; else the careful path.
-        fast = protocols.decode_intact(wire, self.protocol) if len(wire) and not wire_holes else None
+        # A whole message reassembly already read as intact LL (``RdmaMessage.ll``) is not read again:
+        # LL is what decode_intact finds first.
+        pre = msgs[0].ll if len(msgs) == 1 and wire is msgs[0].data else None
+        if pre is not None and pre[1] and not wire_holes and self.protocol in (None, protocols.LL):
+            fast = (protocols.LL, pre[0], pre[1])
+        else:
+            fast = protocols.decode_intact(wire, self.protocol) if len(wire) and not wire_holes else None
         if fast is not None:
             proto, user, flag = fast
             holes = []

@@ -228,11 +228,14 @@ def _runs(pos: np.ndarray) -> np.ndarray:
 LL128_RUNS = _runs(LL128_DATA_POS)  # 24 copies a group instead of 1920 gathers
 
 
+LL_INTACT_ARGS = (LL_LINE_BYTES, _LO * 4, _F1 * 4, _HI * 4, _F2 * 4)  # the LL kernels' line layout
+
+
 def ll_intact(wire: np.ndarray) -> tuple[np.ndarray, int] | None:
     """An LL message whose every line carries the same non-zero flag twice: (user bytes, flag),
     in one compiled pass; None otherwise (``ll_decode`` then says which lines are bad)."""
     out = np.empty(wire.size // LL_LINE_BYTES * LL_DATA_PER_LINE, np.uint8)
-    f = _place.ll_intact(wire, out, LL_LINE_BYTES, _LO * 4, _F1 * 4, _HI * 4, _F2 * 4)
+    f = _place.ll_intact(wire, out, *LL_INTACT_ARGS)
     return (out, f) if f else None
 
 

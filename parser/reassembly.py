@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirrorckpt.capture._pack import copy_ranges
 from mirrorckpt.config.layout import address_text
-from mirrorckpt.parser import _reasm, memory, opcodes
-from mirrorckpt.parser.headers import PSN_MODULUS
+from mirrorckpt.parser import _place, _reasm, memory, opcodes
+from mirrorckpt.parser.headers import LL_DATA_PER_LINE, LL_LINE_BYTES, PSN_MODULUS
+from mirrorckpt.parser.protocols import LL_INTACT_ARGS as _LL_ARGS
 from mirrorckpt.parser.roce import RocePackets
 
 _HALF = PSN_MODULUS // 2
 RUN_BYTES = 32 << 20  # below memory.keep_freed_memory's mmap threshold: buffers are reused
 _IS_FIRST = opcodes.IS_FIRST.astype(np.uint8)
 _IS_LAST = opcodes.IS_LAST.astype(np.uint8)
+_NOT_LL = (None, 0)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class RdmaMessage:
     with_imm: bool | None  # closed by a ...WITH_IMMEDIATE opcode (None: closing packet lost)
     ts_ns: int  # timestamp of the earliest received packet
     length_known: bool = True  # False when neither RETH nor the closing packet fixed the length
+    # (user bytes, flag) of ``data`` read as an intact LL message, decoded while the packets were in
+    # cache (``_bulk``); None when not decoded so, flag 0 when it is not one (see NcclDecoder._make)
+    ll: tuple | None = None
 
     @property
     def complete(self) -> bool:
@@ -424,8 +429,18 @@ class Reassembler:
         np.cumsum(plen[:-1], out=dst[1:])
         src = np.ascontiguousarray(tab["src_off"][rows])
         new = src_is_new[rows]
+        ll = None
         if new.all():
-            copy_ranges(data, src, buf, dst, plen)
+            # Each message's packets copied and, while in cache, read as LL (a pass over cold
+            # bytes less for LL; a line or two read for the other protocols).
+            nb = sizes // LL_LINE_BYTES * LL_DATA_PER_LINE
+            out_off = np.zeros(k1 - k0, np.int64)
+            np.cumsum(nb[:-1], out=out_off[1:])
+            user = np.empty(int(out_off[-1] + nb[-1]), np.uint8)
+            flags = np.zeros(k1 - k0, np.uint32)
+            _place.gather_ll(data, src, plen, np.concatenate([heads - r0, [r1 - r0]]), base, buf, out_off, user,
+                             flags, *_LL_ARGS)
+            ll = zip(out_off.tolist(), (out_off + nb).tolist(), flags.tolist())
         else:
             for from_new in (True, False):
                 m = new == from_new
@@ -443,7 +458,11 @@ class Reassembler:
                    tab["rkey"][heads].tolist(), sizes.tolist(), tab["imm"][last].tolist(), with_imm.tolist(),
                    ts.tolist())
         for p0, npk, a, b, va, rkey, size, imm, w, t in cols:  # positional: the hot loop of the stage
-            out.append(RdmaMessage(key, sport, p0, npk, buf[a:b], [], va, rkey, size, imm if w else None, w, t))
+            m = RdmaMessage(key, sport, p0, npk, buf[a:b], [], va, rkey, size, imm if w else None, w, t)
+            if ll is not None:
+                u0, u1, f = next(ll)
+                m.ll = (user[u0:u1], f) if f else _NOT_LL
+            out.append(m)
         st.messages += int(k1 - k0)
         qp.cursor = int(ps[-1] + g.npk[k1 - 1])
         return out

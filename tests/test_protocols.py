@@ -221,3 +221,61 @@ def test_place_agreeing_long_runs_match_numpy(es):
     got_dst, got_cov = dst.copy(), covered.copy()
     assert not _place.place_agreeing(got_dst, got_cov.view(np.uint8), 0, bad, n, es)
     assert np.array_equal(got_dst, dst) and np.array_equal(got_cov, covered)
+
+
+def test_gather_ll_copies_each_message_and_reads_it_as_ll_intact_would():
+    """Messages of random packets, end to end: the copy is copy_ranges', and each message's flag and
+    user bytes are ll_intact's of its wire (LL, LL with one bad line, Simple, a length that is not
+    whole lines, an empty message); bounds that do not add up are refused before anything is copied."""
+    from mirrorckpt.capture._pack import copy_ranges
+    from mirrorckpt.parser import _place
+
+    rng = np.random.default_rng(3)
+    wires = [P.encode("LL", rng.integers(0, 256, 4096, dtype=np.uint8), flag=9),
+             P.encode("LL", rng.integers(0, 256, 800, dtype=np.uint8), flag=3).copy(),
+             rng.integers(0, 256, 3000, dtype=np.uint8),
+             P.encode("LL", rng.integers(0, 256, 512, dtype=np.uint8), flag=4)[:-8],
+             np.zeros(0, np.uint8),
+             P.encode("LL", rng.integers(0, 256, 64, dtype=np.uint8), flag=1)]
+    wires[1][16 * 7 + 4] ^= 1  # line 7's first flag word
+    # packets of each message in a shuffled source buffer
+    rows, src_parts, pos = [], [], 0
+    msg_rows = [0]
+    for w in wires:
+        cuts = sorted({0, len(w), *rng.integers(0, len(w) + 1, 3).tolist()})
+        for a, b in zip(cuts, cuts[1:]):
+            pad = int(rng.integers(0, 40))
+            src_parts.append(np.zeros(pad, np.uint8))
+            rows.append((pos + pad, b - a))
+            src_parts.append(w[a:b])
+            pos += pad + b - a
+        msg_rows.append(len(rows))
+    src = np.concatenate(src_parts)
+    src_off = np.array([r[0] for r in rows], np.int64)
+    length = np.array([r[1] for r in rows], np.int64)
+    sizes = np.array([len(w) for w in wires], np.int64)
+    msg_bytes = np.concatenate([[0], np.cumsum(sizes)])
+    nb = sizes // 16 * 8
+    out_off = np.concatenate([[0], np.cumsum(nb[:-1])])
+    buf = np.zeros(int(msg_bytes[-1]), np.uint8)
+    out = np.zeros(int(nb.sum()), np.uint8)
+    flags = np.zeros(len(wires), np.uint32)
+    _place.gather_ll(src, src_off, length, np.array(msg_rows, np.int64), msg_bytes, buf, out_off, out, flags,
+                     *P.LL_INTACT_ARGS)
+    want = np.zeros_like(buf)
+    copy_ranges(src, src_off, want, np.concatenate([[0], np.cumsum(length[:-1])]), length)
+    assert np.array_equal(buf, want) and np.array_equal(buf, np.concatenate(wires))
+    for k, w in enumerate(wires):
+        got = P.ll_intact(w) if len(w) and len(w) % 16 == 0 else None
+        if got is None:
+            assert flags[k] == 0
+        else:
+            assert flags[k] == got[1] and np.array_equal(out[out_off[k]:out_off[k] + nb[k]], got[0])
+    assert flags.tolist() == [9, 0, 0, 0, 0, 1]
+    bad = msg_bytes.copy()
+    bad[2] += 16  # message 1's packets no longer add up to its bytes
+    buf[:] = 0
+    with pytest.raises(ValueError):
+        _place.gather_ll(src, src_off, length, np.array(msg_rows, np.int64), bad, buf, out_off, out, flags,
+                         *P.LL_INTACT_ARGS)
+    assert not buf.any()

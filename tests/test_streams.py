@@ -55,3 +55,32 @@ def test_a_caller_that_stops_early_stops_the_thread():
     next(it)
     it.close()
     assert not [t for t in threading.enumerate() if t.name == "mirror-read"]
+
+
+@pytest.mark.parametrize("name", ["ll_r2_noise_faults", "demo", "ll128_bf16_v229"])
+def test_ll_read_while_reassembling_gives_the_sends_of_reading_it_after(name, monkeypatch):
+    """Reassembly reads each whole message as LL while its packets are in cache (RdmaMessage.ll);
+    the NCCL sends are those of decoding every message afterwards, on LL and on other protocols."""
+    import numpy as np
+    from mirrorckpt.capture._pack import copy_ranges
+    from mirrorckpt.parser import _place, reassembly
+
+    want, _ = _walk(name, ahead=0)
+    used = []
+    real = _place.gather_ll
+
+    def spy(*a):
+        real(*a)
+        used.append(int((a[8] != 0).sum()))
+
+    monkeypatch.setattr(reassembly._place, "gather_ll", spy)
+    got, _ = _walk(name, ahead=0)
+    assert got == want
+    assert sum(used) > 0 if name != "ll128_bf16_v229" else sum(used) == 0  # LL messages read so, no others
+
+    def copy_only(src, src_off, length, msg_rows, msg_bytes, buf, out_off, out, flags, *a):
+        copy_ranges(src, src_off, buf, np.concatenate([[0], np.cumsum(length[:-1])]), length)
+        flags[:] = 0
+
+    monkeypatch.setattr(reassembly._place, "gather_ll", copy_only)
+    assert _walk(name, ahead=0)[0] == want
