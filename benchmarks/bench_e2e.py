@@ -59,12 +59,13 @@ def memcpy_GBps(nbytes: int = 256 << 20, repeat: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def build(out: Path, protocol: str, steps: int, model: str, channels: int = 2) -> dict:
+def build(out: Path, protocol: str, steps: int, model: str, channels: int = 2,
+          mirrors: str = "0:egress,1:egress") -> dict:
     from mirrorckpt.tools.generator.gen import GenConfig, generate
     from mirrorckpt.tools.generator.wire import WireOptions
 
     return generate(GenConfig(ranks=2, channels=channels, protocol=protocol, model=model, steps=steps, seed=1,
-                              mirrors="0:egress,1:egress", wire=WireOptions(pmtu=PMTU[protocol]),
+                              mirrors=mirrors, wire=WireOptions(pmtu=PMTU[protocol]),
                               send_truth=False), out)
 
 

@@ -23,19 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from mirrorckpt.benchmarks.bench_e2e import PMTU, memcpy_GBps
+from mirrorckpt.benchmarks.bench_e2e import build, memcpy_GBps
 
 VARIANTS = {"pickled, 1 worker": {"transfer_bytes": 0, "workers": 1},
             "shared ring, 1 worker": {"workers": 1},
             "shared ring, 2 workers": {"workers": 2}}
-
-
-def build(out: Path, protocol: str, steps: int, model: str) -> None:
-    from mirrorckpt.tools.generator.gen import GenConfig, generate
-    from mirrorckpt.tools.generator.wire import WireOptions
-
-    generate(GenConfig(ranks=2, channels=2, protocol=protocol, model=model, steps=steps, seed=1, mirrors="0:both",
-                       wire=WireOptions(pmtu=PMTU[protocol]), send_truth=False), out)
 
 
 def config(job_dir: Path, variant: dict) -> Path:
@@ -70,7 +62,7 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
     dirs = {}
     for steps in (short, long):
         dirs[steps] = tmp / f"{protocol}_{steps}"
-        build(dirs[steps], protocol, steps, model)
+        build(dirs[steps], protocol, steps, model, mirrors="0:both")
     res: dict = {"protocol": protocol, "model": model, "steps": [short, long],
                  "bytes": {str(s): sum(f.stat().st_size for f in d.glob("*.pcap*")) for s, d in dirs.items()},
                  "variants": {}}

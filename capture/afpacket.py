@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from mirrorckpt.capture import _ring
 from mirrorckpt.capture.batch import LINKTYPE_ETHERNET, CaptureError, FrameBatch
+from mirrorckpt.capture.fanout import ETH_IPV4, ETH_IPV6, ETH_VLAN, IPPROTO_UDP
 
 # linux/if_packet.h, linux/if_ether.h, linux/if_arp.h
 SOL_PACKET = 263
@@ -108,8 +109,6 @@ _JA, _JEQ, _JGE = 0x00, 0x10, 0x30
 _K, _X, _A = 0x00, 0x08, 0x10
 _SKF_LL_OFF = -0x200000  # loads relative to the link-layer (MAC) header
 _SKF_AD_VLAN_TAG_PRESENT = -0x1000 + 48  # 1 when the kernel holds an outer tag apart
-_ETH_VLAN = (0x8100, 0x88A8)
-_IPPROTO_UDP = 17
 
 
 def fanout_program(workers: int, worker: int | None = None) -> list[tuple[int, int, int, int]]:
@@ -142,13 +141,13 @@ def fanout_program(workers: int, worker: int | None = None) -> list[tuple[int, i
 
     def dispatch(base: int, next_tag: str | None):
         """A holds the ethertype of the header ending at `base` (network-relative)."""
-        op(_JMP | _JEQ | _K, 0x0800, f"v4_{base}", 0)
-        op(_JMP | _JEQ | _K, 0x86DD, f"v6_{base}", 0)
+        op(_JMP | _JEQ | _K, ETH_IPV4, f"v4_{base}", 0)
+        op(_JMP | _JEQ | _K, ETH_IPV6, f"v6_{base}", 0)
         if next_tag is None:
             op(_RET | _K, 0)
             return
-        op(_JMP | _JEQ | _K, _ETH_VLAN[0], next_tag, 0)
-        op(_JMP | _JEQ | _K, _ETH_VLAN[1], next_tag, "zero")
+        op(_JMP | _JEQ | _K, ETH_VLAN[0], next_tag, 0)
+        op(_JMP | _JEQ | _K, ETH_VLAN[1], next_tag, "zero")
 
     op(_LD | _H | _ABS, _SKF_LL_OFF + 12)
     dispatch(net, "tag1")
@@ -166,7 +165,7 @@ def fanout_program(workers: int, worker: int | None = None) -> list[tuple[int, i
         at(f"v4_{base}")
         need(base + 20)
         op(_LD | _B | _ABS, base + 9)
-        op(_JMP | _JEQ | _K, _IPPROTO_UDP, 0, "zero")
+        op(_JMP | _JEQ | _K, IPPROTO_UDP, 0, "zero")
         op(_LD | _B | _ABS, base)
         op(_ALU | _AND | _K, 0x0F)
         op(_JMP | _JGE | _K, 5, 0, "zero")  # IHL below 5: not a header worker_of reads
@@ -179,7 +178,7 @@ def fanout_program(workers: int, worker: int | None = None) -> list[tuple[int, i
         at(f"v6_{base}")
         need(base + 42)
         op(_LD | _B | _ABS, base + 6)
-        op(_JMP | _JEQ | _K, _IPPROTO_UDP, 0, "zero")
+        op(_JMP | _JEQ | _K, IPPROTO_UDP, 0, "zero")
         op(_LD | _H | _ABS, base + 40)
         op(_JMP | _JA, "port")
     at("port")

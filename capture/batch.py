@@ -58,6 +58,13 @@ class FrameBatch:
         return FrameBatch(data, offset, self.caplen.copy(), self.wirelen.copy(), self.ts_ns.copy(),
                           self.iface.copy(), self.source, self.first_index, dict(self.linktypes))
 
+    def select(self, rows, first_index: int | None = None) -> FrameBatch:
+        """Frames ``rows`` (a slice or an index array) sharing this batch's buffer; ``first_index``
+        when they are not numbered from this batch's first frame (a batch cut in two)."""
+        return FrameBatch(self.data, self.offset[rows], self.caplen[rows], self.wirelen[rows], self.ts_ns[rows],
+                          self.iface[rows], self.source, self.first_index if first_index is None else first_index,
+                          self.linktypes)
+
     def frame(self, i: int) -> bytes:
         """One frame's captured bytes (tooling and tests only: not for the data path)."""
         o = int(self.offset[i])

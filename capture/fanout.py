@@ -74,6 +74,4 @@ def worker_of(b: FrameBatch, workers: int) -> np.ndarray:
 
 def share(b: FrameBatch, worker: int, workers: int) -> FrameBatch:
     """The frames of ``b`` that worker ``worker`` of ``workers`` decodes (sharing the buffer)."""
-    rows = np.flatnonzero(worker_of(b, workers) == worker)
-    return FrameBatch(b.data, b.offset[rows], b.caplen[rows], b.wirelen[rows], b.ts_ns[rows], b.iface[rows],
-                      b.source, b.first_index, b.linktypes)
+    return b.select(np.flatnonzero(worker_of(b, workers) == worker))

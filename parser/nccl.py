@@ -672,7 +672,7 @@ class NcclDecoder:
         # A whole message reassembly already read as intact LL (``RdmaMessage.ll``) is not read again:
         # LL is what decode_intact finds first.
         pre = msgs[0].ll if len(msgs) == 1 and wire is msgs[0].data else None
-        if pre is not None and pre[1] and not wire_holes and self.protocol in (None, protocols.LL):
+        if pre is not None and not wire_holes and self.protocol in (None, protocols.LL):
             fast = (protocols.LL, pre[0], pre[1])
         else:
             fast = protocols.decode_intact(wire, self.protocol) if len(wire) and not wire_holes else None

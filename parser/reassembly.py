@@ -19,6 +19,7 @@ batch; only packets still waiting at the end of a batch are copied into a per-QP
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +34,6 @@ _HALF = PSN_MODULUS // 2
 RUN_BYTES = 32 << 20  # below memory.keep_freed_memory's mmap threshold: buffers are reused
 _IS_FIRST = opcodes.IS_FIRST.astype(np.uint8)
 _IS_LAST = opcodes.IS_LAST.astype(np.uint8)
-_NOT_LL = (None, 0)
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,8 @@ class RdmaMessage:
     with_imm: bool | None  # closed by a ...WITH_IMMEDIATE opcode (None: closing packet lost)
     ts_ns: int  # timestamp of the earliest received packet
     length_known: bool = True  # False when neither RETH nor the closing packet fixed the length
-    # (user bytes, flag) of ``data`` read as an intact LL message, decoded while the packets were in
-    # cache (``_bulk``); None when not decoded so, flag 0 when it is not one (see NcclDecoder._make)
+    # (user bytes, flag) of ``data`` when ``_bulk`` read it as an intact LL message while its packets
+    # were in cache (NcclDecoder._make then does not decode it again); None otherwise
     ll: tuple | None = None
 
     @property
@@ -429,7 +429,7 @@ class Reassembler:
         np.cumsum(plen[:-1], out=dst[1:])
         src = np.ascontiguousarray(tab["src_off"][rows])
         new = src_is_new[rows]
-        ll = None
+        ll = itertools.repeat(None)  # per message: RdmaMessage.ll
         if new.all():
             # Each message's packets copied and, while in cache, read as LL (a pass over cold
             # bytes less for LL; a line or two read for the other protocols).
@@ -440,7 +440,8 @@ class Reassembler:
             flags = np.zeros(k1 - k0, np.uint32)
             _place.gather_ll(data, src, plen, np.concatenate([heads - r0, [r1 - r0]]), base, buf, out_off, user,
                              flags, *_LL_ARGS)
-            ll = zip(out_off.tolist(), (out_off + nb).tolist(), flags.tolist())
+            ll = [(user[a:a + n], int(f)) if f else None for a, n, f in zip(out_off.tolist(), nb.tolist(),
+                                                                              flags.tolist())]
         else:
             for from_new in (True, False):
                 m = new == from_new
@@ -457,12 +458,9 @@ class Reassembler:
         cols = zip(ps, g.npk[k0:k1].tolist(), base[:-1].tolist(), base[1:].tolist(), tab["va"][heads].tolist(),
                    tab["rkey"][heads].tolist(), sizes.tolist(), tab["imm"][last].tolist(), with_imm.tolist(),
                    ts.tolist())
-        for p0, npk, a, b, va, rkey, size, imm, w, t in cols:  # positional: the hot loop of the stage
-            m = RdmaMessage(key, sport, p0, npk, buf[a:b], [], va, rkey, size, imm if w else None, w, t)
-            if ll is not None:
-                u0, u1, f = next(ll)
-                m.ll = (user[u0:u1], f) if f else _NOT_LL
-            out.append(m)
+        for (p0, npk, a, b, va, rkey, size, imm, w, t), pre in zip(cols, ll):  # positional: the hot loop
+            out.append(RdmaMessage(key, sport, p0, npk, buf[a:b], [], va, rkey, size, imm if w else None, w, t,
+                                   True, pre))
         st.messages += int(k1 - k0)
         qp.cursor = int(ps[-1] + g.npk[k1 - 1])
         return out

@@ -192,7 +192,4 @@ class MirrorStreams:
 
 def _split(b: FrameBatch, cut: int) -> tuple[FrameBatch, FrameBatch]:
     """The first ``cut`` frames and the rest, sharing the batch's buffer."""
-    def part(sl):
-        return FrameBatch(b.data, b.offset[sl], b.caplen[sl], b.wirelen[sl], b.ts_ns[sl], b.iface[sl],
-                          b.source, b.first_index + (sl.start or 0), b.linktypes)
-    return part(slice(0, cut)), part(slice(cut, None))
+    return b.select(slice(0, cut)), b.select(slice(cut, None), b.first_index + cut)

@@ -5,13 +5,11 @@ sends; an error of the thread comes out in the caller, and a caller that stops e
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
+from common import PCAPS
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser.streams import MirrorStreams
-
-PCAPS = Path(__file__).parent / "pcaps"
 
 
 def _sources(name: str, batch_frames: int):

@@ -382,16 +382,18 @@ def _render_serve(name, r) -> list[str]:
              f"applies every iteration. {r['cores']} cores, shared by the workers, the parser thread and the "
              f"updater thread; one-core memcpy in the same run: {r['memcpy_GBps']:.1f} GB/s.", "",
              "| protocol | capture, short / long | variant | seconds, short / long | GB/s of capture (slope) | "
-             "GB per CPU second | every iteration applied |", "|---|---|---|---|---|---|---|"]
+             "× one worker (ring) | GB per CPU second | every iteration applied |", "|---|---|---|---|---|---|---|---|"]
     for p in protos:
         x = r[p]
         s, lg = (str(k) for k in x["steps"])
         first = True
+        one = x["variants"].get("shared ring, 1 worker", {}).get("slope_GBps")
         for v, y in x["variants"].items():
+            ratio = y["slope_GBps"] / one if one and y["slope_GBps"] else None
             a, b = y["runs"][s], y["runs"][lg]
             size = f"{x['bytes'][s] / 1e6:.0f} / {x['bytes'][lg] / 1e6:.0f} MB" if first else ""
             lines.append(f"| {p if first else ''} | {size} | {v} | {a['seconds']:.2f} / {b['seconds']:.2f} | "
-                         f"{_f(y['slope_GBps'])} | {_f(y['GB_per_cpu_second'])} | "
+                         f"{_f(y['slope_GBps'])} | {_f(ratio)} | {_f(y['GB_per_cpu_second'])} | "
                          f"{'yes' if y['every_iteration'] else 'NO'} |")
             first = False
     if r.get("load_average_after"):

@@ -57,13 +57,12 @@ class Digests:
         self.pool.shutdown(wait=True)
 
 
-def allreduce_entry(r: CollectiveResult, digests: Digests | None | bool = None) -> dict | None:
+def allreduce_entry(r: CollectiveResult, digests: Digests | None = None, hashed: bool = True) -> dict | None:
     """What the report says of one finished all-reduce (None for other collectives). With
-    ``digests`` its sha256 is a Future until ``allreduce_report`` reads it; ``digests=False``: no
-    sha256 at all (None)."""
+    ``digests`` its sha256 is a Future until ``allreduce_report`` reads it; not ``hashed``: None."""
     if r.spec.kind != "allreduce":
         return None
-    if digests is False:
+    if not hashed:
         sha = None
     else:
         sha = digests.submit(r.data) if digests is not None and r.complete else r.sha256()
@@ -141,11 +140,11 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
     app = Appliance(None, training, persist, on_iteration=progress, pipelined=pipelined) \
         if training is not None else None
     results, iterations = [], []
-    digests = Digests() if summarize and hashes else (False if summarize else None)
+    digests = Digests() if summarize and hashes else None
 
     def keep(item):
         if isinstance(item, CollectiveResult):
-            e = allreduce_entry(item, digests) if summarize else item
+            e = allreduce_entry(item, digests, hashes) if summarize else item
             if e is not None:
                 results.append(e)
         elif isinstance(item, ReducedIteration):
@@ -154,7 +153,7 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
     try:
         drive(js, app, keep)
     finally:
-        if digests:
+        if digests is not None:
             digests.close()
     return js, results, iterations, app
 

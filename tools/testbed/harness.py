@@ -242,8 +242,7 @@ class _PortWriter:
         keep = self.sink.keep_mask(b)
         if keep is not None:
             self.sink.dropped += int((~keep).sum())
-            idx = np.flatnonzero(keep)
-            b = FrameBatch(b.data, b.offset[idx], b.caplen[idx], b.wirelen[idx], b.ts_ns[idx], b.iface[idx], b.source)
+            b = b.select(np.flatnonzero(keep))
         self.sink.sender.send(self.port, b)
 
     def close(self) -> None:
