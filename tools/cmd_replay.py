@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
+from mirrorckpt.parser import memory
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.concat import CollectiveResult
 from mirrorckpt.parser.infer import InferenceError
@@ -246,10 +247,11 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     if SLOW_ICRC and not no_icrc and transport == "roce":
         click.echo(f"warning: {SLOW_ICRC}", err=True)
     t_imports = time.perf_counter()
-    if keep_replica:  # torch's imports are not replay time; its first optimizer imports its compiler (~1 s)
-        import mirrorckpt.updater.appliance  # noqa: F401
+    import mirrorckpt.updater.appliance  # noqa: F401  (run's, with torch: imports are not replay time)
+    if keep_replica:  # its first optimizer imports torch's compiler (~1 s)
         import torch
         torch.optim.Adam([torch.zeros(1, requires_grad=True)], foreach=False)
+    memory.freeze_startup_heap()
     t0 = time.perf_counter()
     bar = Progress("[replay]", unit="iterations applied", tick=0.5, enabled=False if quiet else None)
     applied = []  # when each iteration was applied (perf_counter)

@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from mirrorckpt.parser import memory
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.streams import WIRE_IDLE, StreamStats
 from mirrorckpt.tools.sendring import SendRing
@@ -110,8 +111,10 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     from mirrorckpt.capture import fanout
     from mirrorckpt.capture.batch import CaptureError
     from mirrorckpt.capture.source import open_source, paced
+    from mirrorckpt.parser import memory
     from mirrorckpt.parser.packet_path import PacketPath
 
+    memory.freeze_startup_heap()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
     parent = os.getppid()  # a daemon killed outright (SIGKILL) must not leave its workers capturing
     local: queue.Queue = queue.Queue()
@@ -702,6 +705,7 @@ class Daemon:
             self._appliance = Appliance(self.job.layout, self.training, self.persist, on_stale=self._on_stale,
                                         pipelined=self.pipelined)
             self._appliance.on_commit = self._on_commit
+        memory.freeze_startup_heap()  # torch and the job are loaded: the threads below never collect them
         self.start_workers()
         parser = threading.Thread(target=self._parser, name="parser", daemon=True)
         updater = threading.Thread(target=self._updater, name="updater", daemon=True)
