@@ -19,7 +19,6 @@ batch; only packets still waiting at the end of a batch are copied into a per-QP
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -429,25 +428,30 @@ class Reassembler:
         np.cumsum(plen[:-1], out=dst[1:])
         src = np.ascontiguousarray(tab["src_off"][rows])
         new = src_is_new[rows]
-        ll = itertools.repeat(None)  # per message: RdmaMessage.ll
-        if new.all():
-            # Each message's packets copied and, while in cache, read as LL (a pass over cold
-            # bytes less for LL; a line or two read for the other protocols).
-            nb = sizes // LL_LINE_BYTES * LL_DATA_PER_LINE
-            out_off = np.zeros(k1 - k0, np.int64)
+        # Messages up to the last held packet (an earlier batch's, in the slab; held packets come
+        # first in a table) are copied from both places; the rest, read from this batch only, are
+        # copied and, while in cache, read as LL (a pass over cold bytes less for LL; a line or two
+        # read for the other protocols).
+        old = np.flatnonzero(~new)
+        kx = int(np.searchsorted(heads - r0, old[-1] + 1)) if len(old) else 0  # first message of new rows only
+        rx = int(heads[kx] - r0) if kx < len(heads) else r1 - r0  # its first row
+        for from_new in (True, False):
+            m = new[:rx] == from_new
+            if m.any():
+                copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(src[:rx][m]), buf,
+                            np.ascontiguousarray(dst[:rx][m]), np.ascontiguousarray(plen[:rx][m]))
+        ll = [None] * kx  # per message: RdmaMessage.ll
+        if kx < len(heads):
+            sz = sizes[kx:]
+            nb = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
+            out_off = np.zeros(len(sz), np.int64)
             np.cumsum(nb[:-1], out=out_off[1:])
             user = np.empty(int(out_off[-1] + nb[-1]), np.uint8)
-            flags = np.zeros(k1 - k0, np.uint32)
-            _place.gather_ll(data, src, plen, np.concatenate([heads - r0, [r1 - r0]]), base, buf, out_off, user,
-                             flags, *_LL_ARGS)
-            ll = [(user[a:a + n], int(f)) if f else None for a, n, f in zip(out_off.tolist(), nb.tolist(),
-                                                                              flags.tolist())]
-        else:
-            for from_new in (True, False):
-                m = new == from_new
-                if m.any():
-                    copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(src[m]), buf,
-                                np.ascontiguousarray(dst[m]), np.ascontiguousarray(plen[m]))
+            flags = np.zeros(len(sz), np.uint32)
+            _place.gather_ll(data, src[rx:], plen[rx:], np.concatenate([heads[kx:] - r0 - rx, [r1 - r0 - rx]]),
+                             base[kx:] - base[kx], buf[base[kx]:], out_off, user, flags, *_LL_ARGS)
+            ll += [(user[a:a + n], int(f)) if f else None for a, n, f in zip(out_off.tolist(), nb.tolist(),
+                                                                               flags.tolist())]
         last = g.end_row[k0:k1] - 1
         op_last = tab["opcode"][last]
         with_imm = opcodes.HAS_IMMDT[op_last]

@@ -113,3 +113,27 @@ def test_generated_protocols_same(tmp_path):
         for size in (13, 500):
             same(damaged(b, 11, "loss"), size)
             same(damaged(b, 12, "swap"), size)
+
+
+@pytest.mark.parametrize("size", [700, 2000])
+def test_whole_messages_of_a_batch_are_read_as_ll_behind_a_held_one(tmp_path, size):
+    """A batch's first message of a QP often began in the batch before (its packets held); the
+    messages behind it, all of this batch, are still read as LL while in cache (RdmaMessage.ll),
+    and that reading is the message's own."""
+    from mirrorckpt.parser import protocols
+    from mirrorckpt.tools.generator.gen import GenConfig, generate
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    generate(GenConfig(ranks=2, channels=2, protocol="LL", model="linear:200000", steps=2, seed=5,
+                       mirrors="0:egress", wire=WireOptions(pmtu=1024), send_truth=False), tmp_path)
+    b = read_all(next(tmp_path.glob("*.pcap*")))
+    msgs, r = run(b, size, True)
+    cuts = -(-len(b) // size) - 1
+    ll_msgs = [m for m, _ in msgs if m.with_imm and m.complete and protocols.ll_intact(m.data)]
+    assert len(ll_msgs) > 4 * cuts  # many whole messages in each batch
+    for m in ll_msgs:
+        if m.ll is not None:
+            user, flag = protocols.ll_intact(m.data)
+            assert m.ll[1] == flag and m.ll[0].tobytes() == user.tobytes()
+    # only a message cut by a batch boundary (one per QP per cut at most) is left to be read again
+    assert sum(m.ll is None for m in ll_msgs) <= cuts * len(r.qps)
