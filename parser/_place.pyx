@@ -134,9 +134,10 @@ cdef inline Py_ssize_t _run_end(const uint8_t *c, Py_ssize_t i, Py_ssize_t n, ui
 def place_agreeing(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, const uint8_t[::1] src,
                    Py_ssize_t n, Py_ssize_t es):
     """Elements [start, start + n) of ``dst`` (``es`` bytes each) from ``src``: where already
-    covered the bytes must agree, elsewhere they are copied and marked covered. Returns False,
-    having written nothing, when a covered element differs (the caller reports the conflict)."""
-    cdef Py_ssize_t i, j
+    covered the bytes must agree, elsewhere they are copied and marked covered. Returns how many
+    elements it newly covered, or -1, having written nothing, when a covered element differs (the
+    caller reports the conflict)."""
+    cdef Py_ssize_t i, j, added = 0
     cdef uint8_t *d
     cdef const uint8_t *s
     cdef uint8_t *c
@@ -145,7 +146,7 @@ def place_agreeing(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, con
             or src.shape[0] < n * es:
         raise ValueError("place_agreeing: range outside the buffers")
     if n == 0:
-        return True
+        return 0
     d = &dst[start * es]
     s = &src[0]
     c = &covered[start]
@@ -165,5 +166,6 @@ def place_agreeing(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, con
                 if j > i:
                     memcpy(d + i * es, s + i * es, (j - i) * es)
                     memset(c + i, 1, j - i)
+                    added += j - i
                 i = j
-    return ok
+    return added if ok else -1

@@ -46,6 +46,10 @@ class CollectiveResult:
     p2p_candidate: bool = False
     conflicts: list[str] = field(default_factory=list)
     last_ts: int = 0
+    # Kept by Concatenator._put as it places, so that asking whether an open result is complete
+    # (poll does for every batch of sends) costs no pass over its flags
+    ncovered: int = 0
+    nconflict: int = 0
     _sealed: bool | None = field(default=None, init=False, repr=False, compare=False)  # see seal()
 
     @property
@@ -53,16 +57,15 @@ class CollectiveResult:
         return int(self.covered.size)
 
     def seal(self) -> None:
-        """Handed on: nothing is placed into it any more, so its verdict is computed once (every
-        reader of a finished result asks for it, each a pass over both flag arrays)."""
-        self._sealed = None
-        self._sealed = self.complete
+        """Handed on: nothing is placed into it any more, so its verdict is taken once, from the
+        flags themselves (every reader of a finished result asks for it)."""
+        self._sealed = bool(self.covered.all()) and not self.conflict.any()
 
     @property
     def complete(self) -> bool:
         if self._sealed is not None:
             return self._sealed
-        return bool(self.covered.all()) and not self.conflict.any()
+        return self.ncovered == self.covered.size and self.nconflict == 0
 
     @property
     def coverage(self) -> float:
@@ -149,10 +152,12 @@ class Concatenator:
     def _put(self, r: CollectiveResult, start: int, n: int, data: np.ndarray, byte_holes, origin) -> None:
         """``origin`` (a connection, or a description) is only formatted when copies conflict."""
         es = dtype_size(r.spec.dtype)
-        if not byte_holes and len(data) >= n * es and data.dtype == np.uint8 and data.flags.c_contiguous and \
-                _place.place_agreeing(r.data, r.covered.view(np.uint8), start, data, n, es):
-            r.pieces += 1  # the common case, in one compiled pass: every element arrived, no copy disagreed
-            return
+        if not byte_holes and len(data) >= n * es and data.dtype == np.uint8 and data.flags.c_contiguous:
+            added = _place.place_agreeing(r.data, r.covered.view(np.uint8), start, data, n, es)
+            if added >= 0:  # the common case, in one compiled pass: every element arrived, no copy disagreed
+                r.ncovered += added
+                r.pieces += 1
+                return
         ok = np.ones(n, bool)
         for a, ln in byte_holes:  # an element is only covered when all its bytes arrived
             lo, hi = a // es, -(-(a + ln) // es)
@@ -171,10 +176,12 @@ class Concatenator:
         if seen.any():
             differ = seen & ((old != new) if w is not None else (old != new).any(axis=1))
             if differ.any():
+                r.nconflict += int(np.count_nonzero(differ & ~r.conflict[start:start + n]))
                 r.conflict[start:start + n] |= differ
                 for a, ln in ranges(differ):
                     r.conflicts.append(f"elements [{start + a}, {start + a + ln}) differ in the copy from {origin}")
         put = ok & ~covered
+        r.ncovered += int(np.count_nonzero(put))
         if put.all():
             old[...] = new
         elif w is not None:

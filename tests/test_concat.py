@@ -129,3 +129,29 @@ def test_declared_the_fill_takes_the_send_it_is_promised(placements):
     es = len(first.send.data) // first.step.nelem
     a, n = first.step.offset, first.step.nelem
     assert not np.array_equal(r.data[a * es:(a + n) * es], first.send.data[:n * es])  # the foreign bytes
+
+
+def test_open_results_count_what_their_flags_hold(placements):
+    """``complete`` on an open result reads counts kept while placing (no pass over its flags):
+    after every placement they equal the flags, with sends carrying holes and a copy that
+    disagrees; a disagreeing result is never complete."""
+    model, ps = placements
+    rng = np.random.default_rng(3)
+    c = Concatenator(model, 8)
+    bad = None
+    for k, p in enumerate(ps):
+        s = p.send
+        if k % 7 == 3 and len(s.data) > 16:  # bytes lost on the wire: holes in the send
+            a = int(rng.integers(0, len(s.data) - 8))
+            p = dataclasses.replace(p, send=dataclasses.replace(s, holes=[(a, 8)]))
+        elif bad is None and p.spec.kind == "allreduce" and p.step.phase == REDUCED and p.step.nelem and \
+                p.coll in c.open and c.open[p.coll].covered[p.step.offset]:
+            data = s.data.copy()  # a later copy of values already placed, one byte changed
+            data[0] ^= 1
+            p = bad = dataclasses.replace(p, send=dataclasses.replace(s, data=data))
+        c.add(p)
+        for r in c.open.values():
+            assert r.ncovered == int(r.covered.sum()) and r.nconflict == int(r.conflict.sum())
+            assert r.complete == (bool(r.covered.all()) and not r.conflict.any())
+        c.poll()
+    assert bad is not None

@@ -173,17 +173,18 @@ def test_place_agreeing_copies_compares_and_refuses_without_writing():
     dst = np.zeros(40, np.uint8)
     covered = np.zeros(10, bool)
     src = np.arange(40, dtype=np.uint8)
-    assert _place.place_agreeing(dst, covered.view(np.uint8), 2, src[:16], 4, 4)
+    assert _place.place_agreeing(dst, covered.view(np.uint8), 2, src[:16], 4, 4) == 4  # newly covered
     assert covered.tolist() == [False, False, True, True, True, True, False, False, False, False]
     assert np.array_equal(dst[8:24], src[:16]) and not dst[:8].any() and not dst[24:].any()
     # a second copy over [4, 8): the covered part agrees, the rest is new
     src2 = np.concatenate([src[8:16], np.full(8, 9, np.uint8)])
-    assert _place.place_agreeing(dst, covered.view(np.uint8), 4, src2, 4, 4)
+    assert _place.place_agreeing(dst, covered.view(np.uint8), 4, src2, 4, 4) == 2
+    assert _place.place_agreeing(dst, covered.view(np.uint8), 4, src2, 4, 4) == 0  # all there, agreeing
     assert covered[2:8].all() and np.array_equal(dst[24:32], np.full(8, 9, np.uint8))
     before, cov = dst.copy(), covered.copy()
     bad = src2.copy()
     bad[0] ^= 1
-    assert not _place.place_agreeing(dst, covered.view(np.uint8), 4, bad, 4, 4)
+    assert _place.place_agreeing(dst, covered.view(np.uint8), 4, bad, 4, 4) == -1
     assert np.array_equal(dst, before) and np.array_equal(covered, cov)
     with pytest.raises(ValueError):
         _place.place_agreeing(dst, covered.view(np.uint8), 8, src, 4, 4)
@@ -210,7 +211,8 @@ def test_place_agreeing_long_runs_match_numpy(es):
         rows(want_dst)[sl][~covered[sl]] = rows(src)[:m][~covered[sl]]
         want_cov[sl] = True
         got_dst, got_cov = dst.copy(), covered.copy()
-        assert _place.place_agreeing(got_dst, got_cov.view(np.uint8), start, src, m, es) == (start == 0)
+        got = _place.place_agreeing(got_dst, got_cov.view(np.uint8), start, src, m, es)
+        assert got == (int((~covered).sum()) if start == 0 else -1)
         if start == 0:
             assert np.array_equal(got_dst, want_dst) and got_cov.all()
         else:  # shifted, the covered elements no longer agree: refused, nothing written
@@ -219,7 +221,7 @@ def test_place_agreeing_long_runs_match_numpy(es):
     bad = src.copy()
     bad[i * es] ^= 1
     got_dst, got_cov = dst.copy(), covered.copy()
-    assert not _place.place_agreeing(got_dst, got_cov.view(np.uint8), 0, bad, n, es)
+    assert _place.place_agreeing(got_dst, got_cov.view(np.uint8), 0, bad, n, es) == -1
     assert np.array_equal(got_dst, dst) and np.array_equal(got_cov, covered)
 
 
