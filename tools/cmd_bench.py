@@ -349,6 +349,13 @@ def _render_e2e(name, r) -> list[str]:
         load = ", ".join(f"{x:.1f}" for x in r["load_average_after"])
         lines += ["", f"Load average at the end of the section: {load} "
                   "(2 cores shared with other engineers: a load above 2 slows every row)."]
+    spread = [(p, [r[p]["runs"][str(k)].get("seconds_all") for k in r[p]["steps"]]) for p in protos]
+    if all(all(s) for _, ss in spread for s in ss):
+        lines += ["", "Start-up noise: the wall seconds of every run without `--json`, short capture / long "
+                  "capture (a slope whose long-minus-short difference is not well above the spread of either "
+                  "is noise, not a rate): " + "; ".join(
+                      f"{p} {' '.join(f'{v:.2f}' for v in a)} / {' '.join(f'{v:.2f}' for v in b)}"
+                      for p, (a, b) in spread) + "."]
     if r.get("memory"):
         m = list(r["memory"].items())
         lines += ["", "Memory (issue 16): peak RSS of `replay --config` on two Simple captures of the same job, "
