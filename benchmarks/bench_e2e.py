@@ -109,6 +109,12 @@ def exact(report: dict, truth: dict) -> tuple[bool, int]:
     return got == want, len(want)
 
 
+def slope(nbytes: int, dt: float) -> float | None:
+    """GB per second between a short and a long run; None when the long run is no slower than the
+    short one (noise on a shared machine, not a rate)."""
+    return nbytes / dt / 1e9 if dt > 0.05 else None
+
+
 def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: Path) -> dict:
     res: dict = {"protocol": protocol, "model": model, "pmtu": PMTU[protocol], "steps": [short, long]}
     runs = {}
@@ -135,15 +141,9 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
     a, b = runs[short], runs[long]
     res["runs"] = {str(k): v for k, v in runs.items()}
     nbytes = b["bytes"] - a["bytes"]
-
-    def slope(key: str) -> float | None:
-        # A long run no slower than the short one is noise (a shared machine), not a rate: None.
-        dt = b[key] - a[key]
-        return nbytes / dt / 1e9 if dt > 0.05 else None
-
-    res["slope_GBps"] = slope("seconds")
-    res["per_cpu_second_GB"] = slope("cpu_seconds")
-    res["json_slope_GBps"] = slope("json_seconds")
+    res["slope_GBps"] = slope(nbytes, b["seconds"] - a["seconds"])
+    res["per_cpu_second_GB"] = slope(nbytes, b["cpu_seconds"] - a["cpu_seconds"])
+    res["json_slope_GBps"] = slope(nbytes, b["json_seconds"] - a["json_seconds"])
     res["exact"] = a["exact"] and b["exact"]
     return res
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mirrorckpt.benchmarks.bench_e2e import build, memcpy_GBps
+from mirrorckpt.benchmarks.bench_e2e import build, memcpy_GBps, slope
 
 VARIANTS = {"pickled, 1 worker": {"transfer_bytes": 0, "workers": 1},
             "shared ring, 1 worker": {"workers": 1},
@@ -79,9 +79,8 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
             runs[str(steps)] = best
         a, b = runs[str(short)], runs[str(long)]
         nbytes = res["bytes"][str(long)] - res["bytes"][str(short)]
-        dt, dc = b["seconds"] - a["seconds"], b["cpu_seconds"] - a["cpu_seconds"]
-        res["variants"][name] = {"runs": runs, "slope_GBps": nbytes / dt / 1e9 if dt > 0.05 else None,
-                                 "GB_per_cpu_second": nbytes / dc / 1e9 if dc > 0.05 else None,
+        res["variants"][name] = {"runs": runs, "slope_GBps": slope(nbytes, b["seconds"] - a["seconds"]),
+                                 "GB_per_cpu_second": slope(nbytes, b["cpu_seconds"] - a["cpu_seconds"]),
                                  "every_iteration": a["every_iteration"] and b["every_iteration"]}
     return res
 

@@ -111,7 +111,6 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     from mirrorckpt.capture import fanout
     from mirrorckpt.capture.batch import CaptureError
     from mirrorckpt.capture.source import open_source, paced
-    from mirrorckpt.parser import memory
     from mirrorckpt.parser.packet_path import PacketPath
 
     memory.freeze_startup_heap()
