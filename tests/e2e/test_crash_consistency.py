@@ -70,6 +70,15 @@ with tempfile.TemporaryDirectory() as scratch:
 del warm
 
 def child(w):
+    # A prune's window (renamed .deleting-*, not yet removed) is far shorter than a commit's: held
+    # open 3 ms so that enough random kills land inside it on a fast or a loaded machine alike.
+    import shutil
+    rmtree = shutil.rmtree
+    def slow_prune(path, *a, **k):
+        if os.path.basename(str(path)).startswith(".deleting-"):
+            time.sleep(0.003)
+        return rmtree(path, *a, **k)
+    shutil.rmtree = slow_prune
     per = Persister(PersistSpec(ROOT, every_iterations=1, keep_last=KEEP, memory_budget_bytes=3 << 20))
     found = latest(ROOT)
     rep = Replica(LAYOUT, TRAINING, initial())
