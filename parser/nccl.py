@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser import nccl_versions, protocols
 from mirrorckpt.parser.errors import VersionMismatch
 from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
-from mirrorckpt.parser.reassembly import QpKey, RdmaMessage
+from mirrorckpt.parser.reassembly import Key, QpKey, RdmaMessage
 
 nv_piece = nccl_versions.qp_piece_bytes
 # Messages of a cut connection held open for their missing pieces; past it the oldest goes out with holes
@@ -42,24 +43,10 @@ nv_piece = nccl_versions.qp_piece_bytes
 MAX_OPEN_CUT = 1024
 
 
-@dataclass(frozen=True)
-class ConnKey:
-    sender: bytes  # 16-byte address
-    receiver: bytes
-    sport: int
+class ConnKey(Key, NamedTuple("ConnKeyFields", [("sender", bytes), ("receiver", bytes), ("sport", int)])):
+    """sender, receiver: 16-byte addresses; sport: the UDP source port of the connection's QP."""
 
-    # Hashed at every lookup of the per-send path: computed once per key (never pickled, string
-    # hashes differ between processes).
-    def __hash__(self) -> int:
-        try:
-            return self._hash
-        except AttributeError:
-            h = hash((self.sender, self.receiver, self.sport))
-            object.__setattr__(self, "_hash", h)
-            return h
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+    __slots__ = ()
 
     def __str__(self) -> str:
         return f"{address_text(self.sender)}->{address_text(self.receiver)}:{self.sport}"

@@ -20,6 +20,7 @@ batch; only packets still waiting at the end of a batch are copied into a per-QP
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from mirrorckpt.capture._pack import copy_ranges
@@ -35,24 +36,25 @@ _IS_FIRST = opcodes.IS_FIRST.astype(np.uint8)
 _IS_LAST = opcodes.IS_LAST.astype(np.uint8)
 
 
-@dataclass(frozen=True)
-class QpKey:
-    src: bytes  # 16 bytes (IPv4 as mapped IPv6)
-    dst: bytes
-    dqp: int
+class Key(tuple):
+    """A record of plain fields used as a dict key on the per-message path (each send is looked up
+    by its QP and connection about 15 times): a tuple, so hashing and equality run in C, as a
+    frozen dataclass's Python ``__hash__`` did not; equal only to a key of its own class."""
 
-    # Hashed at every lookup of the per-message path: computed once per key (never pickled,
-    # string hashes differ between processes).
-    def __hash__(self) -> int:
-        try:
-            return self._hash
-        except AttributeError:
-            h = hash((self.src, self.dst, self.dqp))
-            object.__setattr__(self, "_hash", h)
-            return h
+    __slots__ = ()
+    __hash__ = tuple.__hash__
 
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and tuple.__eq__(self, other)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+
+class QpKey(Key, NamedTuple("QpKeyFields", [("src", bytes), ("dst", bytes), ("dqp", int)])):
+    """src, dst: 16 bytes (IPv4 as mapped IPv6); dqp: the destination QP number."""
+
+    __slots__ = ()
 
     def __str__(self) -> str:
         return f"{address_text(self.src)}->{address_text(self.dst)}/qp{self.dqp:#x}"
