@@ -35,7 +35,8 @@ from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser import nccl_versions, protocols
 from mirrorckpt.parser.errors import VersionMismatch
 from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
-from mirrorckpt.parser.reassembly import Key, QpKey, RdmaMessage
+from mirrorckpt.parser.nccl_runs import RunLane
+from mirrorckpt.parser.reassembly import Key, MessageRun, QpKey, RdmaMessage
 
 nv_piece = nccl_versions.qp_piece_bytes
 # Messages of a cut connection held open for their missing pieces; past it the oldest goes out with holes
@@ -158,7 +159,7 @@ class _Piece:
         return sum(m.npkts for m in self.msgs)
 
 
-class NcclDecoder:
+class NcclDecoder(RunLane):
     """Turns RDMA messages (any QP, any order across QPs) into NCCL sends, per connection."""
 
     def __init__(self, version: str | None = None, protocol: str | None = None, p2p_protocol: str = "Simple",
@@ -194,7 +195,14 @@ class NcclDecoder:
             c = self.conns[key] = _Conn(key)
         return c
 
-    def feed(self, messages: list[RdmaMessage]) -> list[NcclSend]:
+    def feed(self, messages: list) -> list[NcclSend]:
+        """The sends completed by ``messages`` (RdmaMessage, or MessageRun: see nccl_runs)."""
+        if messages and all(type(m) is MessageRun for m in messages):
+            out = self.take_runs(messages)
+            if out is not None:
+                return out
+        if any(type(m) is MessageRun for m in messages):
+            messages = [x for m in messages for x in (m.messages() if type(m) is MessageRun else (m,))]
         # CTS first: a receiver posts it before the data it announces, whatever the QP order.
         data_msgs = []
         for m in messages:

@@ -10,19 +10,23 @@ from mirrorckpt.parser.reassembly import RdmaMessage, Reassembler
 
 class PacketPath:
     def __init__(self, icrc: bool = True, nccl_version: str | None = None, protocol: str | None = None,
-                 psn_window: int = 1024, stream: int = 0):
+                 psn_window: int = 1024, stream: int = 0, messages: bool = True):
+        """``messages``: ``feed`` returns the RDMA messages too (inspection, tests); without, runs
+        of intact messages go to the NCCL decoder as columns (its common case, nccl_runs) and
+        ``feed`` returns no messages."""
         self.icrc = icrc
         self.counters = roce.Counters()
-        self.reassembler = Reassembler(psn_window=psn_window)
+        self.reassembler = Reassembler(psn_window=psn_window, runs=not messages)
         self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream)
 
     def feed(self, batch: FrameBatch) -> tuple[list[RdmaMessage], list[NcclSend]]:
         pk, c = roce.decode(batch, icrc=self.icrc)
         self.counters.add(c)
         msgs = self.reassembler.feed(pk, batch.data)
-        return msgs, self.nccl.feed(msgs)
+        sends = self.nccl.feed(msgs)
+        return (msgs if not self.reassembler.runs else []), sends
 
     def flush(self) -> tuple[list[RdmaMessage], list[NcclSend]]:
         msgs = self.reassembler.flush()
-        sends = self.nccl.feed(msgs)
-        return msgs, sends + self.nccl.flush()
+        sends = self.nccl.feed(msgs) + self.nccl.flush()
+        return (msgs if not self.reassembler.runs else []), sends

@@ -88,6 +88,50 @@ class RdmaMessage:
         return sum(n for _, n in self.holes)
 
 
+@dataclass(slots=True)
+class MessageRun:
+    """Intact messages of one QP, consecutive on its PSN line, as columns over one buffer: what
+    ``Reassembler._bulk`` places at once. The NCCL decoder takes the common case a run at a time
+    (``NcclDecoder.feed``); ``messages()`` gives the same messages one object each."""
+
+    qp: QpKey
+    sport: int
+    psn: np.ndarray  # per message: unwrapped PSN of its first packet
+    npkts: np.ndarray
+    base: np.ndarray  # message k is buf[base[k]:base[k + 1]] (one entry more than messages)
+    va: np.ndarray
+    rkey: np.ndarray
+    dlen: np.ndarray
+    imm: np.ndarray  # ImmDt as read (big-endian), -1 when the closing opcode carries none
+    ts: np.ndarray  # earliest packet timestamp
+    buf: np.ndarray
+    ll_user: np.ndarray | None  # LL readings of the messages (RdmaMessage.ll), where ll_flag != 0
+    ll_off: np.ndarray
+    ll_n: np.ndarray
+    ll_flag: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.psn)
+
+    def message(self, k: int) -> RdmaMessage:
+        a, b, f = int(self.base[k]), int(self.base[k + 1]), int(self.ll_flag[k])
+        imm = int(self.imm[k])
+        o = int(self.ll_off[k])
+        return RdmaMessage(self.qp, self.sport, int(self.psn[k]), int(self.npkts[k]), self.buf[a:b], [],
+                           int(self.va[k]), int(self.rkey[k]), int(self.dlen[k]), imm if imm >= 0 else None, imm >= 0,
+                           int(self.ts[k]), True, (self.ll_user[o:o + int(self.ll_n[k])], f) if f else None)
+
+    def messages(self) -> list[RdmaMessage]:
+        key, sport, buf, user = self.qp, self.sport, self.buf, self.ll_user
+        base = self.base.tolist()
+        cols = zip(self.psn.tolist(), self.npkts.tolist(), base, base[1:], self.va.tolist(), self.rkey.tolist(),
+                   self.dlen.tolist(), self.imm.tolist(), self.ts.tolist(), self.ll_off.tolist(),
+                   self.ll_n.tolist(), self.ll_flag.tolist())
+        return [RdmaMessage(key, sport, p0, npk, buf[a:b], [], va, rkey, size, imm if imm >= 0 else None, imm >= 0,
+                            t, True, (user[o:o + n], f) if f else None)
+                for p0, npk, a, b, va, rkey, size, imm, t, o, n, f in cols]  # positional: the hot loop
+
+
 @dataclass
 class QpStats:
     sport: int = 0
@@ -152,15 +196,17 @@ class _Qp:
 class Reassembler:
     """Streaming per-QP PSN reassembly; feed decoded packets batch by batch, then flush."""
 
-    def __init__(self, psn_window: int = 1024, max_message: int = 64 << 20, fast: bool = True):
+    def __init__(self, psn_window: int = 1024, max_message: int = 64 << 20, fast: bool = True, runs: bool = False):
         memory.keep_freed_memory()  # message buffers come and go at line rate
         self.psn_window = psn_window
         self.max_message = max_message  # bigger RETH lengths are corruption, never allocated
         self.fast = fast  # the compiled common case (_fast); False: every table the careful way (tests)
+        self.runs = runs  # hand on runs of intact messages as MessageRun (columns), not one object each
         self.qps: dict[QpKey, _Qp] = {}
 
-    def feed(self, pk: RocePackets, data: np.ndarray) -> list[RdmaMessage]:
-        """Places the RC WRITE packets of one batch (``data`` is the batch buffer)."""
+    def feed(self, pk: RocePackets, data: np.ndarray) -> list:
+        """Places the RC WRITE packets of one batch (``data`` is the batch buffer): its messages
+        (RdmaMessage; with ``runs``, runs of intact ones as MessageRun)."""
         sel = np.nonzero(opcodes.IS_WRITE[pk.opcode] & pk.icrc_ok)[0]
         if not len(sel):
             return []
@@ -199,7 +245,7 @@ class Reassembler:
                 a = uniq[g].tobytes()
                 yield rows[inv == g], QpKey(a[:16], a[16:], int(pk.dqp[rows[0]]))
 
-    def flush(self) -> list[RdmaMessage]:
+    def flush(self) -> list:
         """Emits every message still waiting, complete or not (end of capture)."""
         out = []
         for qp in self.qps.values():
@@ -413,8 +459,9 @@ class Reassembler:
         cum = np.concatenate([[0], np.cumsum(np.where(good, hd, 0))])
         return _Intact(heads, npk, pm, hd, end_row, good, run_end, head_at, cum)
 
-    def _bulk(self, qp, tab, src_is_new, data, g: _Intact, k0: int, k1: int) -> list[RdmaMessage]:
-        """Places intact messages k0..k1-1 (consecutive rows) with one copy for all of them."""
+    def _bulk(self, qp, tab, src_is_new, data, g: _Intact, k0: int, k1: int) -> list:
+        """Places intact messages k0..k1-1 (consecutive rows) with one copy for all of them: one
+        ``MessageRun`` (``runs``), else its messages."""
         st = qp.stats
         heads = g.heads[k0:k1]
         r0, r1 = int(heads[0]), int(g.end_row[k1 - 1])
@@ -442,34 +489,24 @@ class Reassembler:
             if m.any():
                 copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(src[:rx][m]), buf,
                             np.ascontiguousarray(dst[:rx][m]), np.ascontiguousarray(plen[:rx][m]))
-        ll = [None] * kx  # per message: RdmaMessage.ll
+        n = k1 - k0
+        ll_flag, ll_off, ll_n, user = np.zeros(n, np.uint32), np.zeros(n, np.int64), np.zeros(n, np.int64), None
         if kx < len(heads):
             sz = sizes[kx:]
-            nb = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
-            out_off = np.zeros(len(sz), np.int64)
+            nb = ll_n[kx:] = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
+            out_off = ll_off[kx:]
             np.cumsum(nb[:-1], out=out_off[1:])
             user = np.empty(int(out_off[-1] + nb[-1]), np.uint8)
-            flags = np.zeros(len(sz), np.uint32)
             _place.gather_ll(data, src[rx:], plen[rx:], np.concatenate([heads[kx:] - r0 - rx, [r1 - r0 - rx]]),
-                             base[kx:] - base[kx], buf[base[kx]:], out_off, user, flags, *_LL_ARGS)
-            ll += [(user[a:a + n], int(f)) if f else None for a, n, f in zip(out_off.tolist(), nb.tolist(),
-                                                                               flags.tolist())]
+                             base[kx:] - base[kx], buf[base[kx]:], out_off, user, ll_flag[kx:], *_LL_ARGS)
         last = g.end_row[k0:k1] - 1
-        op_last = tab["opcode"][last]
-        with_imm = opcodes.HAS_IMMDT[op_last]
-        ts = np.minimum.reduceat(tab["ts"][rows], heads - r0)
-        out = []
-        key, sport = qp.key, st.sport
-        ps = tab["psn"][heads].tolist()
-        cols = zip(ps, g.npk[k0:k1].tolist(), base[:-1].tolist(), base[1:].tolist(), tab["va"][heads].tolist(),
-                   tab["rkey"][heads].tolist(), sizes.tolist(), tab["imm"][last].tolist(), with_imm.tolist(),
-                   ts.tolist())
-        for (p0, npk, a, b, va, rkey, size, imm, w, t), pre in zip(cols, ll):  # positional: the hot loop
-            out.append(RdmaMessage(key, sport, p0, npk, buf[a:b], [], va, rkey, size, imm if w else None, w, t,
-                                   True, pre))
-        st.messages += int(k1 - k0)
-        qp.cursor = int(ps[-1] + g.npk[k1 - 1])
-        return out
+        imm = tab["imm"][last]
+        run = MessageRun(qp.key, st.sport, tab["psn"][heads], g.npk[k0:k1], base, tab["va"][heads], tab["rkey"][heads],
+                         sizes, np.where(opcodes.HAS_IMMDT[tab["opcode"][last]], imm, -1),
+                         np.minimum.reduceat(tab["ts"][rows], heads - r0), buf, user, ll_off, ll_n, ll_flag)
+        st.messages += int(n)
+        qp.cursor = int(run.psn[-1] + run.npkts[-1])
+        return [run] if self.runs else run.messages()
 
     def _one(self, qp: _Qp, tab, src_is_new, data, final, i, is_first, is_last, bounds):
         """One message from row ``i`` the careful way; None while it must wait for packets."""

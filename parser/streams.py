@@ -81,7 +81,7 @@ class MirrorStreams:
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], icrc: bool = True,
                  nccl_version: str | None = None, protocol: str | None = None, merge_ns: int = 1_000_000,
                  ahead: int = 0):
-        self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k)
+        self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k, messages=False)
                       for k in range(len(sources))]
         self.ended: set[int] = set()  # streams with nothing more to come
         self.nstreams = len(sources)

@@ -1,0 +1,143 @@
+"""The NCCL decoder's common case, a batch of reassembled runs at a time.
+
+On a lossless wire every RDMA message reaches the decoder inside a ``MessageRun`` (a QP's intact
+messages as columns). ``NcclDecoder.feed`` then did, per message, the same few checks and lookups
+(is it a CTS post? which connection? is it a whole send?) in about 10 µs of Python, the larger
+part of an LL replay's packet path. ``RunLane.take_runs`` first decides, with column operations
+and no change to the decoder, that every message of the batch is plain for the decoder's state:
+
+* the CTS layout and the immediates' byte order are already known;
+* every WRITE without immediate is CTS-sized and reads as a CTS post in that layout (the
+  decoder's own test, ``_cts_entry``), for a buffer (rkey) of a connection already known;
+* every other message is a whole send: closed with an immediate equal to its length, on a
+  connection of one QP already joined by its rkeys, with no split-form pieces pending.
+
+Then it does what the per-message path does, in the same order (CTS posts first, in arrival
+order; sends by time and QP), and returns the same sends. Otherwise it returns None having changed
+nothing, and the batch goes the per-message way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mirrorckpt.parser import nccl_versions, protocols
+from mirrorckpt.parser.reassembly import MessageRun
+
+_CTS_FIELDS = ("idx", "addr", "size", "rkey", "nreqs", "tag")
+
+
+def _imm_sizes(imm: np.ndarray, order: str) -> np.ndarray:
+    """``nccl_versions.decode_imm_order`` of a column."""
+    raw = imm.astype(np.uint32)
+    return (raw if order == "big" else raw.byteswap()).astype(np.int64)
+
+
+class RunLane:
+    """Mixed into ``NcclDecoder`` (whose state it reads and, once it holds, changes)."""
+
+    def take_runs(self, runs: list[MessageRun]) -> list | None:
+        plan = self._plain(runs)
+        return None if plan is None else self._apply(runs, plan)
+
+    def _plain(self, runs: list[MessageRun]):
+        h, order = self.seen_cts, self.imm_order or self.seen_imm
+        if h is None or self.seen_imm is None or self.cts_header not in (None, h):
+            return None  # the first CTS post or immediate still teaches the decoder the release
+        plan = []
+        for r in runs:
+            wimm = r.imm >= 0
+            cts = ~wimm & (r.dlen > 0) & (r.dlen % 32 == 0) & (r.dlen <= 512)
+            if (~wimm & ~cts).any():
+                return None  # split-form pieces, or WRITEs that are neither
+            k = np.flatnonzero(cts)
+            fields, conns = None, {}
+            if len(k):
+                dl = r.dlen[k]
+                if (dl % h.size).any() or (dl > h.size * nccl_versions.NET_IB_MAX_RECVS).any():
+                    return None
+                fields = {f: h.read(r.buf, r.base[k], f) for f in _CTS_FIELDS}
+                ok = ((fields["size"] > 0) & (fields["size"] <= 1 << 24) & (fields["nreqs"] * h.size == dl)
+                      & (fields["tag"] < 1 << 20) & (fields["idx"] >= 1) & (fields["addr"] != 0))
+                if not ok.all():
+                    return None
+                for rk in set(fields["rkey"].tolist()):  # the posts' connections, by the buffers they offer
+                    g = self._rkey_group.get((r.qp.dst, r.qp.src, rk)) if rk else None
+                    c = self.conns.get(g.key) if g is not None else None
+                    if c is None:
+                        return None
+                    conns[rk] = c
+            d = np.flatnonzero(~cts)
+            c, sizes = None, None
+            if len(d):
+                g = self._qp_group.get(r.qp)
+                if g is None or len(g.qps) != 1:
+                    return None
+                if any(rk and self._rkey_group.get((r.qp.src, r.qp.dst, rk)) is not g
+                       for rk in set(r.rkey[d].tolist())):
+                    return None  # a buffer not yet joined to its connection: _link decides
+                c = self.conns.get(g.key)
+                if c is None or c.qp_mode == "cut" or c.bulks.get(r.qp):
+                    return None
+                sizes = _imm_sizes(r.imm[d], order)
+                if (sizes != r.dlen[d]).any():
+                    return None  # a send cut over QPs, run together with another, or a split close
+            plan.append((k, fields, conns, d, c, sizes))
+        return plan
+
+    def _apply(self, runs: list[MessageRun], plan: list) -> list:
+        from mirrorckpt.parser.nccl import Cts, NcclSend
+
+        for r in runs:  # _learn_pmtu: the largest power of two at or above length / packets
+            sel = (r.dlen > 0) & (r.npkts > 0)
+            if sel.any():
+                per = int((-(-r.dlen[sel] // r.npkts[sel])).max())
+                p = 1 << (per - 1).bit_length()
+                if p > self.pmtu.get(r.qp, 0):
+                    self.pmtu[r.qp] = p
+                if (r.npkts[sel] >= 2).any():
+                    self.pmtu_exact.add(r.qp)
+        for k, fields, conns, *_ in plan:  # CTS posts first, in arrival order
+            if fields is None:
+                continue
+            cols = [fields[f].tolist() for f in _CTS_FIELDS]
+            for idx, addr, size, rkey, nreqs, tag in zip(*cols):
+                conn = conns[rkey]
+                conn.cts[idx] = Cts(idx=idx, addr=addr, size=size, rkey=rkey, nreqs=nreqs, tag=tag)
+                conn.by_addr.setdefault(addr, []).append(idx)
+            self.cts_posts += len(k)
+        # The sends, by time and QP number (stable: arrival order breaks ties), as feed sorts them.
+        which = [(i, d) for i, (_, _, _, d, _, _) in enumerate(plan) if len(d)]
+        if not which:
+            return []
+        ts = np.concatenate([runs[i].ts[d] for i, d in which])
+        dqp = np.concatenate([np.full(len(d), runs[i].qp.dqp, np.int64) for i, d in which])
+        src = np.concatenate([np.full(len(d), i, np.int64) for i, d in which])
+        row = np.concatenate([np.arange(len(d)) for _, d in which])
+        order = np.lexsort((dqp, ts))
+        cols = {i: (d.tolist(), plan[i][5].tolist()) for i, d in which}
+        want_ll = self.protocol in (None, protocols.LL)
+        out = []
+        for i, j in zip(src[order].tolist(), row[order].tolist()):
+            r, c = runs[i], plan[i][4]
+            m = cols[i][0][j]
+            size = cols[i][1][j]
+            a, b = int(r.base[m]), int(r.base[m + 1])
+            flag = int(r.ll_flag[m])
+            if flag and want_ll:
+                o = int(r.ll_off[m])
+                fast = (protocols.LL, r.ll_user[o:o + int(r.ll_n[m])], flag)
+            else:
+                fast = protocols.decode_intact(r.buf[a:b], self.protocol) if b > a else None
+            va = int(r.va[m])
+            if fast is None:  # lines to read the careful way, or an empty step: as the per-message path
+                msg = r.message(m)
+                out.append(self._make(c, msg.data, [], [msg], size, va, "empty" if b == a and not size else "normal",
+                                      True))
+                continue
+            proto, user, flag = fast
+            c.protocol = proto
+            cts = self._match_cts(c, va)
+            out.append(NcclSend(c.key, r.qp, proto, user, [], b - a, size, va, "normal", flag,
+                                cts.idx if cts else None, cts, int(r.ts[m]), True, self.stream, int(r.psn[m]),
+                                int(r.npkts[m]), self.pmtu.get(r.qp, 0), 0, 1))
+        return out
