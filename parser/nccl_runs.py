@@ -10,7 +10,8 @@ and no change to the decoder, that every message of the batch is plain for the d
 * every WRITE without immediate is CTS-sized and reads as a CTS post in that layout (the
   decoder's own test, ``_cts_entry``), for a buffer (rkey) of a connection already known;
 * every other message is a whole send: closed with an immediate equal to its length, on a
-  connection of one QP already joined by its rkeys, with no split-form pieces pending.
+  connection already joined by its rkeys, of one QP or of several that carry whole messages in
+  turn, with no split-form pieces pending.
 
 Then it does what the per-message path does, in the same order (CTS posts first, in arrival
 order; sends by time and QP), and returns the same sends. Otherwise it returns None having changed
@@ -70,18 +71,19 @@ class RunLane:
             c, sizes = None, None
             if len(d):
                 g = self._qp_group.get(r.qp)
-                if g is None or len(g.qps) != 1:
+                if g is None:
                     return None
                 if any(rk and self._rkey_group.get((r.qp.src, r.qp.dst, rk)) is not g
                        for rk in set(r.rkey[d].tolist())):
                     return None  # a buffer not yet joined to its connection: _link decides
                 c = self.conns.get(g.key)
-                if c is None or c.qp_mode == "cut" or c.bulks.get(r.qp):
+                # one QP, or several that carry whole messages in turn (2.20+ by default)
+                if c is None or c.bulks.get(r.qp) or (c.qp_mode == "cut" if len(g.qps) == 1 else c.qp_mode != "whole"):
                     return None
                 sizes = _imm_sizes(r.imm[d], order)
                 if (sizes != r.dlen[d]).any():
                     return None  # a send cut over QPs, run together with another, or a split close
-            plan.append((k, fields, conns, d, c, sizes))
+            plan.append((k, fields, conns, d, c, sizes, (g.index(r.qp), len(g.qps)) if len(d) else None))
         return plan
 
     def _apply(self, runs: list[MessageRun], plan: list) -> list:
@@ -106,7 +108,7 @@ class RunLane:
                 conn.by_addr.setdefault(addr, []).append(idx)
             self.cts_posts += len(k)
         # The sends, by time and QP number (stable: arrival order breaks ties), as feed sorts them.
-        which = [(i, d) for i, (_, _, _, d, _, _) in enumerate(plan) if len(d)]
+        which = [(i, p[3]) for i, p in enumerate(plan) if len(p[3])]
         if not which:
             return []
         ts = np.concatenate([runs[i].ts[d] for i, d in which])
@@ -118,7 +120,7 @@ class RunLane:
         want_ll = self.protocol in (None, protocols.LL)
         out = []
         for i, j in zip(src[order].tolist(), row[order].tolist()):
-            r, c = runs[i], plan[i][4]
+            r, c, (qi, nq) = runs[i], plan[i][4], plan[i][6]
             m = cols[i][0][j]
             size = cols[i][1][j]
             a, b = int(r.base[m]), int(r.base[m + 1])
@@ -139,5 +141,5 @@ class RunLane:
             cts = self._match_cts(c, va)
             out.append(NcclSend(c.key, r.qp, proto, user, [], b - a, size, va, "normal", flag,
                                 cts.idx if cts else None, cts, int(r.ts[m]), True, self.stream, int(r.psn[m]),
-                                int(r.npkts[m]), self.pmtu.get(r.qp, 0), 0, 1))
+                                int(r.npkts[m]), self.pmtu.get(r.qp, 0), qi if nq > 1 else 0, nq))
         return out

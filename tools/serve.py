@@ -124,7 +124,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     def publish():
         if shared is not None:
             shared[:] = [int(counters[k]) for k in COUNTERS]
-    pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port)
+    pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port, messages=False)
     damage = None
 
     def given_up() -> bool:  # while the ring is full
