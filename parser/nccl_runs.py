@@ -111,26 +111,29 @@ class RunLane:
         which = [(i, p[3]) for i, p in enumerate(plan) if len(p[3])]
         if not which:
             return []
-        ts = np.concatenate([runs[i].ts[d] for i, d in which])
-        dqp = np.concatenate([np.full(len(d), runs[i].qp.dqp, np.int64) for i, d in which])
-        src = np.concatenate([np.full(len(d), i, np.int64) for i, d in which])
-        row = np.concatenate([np.arange(len(d)) for _, d in which])
-        order = np.lexsort((dqp, ts))
-        cols = {i: (d.tolist(), plan[i][5].tolist()) for i, d in which}
+        def col(f) -> np.ndarray:
+            return np.concatenate([f(runs[i], d) for i, d in which])
+
+        ts = col(lambda r, d: r.ts[d])
+        order = np.lexsort((col(lambda r, d: np.full(len(d), r.qp.dqp, np.int64)), ts))
+        # every column in that order, as Python values: no numpy scalar per send
+        rows = col(lambda r, d: d)[order]
+        src = np.concatenate([np.full(len(d), i, np.int64) for i, d in which])[order].tolist()
+        sizes = np.concatenate([plan[i][5] for i, _ in which])[order].tolist()
+        heads = [col(lambda r, d, f=f: getattr(r, f)[d])[order].tolist()
+                 for f in ("psn", "npkts", "va", "ll_flag", "ll_off", "ll_n")]
+        a_s = col(lambda r, d: r.base[d])[order].tolist()
+        b_s = col(lambda r, d: r.base[d + 1])[order].tolist()
+        per_run = {i: (runs[i], *plan[i][4:]) for i, _ in which}
         want_ll = self.protocol in (None, protocols.LL)
-        out = []
-        for i, j in zip(src[order].tolist(), row[order].tolist()):
-            r, c, (qi, nq) = runs[i], plan[i][4], plan[i][6]
-            m = cols[i][0][j]
-            size = cols[i][1][j]
-            a, b = int(r.base[m]), int(r.base[m + 1])
-            flag = int(r.ll_flag[m])
+        stream, pmtu, out = self.stream, self.pmtu, []
+        for m, i, size, psn, npkts, va, flag, o, n, a, b, t in zip(rows.tolist(), src, sizes, *heads, a_s, b_s,
+                                                                   ts[order].tolist()):
+            r, c, _, (qi, nq) = per_run[i]
             if flag and want_ll:
-                o = int(r.ll_off[m])
-                fast = (protocols.LL, r.ll_user[o:o + int(r.ll_n[m])], flag)
+                fast = (protocols.LL, r.ll_user[o:o + n], flag)
             else:
                 fast = protocols.decode_intact(r.buf[a:b], self.protocol) if b > a else None
-            va = int(r.va[m])
             if fast is None:  # lines to read the careful way, or an empty step: as the per-message path
                 msg = r.message(m)
                 out.append(self._make(c, msg.data, [], [msg], size, va, "empty" if b == a and not size else "normal",
@@ -140,6 +143,6 @@ class RunLane:
             c.protocol = proto
             cts = self._match_cts(c, va)
             out.append(NcclSend(c.key, r.qp, proto, user, [], b - a, size, va, "normal", flag,
-                                cts.idx if cts else None, cts, int(r.ts[m]), True, self.stream, int(r.psn[m]),
-                                int(r.npkts[m]), self.pmtu.get(r.qp, 0), qi if nq > 1 else 0, nq))
+                                cts.idx if cts else None, cts, t, True, stream, psn, npkts, pmtu.get(r.qp, 0),
+                                qi if nq > 1 else 0, nq))
         return out

@@ -20,8 +20,7 @@ class PacketPath:
         self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream)
 
     def feed(self, batch: FrameBatch) -> tuple[list[RdmaMessage], list[NcclSend]]:
-        pk, c = roce.decode(batch, icrc=self.icrc)
-        self.counters.add(c)
+        pk, _ = roce.decode(batch, icrc=self.icrc, into=self.counters)
         msgs = self.reassembler.feed(pk, batch.data)
         sends = self.nccl.feed(msgs)
         return (msgs if not self.reassembler.runs else []), sends

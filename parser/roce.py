@@ -125,10 +125,13 @@ _fast.configure(
     opcodes.HAS_AETH.astype(np.uint8), opcodes.HAS_DETH.astype(np.uint8))
 
 
-def decode(batch: FrameBatch, icrc: bool = True) -> tuple[RocePackets, Counters]:
-    """Decodes the RoCEv2 packets of ``batch``; returns them with the batch's counters."""
+def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None) -> tuple[RocePackets, Counters]:
+    """Decodes the RoCEv2 packets of ``batch``; returns them with the batch's counters (added to
+    ``into`` and returned as it, when given: a stream's running counts, without a merge per batch)."""
     n = len(batch)
-    c = Counters(frames=n, bytes=batch.nbytes)
+    c = into if into is not None else Counters()
+    c.frames += n
+    c.bytes += batch.nbytes
     i64 = lambda: np.empty(n, np.int64)  # noqa: E731
     u8 = lambda: np.empty(n, np.uint8)  # noqa: E731
     cols = dict(frame=i64(), src=np.empty((n, 16), np.uint8), dst=np.empty((n, 16), np.uint8),
@@ -149,7 +152,7 @@ def decode(batch: FrameBatch, icrc: bool = True) -> tuple[RocePackets, Counters]
             c.malformed[name[10:]] += k
         else:
             c.classes[name] += k
-    c.truncated_frames = int(classes[_fast.CLASSES.index("truncated")])
+    c.truncated_frames += int(classes[_fast.CLASSES.index("truncated")])
     if no:
         vals, counts = np.unique(other[:no], return_counts=True)
         for v, k in zip(vals.tolist(), counts.tolist()):
@@ -165,7 +168,11 @@ def _count_roce(c: Counters, op: np.ndarray, icrc_ok: np.ndarray, checked: bool)
     counts = np.bincount(op * 2 + icrc_ok, minlength=512)  # opcode x ICRC verdict, no sort
     for v in np.flatnonzero(counts).tolist():
         k = int(counts[v])
-        name = opcodes.name(v // 2)
-        c.classes[f"roce:{name}"] += k
+        c.classes[_ROCE_CLASS[v]] += k
         if checked:
-            c.icrc[f"{name}:{'ok' if v % 2 else 'BAD'}"] += k
+            c.icrc[_ICRC_CLASS[v]] += k
+
+
+# Counter keys per opcode x ICRC verdict (the index _count_roce counts), made once
+_ROCE_CLASS = [f"roce:{opcodes.name(v // 2)}" for v in range(512)]
+_ICRC_CLASS = [f"{opcodes.name(v // 2)}:{'ok' if v % 2 else 'BAD'}" for v in range(512)]
