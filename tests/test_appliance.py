@@ -17,7 +17,8 @@ from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, PersistSpec, TrainingSpec
 from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
 from mirrorckpt.updater import ckptdir
-from mirrorckpt.updater.appliance import Appliance, drive
+from mirrorckpt.updater.appliance import Appliance
+from mirrorckpt.updater.drive import drive
 from mirrorckpt.updater.replica import ReplicaStale
 from mirrorckpt.updater.restore import read_state
 

@@ -63,3 +63,19 @@ def test_replay_pipelined_steps_buckets_as_they_arrive_and_commits_the_same_chec
     assert len({f.parent for f in files}) == 3  # the retention keeps the last three
     for f in files:
         assert (tmp_path / "whole" / f).read_bytes() == (tmp_path / "pipelined" / f).read_bytes(), f
+
+
+def test_replay_without_a_replica_does_not_import_torch():
+    """Verifying the wire needs no replica: torch (a second of start-up) is imported only to keep one."""
+    import subprocess
+    import sys
+
+    from common import PCAPS
+
+    code = ("import sys\nfrom mirrorckpt.tools.cli import main\n"
+            f"try:\n    main(['replay', '--config', {str(PCAPS / 'demo' / 'job.toml')!r}, '--quiet'])\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "False"
+    assert "10/10 iterations complete" in out

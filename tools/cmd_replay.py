@@ -135,11 +135,14 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
     Simple they were a third of the CPU time)."""
     import dataclasses
 
-    from mirrorckpt.updater.appliance import Appliance, drive
+    from mirrorckpt.updater.drive import drive
 
     js = open_stream(captures, job, dtype, nccl_version, icrc, transport, p2p_fill)
-    app = Appliance(None, training, persist, on_iteration=progress, pipelined=pipelined) \
-        if training is not None else None
+    app = None
+    if training is not None:  # the replica (torch) only when one is kept
+        from mirrorckpt.updater.appliance import Appliance
+
+        app = Appliance(None, training, persist, on_iteration=progress, pipelined=pipelined)
     results, iterations = [], []
     digests = Digests() if summarize and hashes else None
 
@@ -247,8 +250,8 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     if SLOW_ICRC and not no_icrc and transport == "roce":
         click.echo(f"warning: {SLOW_ICRC}", err=True)
     t_imports = time.perf_counter()
-    import mirrorckpt.updater.appliance  # noqa: F401  (run's, with torch: imports are not replay time)
-    if keep_replica:  # its first optimizer imports torch's compiler (~1 s)
+    if keep_replica:  # the replica's imports are not replay time; its first optimizer imports torch's compiler
+        import mirrorckpt.updater.appliance  # noqa: F401
         import torch
         torch.optim.Adam([torch.zeros(1, requires_grad=True)], foreach=False)
     memory.freeze_startup_heap()
@@ -406,4 +409,4 @@ def _print(report, ars, iterations, summary, secs, nbytes):
                    f"checkpoints: 0 committed: {kept} was already there (a committed checkpoint is never "
                    "overwritten; use another --checkpoint-dir)")
     click.echo(f"throughput: {nbytes / 1e6:.1f} MB of capture in {secs:.2f} s "
-               f"({nbytes / max(secs, 1e-9) / 1e6:.1f} MB/s; torch's imports before it not counted)")
+               f"({nbytes / max(secs, 1e-9) / 1e6:.1f} MB/s; imports before it not counted)")

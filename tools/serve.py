@@ -540,7 +540,7 @@ class Daemon:
 
     def _parser(self) -> None:
         from mirrorckpt.parser.pipeline import JobStream
-        from mirrorckpt.updater.appliance import drive
+        from mirrorckpt.updater.drive import drive
 
         streams = QueueStreams(self.sends_q, len(self.stream_of), self.metrics, self.stopping,
                                replay_bytes=self.job.capture.get("queue_bytes", 256 << 20), shared=self.shared,
@@ -614,7 +614,7 @@ class Daemon:
         return JobModel.ddp(self.job.ring, self.control.layout, with_startup=self.job.startup)
 
     def _updater(self) -> None:
-        from mirrorckpt.updater.appliance import drive
+        from mirrorckpt.updater.drive import drive
 
         sink = self.control if self.control is not None else self.appliance  # the plane: fallbacks, replays
         drive(iter(self._next_update, None), sink, self._updated)  # metrics after each step

@@ -1,5 +1,5 @@
 """The appliance: the parser's items applied to the CPU replica, which the persister commits in
-the background; and ``drive``, the one loop that runs the pipeline (``replay``, ``serve``, the
+the background (``updater.drive`` is the one loop that hands them over: ``replay``, ``serve``, the
 control plane's mirror path and the gloo transport all use it).
 
 The replica starts from the initial weights DDP broadcast at start-up (an ``InitialWeights`` item
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import PersistSpec, TrainingSpec
@@ -39,33 +38,6 @@ class Summary:
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-class IterationSink(Protocol):
-    """What ``drive`` hands the job stream's items to (``Appliance``, the control plane's
-    ``AppliancePlane``, the daemon's queue to its updater thread)."""
-
-    def initial_weights(self, w: InitialWeights) -> None: ...
-
-    def bucket(self, b: ReducedBucket) -> None:
-        """A complete bucket ahead of its iteration (a sink may step it now, or wait)."""
-
-    def apply(self, it: ReducedIteration) -> None: ...
-
-
-def drive(items: Iterable, sink: IterationSink | None = None, on_item: Callable | None = None) -> None:
-    """The pipeline loop: the initial weights and the iterations of a job stream to ``sink``, then
-    every item to ``on_item`` (reports, metrics)."""
-    for item in items:
-        if sink is not None:
-            if isinstance(item, ReducedBucket):
-                sink.bucket(item)
-            elif isinstance(item, ReducedIteration):
-                sink.apply(item)
-            elif isinstance(item, InitialWeights):
-                sink.initial_weights(item)
-        if on_item is not None:
-            on_item(item)
 
 
 class Appliance:

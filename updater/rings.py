@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from mirrorckpt.updater.appliance import Appliance, IterationSink, drive
+from mirrorckpt.updater.appliance import Appliance
+from mirrorckpt.updater.drive import IterationSink, drive
 
 
 class RingSet:

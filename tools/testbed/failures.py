@@ -222,7 +222,7 @@ class _Incarnation:
         from mirrorckpt.parser.pipeline import JobStream
         from mirrorckpt.parser.streams import MirrorStreams
         from mirrorckpt.tools.testbed import harness
-        from mirrorckpt.updater.appliance import drive
+        from mirrorckpt.updater.drive import drive
 
         try:
             while self._registered() is None:

@@ -10,7 +10,7 @@ from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.pipeline import JobStream
-from mirrorckpt.updater.appliance import drive
+from mirrorckpt.updater.drive import drive
 
 log = logging.getLogger("mirrorckpt.testbed.follower")
 
