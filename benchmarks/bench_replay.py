@@ -15,7 +15,7 @@ Per workload, each timed once, after the imports `replay` does on its first call
 * ``one_stream``: rank 0's egress alone (half of every iteration is missing; the same per-stream
   work without the time merge of several streams).
 
-MirrorStreams merges the streams in 1 ms slices: with a strict frame-by-frame merge of two
+MirrorStreams merges the streams in 4 ms slices (1 ms until 2026-11-24): with a strict frame-by-frame merge of two
 nanosecond clocks this benchmark ran ~30x slower (0.003 GB/s) in the first BENCHMARKS run.
 
 GB/s counts captured bytes (frame bytes, as the packet path does), Mpps frames per second.

@@ -14,8 +14,10 @@ the source whose next frame is oldest, so the concatenator sees the job in (roug
 "Roughly" is deliberate: a stream is fed up to ``merge_ns`` past the other streams' next frame.
 With a NIC's nanosecond clock two streams interleave frame by frame, and a strict merge would call
 the packet path for a frame or two at a time (its cost is per call: ~30x slower end to end). The
-concatenator keeps a frontier per stream, so a millisecond of skew between streams changes no
-verdict; it only has to stay far below the time the ring takes to reuse a buffer slot.
+concatenator keeps a frontier per stream, so milliseconds of skew between streams change no
+verdict (the loss sweep checks its verdicts against a strict merge); they only delay when a
+collective is final. 4 ms (50 MB of a 100 Gbit/s stream; a batch is at most 32 MB) costs
+about 12 % less time on LL than 1 ms did: the packet path's Python is per call.
 
 With ``ahead`` > 0 the reading and decoding (frame walk, ICRC, PSN reassembly, NCCL sends) run on
 a thread of their own, at most ``ahead`` lists of sends before the caller: their compiled kernels
@@ -79,7 +81,7 @@ class SendStream(Protocol):
 
 class MirrorStreams:
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], icrc: bool = True,
-                 nccl_version: str | None = None, protocol: str | None = None, merge_ns: int = 1_000_000,
+                 nccl_version: str | None = None, protocol: str | None = None, merge_ns: int = 4_000_000,
                  ahead: int = 0):
         self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k, messages=False)
                       for k in range(len(sources))]

@@ -28,9 +28,9 @@ fraction must be within 4 sigma of P (sigma = sqrt(P (1-P) / n)). The same trial
 exact per-iteration oracle (recoverable <=> every unit keeps a copy), against which the parser's
 verdict is compared iteration by iteration.
 
-Replays keep the generator's nanosecond clock and MirrorStreams' default 1 ms merge granularity;
+Replays keep the generator's nanosecond clock and MirrorStreams' default merge granularity (4 ms);
 ``test_the_coarse_clock_changes_no_verdict`` checks on faulted trials that every verdict and every
-hole is the same with a strict frame-by-frame merge and with timestamps floored to 1 ms.
+hole is the same with a strict frame-by-frame merge, a 1 ms merge and timestamps floored to 1 ms.
 
 The one known parser shortfall is a strict xfail with its cause, so it flips when fixed.
 """
@@ -99,12 +99,14 @@ class Job:
     batches: list[FrameBatch]  # per stream (egress of rank k), the clean capture
     fmap: FrameMap
 
-    def replay(self, batches, clock_ns: int | None = None, merge_ns: int = 1_000_000):
-        """The parser on in-memory streams; returns (JobStream, iterations)."""
+    def replay(self, batches, clock_ns: int | None = None, merge_ns: int | None = None):
+        """The parser on in-memory streams (``merge_ns`` None: MirrorStreams' default); returns
+        (JobStream, iterations)."""
         if clock_ns:
             batches = [coarse(b, clock_ns) for b in batches]
+        kw = {} if merge_ns is None else {"merge_ns": merge_ns}
         ms = MirrorStreams([(f"rank{k}_egress", [b]) for k, b in enumerate(batches)],
-                           nccl_version=self.config.ring.nccl_version, merge_ns=merge_ns)
+                           nccl_version=self.config.ring.nccl_version, **kw)
         js = JobStream(ms, model=JobModel.from_job(self.config), ranks=self.config.ring.ranks_by_address(),
                        channels=None, nccl_version=self.config.ring.nccl_version)
         _, iterations, _ = collect(js)
@@ -296,10 +298,11 @@ def test_the_coarse_clock_changes_no_verdict(job):
         masks = masks_of(M, 0, job)
         batches = [keep_rows(b, m) for b, m in zip(job.batches, masks)]
         _, strict = job.replay(batches, clock_ns=None, merge_ns=0)  # frame by frame in time order
-        _, fine = job.replay(batches, clock_ns=None)  # MirrorStreams' default 1 ms merge granularity
+        _, fine = job.replay(batches, clock_ns=None)  # MirrorStreams' default merge granularity
+        _, one_ms = job.replay(batches, clock_ns=None, merge_ns=1_000_000)
         _, coarse_ = job.replay(batches, clock_ns=CLOCK_NS)
-        verdicts = [[(it.index, it.complete, it.holes) for it in its] for its in (strict, fine, coarse_)]
-        assert verdicts[0] == verdicts[1] == verdicts[2]
+        verdicts = [[(it.index, it.complete, it.holes) for it in its] for its in (strict, fine, one_ms, coarse_)]
+        assert verdicts[0] == verdicts[1] == verdicts[2] == verdicts[3]
         assert 0 < sum(it.complete for it in fine) < STEPS
 
 
