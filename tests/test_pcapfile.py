@@ -524,3 +524,25 @@ def test_batches_are_bounded_in_bytes(tmp_path, monkeypatch, writer):
     assert r._released > 0
     whole = read_all(path)
     assert [whole.data[o:o + c].tobytes() for o, c in zip(whole.offset.tolist(), whole.caplen.tolist())] == frames
+
+
+def test_reader_asks_for_huge_pages_and_a_refusal_is_harmless():
+    """A capture read from disk is cached in 2 MB folios where the kernel can (pcapfile._huge_pages):
+    later walks of it map a folio per fault. A kernel or file system that refuses changes nothing."""
+    import mmap
+
+    from mirrorckpt.capture import pcapfile
+
+    class Mapping:
+        def __init__(self, refuse):
+            self.refuse, self.advice = refuse, []
+
+        def madvise(self, advice, *a):
+            self.advice.append(advice)
+            if self.refuse:
+                raise OSError(22, "Invalid argument")
+
+    for refuse in (False, True):
+        m = Mapping(refuse)
+        pcapfile._huge_pages(m)
+        assert m.advice == ([mmap.MADV_HUGEPAGE] if hasattr(mmap, "MADV_HUGEPAGE") else [])
