@@ -35,7 +35,7 @@ from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser import nccl_versions, protocols
 from mirrorckpt.parser.errors import VersionMismatch
 from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
-from mirrorckpt.parser.nccl_runs import RunLane
+from mirrorckpt.parser.nccl_runs import RunLane, cts_fits, cts_plausible, cts_sized
 from mirrorckpt.parser.reassembly import Key, MessageRun, QpKey, RdmaMessage
 
 nv_piece = nccl_versions.qp_piece_bytes
@@ -491,7 +491,7 @@ class NcclDecoder(RunLane):
         return nccl_versions.WireFamily(self.seen_cts, self.seen_imm)
 
     def _take_cts(self, m: RdmaMessage) -> bool:
-        if m.with_imm or m.dlen is None or m.dlen == 0 or m.dlen % 32 or m.dlen > 512 or not m.complete:
+        if m.with_imm or m.dlen is None or not cts_sized(m.dlen) or not m.complete:
             return False
         first = self.cts_header or self.seen_cts
         layouts = self._layouts.get(first)
@@ -719,14 +719,11 @@ def _qp_mode(n: int, data, size: int | None, length_known: bool) -> str | None:
 def _cts_entry(h, m: RdmaMessage):
     """The CTS entry of WRITE ``m`` read in layout ``h``, or None when it is not one: a positive size
     no larger than a Simple slice pair, a request count matching the WRITE length, a small tag (a
-    rank), a running index and a buffer address."""
-    if m.dlen % h.size or m.dlen > h.size * nccl_versions.NET_IB_MAX_RECVS:
+    rank), a running index and a buffer address (``nccl_runs.cts_fits``, ``cts_plausible``)."""
+    if not cts_fits(h, m.dlen):
         return None
     e = h.unpack(m.data, 0)
-    if (0 < e["size"] <= 1 << 24 and e["nreqs"] * h.size == m.dlen and e["tag"] < 1 << 20
-            and e["idx"] >= 1 and e["addr"] != 0):
-        return e
-    return None
+    return e if cts_plausible(h, e, m.dlen) else None
 
 
 def _line_mask(nbytes: int, line: int, wire_holes) -> np.ndarray:

@@ -7,8 +7,8 @@ part of an LL replay's packet path. ``RunLane.take_runs`` first decides, with co
 and no change to the decoder, that every message of the batch is plain for the decoder's state:
 
 * the CTS layout and the immediates' byte order are already known;
-* every WRITE without immediate is CTS-sized and reads as a CTS post in that layout (the
-  decoder's own test, ``_cts_entry``), for a buffer (rkey) of a connection already known;
+* every WRITE without immediate is CTS-sized and reads as a CTS post in that layout (the rules
+  below, the per-message path's too), for a buffer (rkey) of a connection already known;
 * every other message is a whole send: closed with an immediate equal to its length, on a
   connection already joined by its rkeys, of one QP or of several that carry whole messages in
   turn, with no split-form pieces pending.
@@ -25,6 +25,26 @@ from mirrorckpt.parser import nccl_versions, protocols
 from mirrorckpt.parser.reassembly import MessageRun
 
 _CTS_FIELDS = ("idx", "addr", "size", "rkey", "nreqs", "tag")
+
+
+# What makes a WRITE a CTS post, for one message (ints) or a column of them (arrays) alike: the
+# per-message path (``NcclDecoder._take_cts``) and the run lane read it from here.
+def cts_sized(dlen):
+    """A WRITE without immediate of this length may be a CTS post: whole 32-byte entries, one slot."""
+    return (dlen > 0) & (dlen % 32 == 0) & (dlen <= 512)
+
+
+def cts_fits(h, dlen):
+    """Its length holds whole entries of layout ``h``, at most a slot's (NET_IB_MAX_RECVS)."""
+    return (dlen % h.size == 0) & (dlen <= h.size * nccl_versions.NET_IB_MAX_RECVS)
+
+
+def cts_plausible(h, e, dlen):
+    """Its first entry ``e`` (fields by name) reads as a post: a positive size no larger than a
+    Simple slice pair, a request count matching the WRITE length, a small tag (a rank), a running
+    index and a buffer address."""
+    return ((e["size"] > 0) & (e["size"] <= 1 << 24) & (e["nreqs"] * h.size == dlen) & (e["tag"] < 1 << 20)
+            & (e["idx"] >= 1) & (e["addr"] != 0))
 
 
 def _imm_sizes(imm: np.ndarray, order: str) -> np.ndarray:
@@ -47,19 +67,17 @@ class RunLane:
         plan = []
         for r in runs:
             wimm = r.imm >= 0
-            cts = ~wimm & (r.dlen > 0) & (r.dlen % 32 == 0) & (r.dlen <= 512)
+            cts = ~wimm & cts_sized(r.dlen)
             if (~wimm & ~cts).any():
                 return None  # split-form pieces, or WRITEs that are neither
             k = np.flatnonzero(cts)
             fields, conns = None, {}
             if len(k):
                 dl = r.dlen[k]
-                if (dl % h.size).any() or (dl > h.size * nccl_versions.NET_IB_MAX_RECVS).any():
+                if not cts_fits(h, dl).all():
                     return None
                 fields = {f: h.read(r.buf, r.base[k], f) for f in _CTS_FIELDS}
-                ok = ((fields["size"] > 0) & (fields["size"] <= 1 << 24) & (fields["nreqs"] * h.size == dl)
-                      & (fields["tag"] < 1 << 20) & (fields["idx"] >= 1) & (fields["addr"] != 0))
-                if not ok.all():
+                if not cts_plausible(h, fields, dl).all():
                     return None
                 for rk in set(fields["rkey"].tolist()):  # the posts' connections, by the buffers they offer
                     g = self._rkey_group.get((r.qp.dst, r.qp.src, rk)) if rk else None
@@ -111,6 +129,7 @@ class RunLane:
         which = [(i, p[3]) for i, p in enumerate(plan) if len(p[3])]
         if not which:
             return []
+
         def col(f) -> np.ndarray:
             return np.concatenate([f(runs[i], d) for i, d in which])
 

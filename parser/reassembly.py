@@ -114,19 +114,15 @@ class MessageRun:
         return len(self.psn)
 
     def message(self, k: int) -> RdmaMessage:
-        a, b, f = int(self.base[k]), int(self.base[k + 1]), int(self.ll_flag[k])
-        imm = int(self.imm[k])
-        o = int(self.ll_off[k])
-        return RdmaMessage(self.qp, self.sport, int(self.psn[k]), int(self.npkts[k]), self.buf[a:b], [],
-                           int(self.va[k]), int(self.rkey[k]), int(self.dlen[k]), imm if imm >= 0 else None, imm >= 0,
-                           int(self.ts[k]), True, (self.ll_user[o:o + int(self.ll_n[k])], f) if f else None)
+        return self.messages(slice(k, k + 1))[0]
 
-    def messages(self) -> list[RdmaMessage]:
+    def messages(self, which: slice = slice(None)) -> list[RdmaMessage]:
         key, sport, buf, user = self.qp, self.sport, self.buf, self.ll_user
-        base = self.base.tolist()
-        cols = zip(self.psn.tolist(), self.npkts.tolist(), base, base[1:], self.va.tolist(), self.rkey.tolist(),
-                   self.dlen.tolist(), self.imm.tolist(), self.ts.tolist(), self.ll_off.tolist(),
-                   self.ll_n.tolist(), self.ll_flag.tolist())
+        a, b = self.base[:-1][which].tolist(), self.base[1:][which].tolist()
+        cols = zip(self.psn[which].tolist(), self.npkts[which].tolist(), a, b, self.va[which].tolist(),
+                   self.rkey[which].tolist(), self.dlen[which].tolist(), self.imm[which].tolist(),
+                   self.ts[which].tolist(), self.ll_off[which].tolist(), self.ll_n[which].tolist(),
+                   self.ll_flag[which].tolist())
         return [RdmaMessage(key, sport, p0, npk, buf[a:b], [], va, rkey, size, imm if imm >= 0 else None, imm >= 0,
                             t, True, (user[o:o + n], f) if f else None)
                 for p0, npk, a, b, va, rkey, size, imm, t, o, n, f in cols]  # positional: the hot loop
