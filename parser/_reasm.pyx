@@ -9,6 +9,9 @@ the careful path over the whole table with nothing changed.
 """
 
 from libc.stdint cimport int64_t, uint8_t
+from libc.string cimport memcmp
+
+import numpy as np
 
 
 def intact_messages(const int64_t[::1] psn, const int64_t[::1] op, const int64_t[::1] plen,
@@ -71,3 +74,59 @@ def intact_messages(const int64_t[::1] psn, const int64_t[::1] op, const int64_t
             k += 1
             i += npk
     return k, i, tail_ok or i == n
+
+
+def group_qps(const int64_t[::1] sel, const int64_t[::1] dqp, const uint8_t[:, ::1] src,
+              const uint8_t[:, ::1] dst, int64_t[::1] order, int64_t[::1] first, int64_t[::1] count):
+    """Groups rows ``sel`` by QP (destination QP number and both addresses) in one pass: writes
+    each group's rows, in arrival order, to ``order`` one group after the other (groups in the
+    order they first appear), and each group's first row and size to ``first`` and ``count``.
+    Returns the number of groups, or -1 (``order`` unusable) when there are more than ``first``
+    holds."""
+    cdef Py_ssize_t n = sel.shape[0], cap = first.shape[0], i, g, f, ng = 0, last = -1
+    cdef int64_t r, q, acc = 0
+    if order.shape[0] < n or count.shape[0] < cap or src.shape[1] != 16 or dst.shape[1] != 16 \
+            or dqp.shape[0] != src.shape[0] or dqp.shape[0] != dst.shape[0]:
+        raise ValueError("group_qps: column shapes differ")
+    for i in range(n):
+        if sel[i] < 0 or sel[i] >= dqp.shape[0]:
+            raise ValueError("group_qps: row out of range")
+    cdef int64_t[::1] gid = np.empty(n, np.int64)
+    cdef int64_t[::1] start = np.empty(cap, np.int64)
+    with nogil:
+        for i in range(n):
+            r = sel[i]
+            q = dqp[r]
+            g = last  # packets of one QP come in runs: try the last one's group first
+            if g < 0 or not _same(dqp, src, dst, first[g], r, q):
+                g = -1
+                for f in range(ng):
+                    if _same(dqp, src, dst, first[f], r, q):
+                        g = f
+                        break
+                if g < 0:
+                    if ng == cap:
+                        ng = -1
+                        break
+                    g = ng
+                    first[g] = r
+                    count[g] = 0
+                    ng += 1
+                last = g
+            count[g] += 1
+            gid[i] = g
+    if ng < 0:
+        return -1
+    with nogil:
+        for g in range(ng):  # counting sort, stable
+            start[g] = acc
+            acc += count[g]
+        for i in range(n):
+            order[start[gid[i]]] = sel[i]
+            start[gid[i]] += 1
+    return ng
+
+
+cdef inline bint _same(const int64_t[::1] dqp, const uint8_t[:, ::1] src, const uint8_t[:, ::1] dst,
+                       int64_t a, int64_t b, int64_t q) noexcept nogil:
+    return dqp[a] == q and memcmp(&src[a, 0], &src[b, 0], 16) == 0 and memcmp(&dst[a, 0], &dst[b, 0], 16) == 0

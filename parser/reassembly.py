@@ -32,6 +32,7 @@ from mirrorckpt.parser.roce import RocePackets
 
 _HALF = PSN_MODULUS // 2
 RUN_BYTES = 32 << 20  # below memory.keep_freed_memory's mmap threshold: buffers are reused
+_MAX_GROUPS = 256  # QPs in a batch grouped in one compiled pass (_reasm.group_qps); more: numpy
 _IS_FIRST = opcodes.IS_FIRST.astype(np.uint8)
 _IS_LAST = opcodes.IS_LAST.astype(np.uint8)
 
@@ -217,24 +218,30 @@ class Reassembler:
 
     @staticmethod
     def _groups(pk: RocePackets, sel: np.ndarray):
-        """Rows of each QP (source, destination, destination QP number), in arrival order. Groups
-        are made on the QP number and checked to share their addresses, which is the usual case;
-        only a QP number used by two address pairs needs the full-key split."""
+        """Rows of each QP (source, destination, destination QP number), in arrival order, QPs in
+        order of number and addresses. One compiled pass when the batch has at most _MAX_GROUPS QPs."""
+        order = np.empty(len(sel), np.int64)
+        first, count = np.empty(_MAX_GROUPS, np.int64), np.empty(_MAX_GROUPS, np.int64)
+        ng = -1
+        if pk.src.flags.c_contiguous and pk.dst.flags.c_contiguous and pk.dqp.dtype == np.int64:
+            ng = _reasm.group_qps(np.ascontiguousarray(sel, np.int64), pk.dqp, pk.src, pk.dst, order, first, count)
+        if ng < 0:
+            yield from Reassembler._groups_sorted(pk, sel)
+            return
+        bounds = np.concatenate([[0], np.cumsum(count[:ng])]).tolist()
+        heads = first[:ng].tolist()
+        keys = [QpKey(pk.src[r].tobytes(), pk.dst[r].tobytes(), int(pk.dqp[r])) for r in heads]
+        for g in sorted(range(ng), key=lambda g: (keys[g].dqp, keys[g].src, keys[g].dst)):
+            yield order[bounds[g]:bounds[g + 1]], keys[g]
+
+    @staticmethod
+    def _groups_sorted(pk: RocePackets, sel: np.ndarray):
+        """``_groups`` with numpy, for any number of QPs."""
         dqp = pk.dqp[sel]
         order = np.argsort(dqp, kind="stable")
         bounds = np.flatnonzero(np.diff(dqp[order])) + 1
-        words = pk.src.shape[1] % 8 == 0 and pk.src.flags.c_contiguous and pk.dst.flags.c_contiguous
         for rows in np.split(sel[order], bounds):
-            if words:  # the usual check, on 8-byte words: two address pairs are equal word by word
-                s, d = pk.src[rows].view(np.uint64), pk.dst[rows].view(np.uint64)
-                if (s == s[0]).all() and (d == d[0]).all():
-                    yield rows, QpKey(s[0].tobytes(), d[0].tobytes(), int(pk.dqp[rows[0]]))
-                    continue
             addr = np.concatenate([pk.src[rows], pk.dst[rows]], axis=1)
-            if (addr == addr[0]).all():
-                a = addr[0].tobytes()
-                yield rows, QpKey(a[:16], a[16:], int(pk.dqp[rows[0]]))
-                continue
             uniq, inv = np.unique(np.ascontiguousarray(addr).view(np.dtype((np.void, 32))).ravel(),
                                   return_inverse=True)
             for g in range(len(uniq)):

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from common import FLOWCHECK, flowcheck_captures
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.parser import roce
-from mirrorckpt.parser.reassembly import Reassembler
+from mirrorckpt.parser.reassembly import _MAX_GROUPS, Reassembler
 from mirrorckpt.parser.streams import _split
 
 FIELDS = ("psn", "npkts", "holes", "va", "rkey", "dlen", "imm_raw", "with_imm", "ts_ns", "length_known", "sport")
@@ -137,3 +138,31 @@ def test_whole_messages_of_a_batch_are_read_as_ll_behind_a_held_one(tmp_path, si
             assert m.ll[1] == flag and m.ll[0].tobytes() == user.tobytes()
     # only a message cut by a batch boundary (one per QP per cut at most) is left to be read again
     assert sum(m.ll is None for m in ll_msgs) <= cuts * len(r.qps)
+
+
+def _packets(n: int, qps: list[tuple[int, int, int]], rng: random.Random) -> roce.RocePackets:
+    """``n`` rows over ``qps`` (source, destination, QP number), in random order."""
+    pick = [rng.randrange(len(qps)) for _ in range(n)]
+    addr = lambda v: np.frombuffer(bytes(12) + v.to_bytes(4, "big"), np.uint8)  # noqa: E731
+    cols = {f: np.zeros(n, np.int64) for f in roce.RocePackets.__dataclass_fields__}
+    cols["src"] = np.array([addr(qps[p][0]) for p in pick], np.uint8).reshape(n, 16)
+    cols["dst"] = np.array([addr(qps[p][1]) for p in pick], np.uint8).reshape(n, 16)
+    cols["dqp"] = np.array([qps[p][2] for p in pick], np.int64)
+    return roce.RocePackets(**cols)
+
+
+@pytest.mark.parametrize("nqps", [1, 3, 40, 400])
+def test_qp_groups_compiled_same_as_sorted(nqps):
+    """The one-pass grouping gives the rows and keys, in the order, of the numpy one; QP numbers
+    shared by several address pairs included, and more QPs than the compiled pass takes."""
+    rng = random.Random(nqps)
+    qps = [(rng.randrange(1, 5), rng.randrange(1, 5), 0x10000 + k if k % 4 else rng.choice([7, 9, 0x1234]))
+           for k in range(nqps)]
+    qps = list(dict.fromkeys(qps))
+    pk = _packets(5000, qps, rng)
+    sel = np.array(sorted(rng.sample(range(5000), 4000)), np.int64)
+    fast = [(rows.tolist(), key) for rows, key in Reassembler._groups(pk, sel)]
+    slow = [(rows.tolist(), key) for rows, key in Reassembler._groups_sorted(pk, sel)]
+    assert fast == slow
+    assert sum(len(r) for r, _ in fast) == len(sel)
+    assert (len(fast) > _MAX_GROUPS) == (nqps > _MAX_GROUPS)  # both ways of grouping are tried
