@@ -8,7 +8,7 @@ the careful path wherever it is cheaper to be: anything else is reported, and th
 the careful path over the whole table with nothing changed.
 """
 
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.string cimport memcmp
 
 import numpy as np
@@ -130,3 +130,57 @@ def group_qps(const int64_t[::1] sel, const int64_t[::1] dqp, const uint8_t[:, :
 cdef inline bint _same(const int64_t[::1] dqp, const uint8_t[:, ::1] src, const uint8_t[:, ::1] dst,
                        int64_t a, int64_t b, int64_t q) noexcept nogil:
     return dqp[a] == q and memcmp(&src[a, 0], &src[b, 0], 16) == 0 and memcmp(&dst[a, 0], &dst[b, 0], 16) == 0
+
+
+def line_table(const int64_t[::1] rows, const int64_t[::1] psn24, const int64_t[::1] op,
+               const uint64_t[::1] va, const int64_t[::1] rkey, const int64_t[::1] dlen,
+               const int64_t[::1] imm_raw, const uint8_t[::1] has_imm, const int64_t[::1] ts,
+               const int64_t[::1] plen, const int64_t[::1] pay_off, const int64_t[:, ::1] held,
+               int64_t cursor, const uint8_t[::1] is_first, const uint8_t[::1] is_last, int64_t middle,
+               int64_t[:, ::1] out):
+    """A QP's table for the fast path, in one pass: the held rows (``held``: the table's nine
+    columns, PSNs unwrapped) and then the batch's ``rows``, to ``out`` (columns psn, opcode, va,
+    rkey, dlen, imm, ts, plen, src_off; va's bits as int64, imm -1 where the packet has none).
+    Only when the batch's rows continue the PSN line held rows end on, from ``cursor`` on
+    (24-bit PSNs): returns (True, the largest payload of a FIRST or MIDDLE packet among them, -1
+    when none), else (False, -1) with ``out`` unusable."""
+    cdef Py_ssize_t n = rows.shape[0], h = held.shape[1], i, c, nb = psn24.shape[0]
+    cdef int64_t r, o, full = -1, base = cursor + h
+    cdef bint ok = True
+    if out.shape[0] != 9 or held.shape[0] != 9 or out.shape[1] != h + n or is_first.shape[0] < 256 \
+            or is_last.shape[0] < 256:
+        raise ValueError("line_table: table shapes differ")
+    if op.shape[0] != nb or va.shape[0] != nb or rkey.shape[0] != nb or dlen.shape[0] != nb \
+            or imm_raw.shape[0] != nb or has_imm.shape[0] != nb or ts.shape[0] != nb \
+            or plen.shape[0] != nb or pay_off.shape[0] != nb:
+        raise ValueError("line_table: column lengths differ")
+    if n + 1 >= (1 << 23):
+        return False, -1  # more rows than half the PSN space: not one line
+    for i in range(n):
+        if rows[i] < 0 or rows[i] >= nb:
+            raise ValueError("line_table: row out of range")
+    with nogil:
+        for i in range(h):
+            for c in range(9):
+                out[c, i] = held[c, i]
+        for i in range(n):
+            r = rows[i]
+            o = op[r]
+            if psn24[r] != ((base + i) & 0xFFFFFF) or o < 0 or o > 255:
+                ok = False
+                break
+            out[0, h + i] = base + i
+            out[1, h + i] = o
+            out[2, h + i] = <int64_t>va[r]
+            out[3, h + i] = rkey[r]
+            out[4, h + i] = dlen[r]
+            out[5, h + i] = imm_raw[r] if has_imm[r] else -1
+            out[6, h + i] = ts[r]
+            out[7, h + i] = plen[r]
+            out[8, h + i] = pay_off[r]
+            if (is_first[o] and not is_last[o]) or o == middle:
+                if plen[r] > full:
+                    full = plen[r]
+    if not ok:
+        return False, -1
+    return True, full

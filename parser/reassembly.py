@@ -343,35 +343,39 @@ class Reassembler:
         npend = len(pend["psn"]) if pend else 0
         if qp.ref != qp.cursor + npend - 1:
             return None  # a PSN above the held ones was seen: duplicates or reordering
-        psn = self._unwrap(qp, pk.psn)
-        new = {"psn": psn, "opcode": pk.opcode, "va": pk.va, "rkey": pk.rkey, "dlen": pk.dlen,
-               "imm": np.where(pk.has_imm, pk.imm_raw, -1), "ts": pk.ts_ns, "plen": pk.pay_len,
-               "src_off": pk.pay_off}
-        if npend:
-            tab = {c: np.concatenate([pend[c], new[c]]) for c in _COLS}
-            src_is_new = np.concatenate([np.zeros(npend, bool), np.ones(len(psn), bool)])
-        else:
-            tab, src_is_new = new, np.ones(len(psn), bool)
-        n = len(tab["psn"])
+        b, rows = pk._pk, np.ascontiguousarray(pk._rows, np.int64)
+        n = npend + len(rows)
+        held = np.empty((len(_COLS), npend), np.int64)
+        for i, c in enumerate(_COLS if npend else ()):
+            held[i] = pend[c].view(np.int64) if c == "va" else pend[c]
+        t = np.empty((len(_COLS), n), np.int64)
+        i64 = lambda a: np.ascontiguousarray(a, np.int64)  # noqa: E731 - no copy for decode's columns
+        ok, full = _reasm.line_table(rows, i64(b.psn), i64(b.opcode), np.ascontiguousarray(b.va, np.uint64),
+                                     i64(b.rkey), i64(b.dlen), i64(b.imm_raw),
+                                     np.ascontiguousarray(b.has_imm, bool).view(np.uint8), i64(b.ts_ns),
+                                     i64(b.pay_len), i64(b.pay_off), held, qp.cursor, _IS_FIRST, _IS_LAST,
+                                     opcodes.RC_RDMA_WRITE_MIDDLE, t)
+        if not ok:
+            return None  # the batch's rows do not continue the line
+        tab = dict(zip(_COLS, t))
+        tab["va"] = tab["va"].view(np.uint64)
+        src_is_new = np.zeros(n, bool)
+        src_is_new[npend:] = True
         heads, npks = np.empty(n, np.int64), np.empty(n, np.int64)
-        k, used, tail_ok = _reasm.intact_messages(
-            np.ascontiguousarray(tab["psn"], np.int64), np.ascontiguousarray(tab["opcode"], np.int64),
-            np.ascontiguousarray(tab["plen"], np.int64), np.ascontiguousarray(tab["dlen"], np.int64),
-            _IS_FIRST, _IS_LAST, qp.cursor, self.max_message, heads, npks)
+        k, used, tail_ok = _reasm.intact_messages(tab["psn"], tab["opcode"], tab["plen"], tab["dlen"],
+                                                  _IS_FIRST, _IS_LAST, qp.cursor, self.max_message, heads, npks)
         if k < 0 or not tail_ok:
             return None
         # What _feed_qp's prologue counts for rows that continue the line: no reordering, the
         # newest PSN last.
         st = qp.stats
-        st.packets += len(psn)
+        st.packets += len(rows)
         if st.psn_first is None:
-            st.psn_first = int(pk.psn[0])
-        st.psn_last = int(pk.psn[-1])
-        qp.ref = int(psn[-1])
-        op = pk.opcode
-        full = opcodes.IS_FIRST[op] & ~opcodes.IS_LAST[op] | (op == opcodes.RC_RDMA_WRITE_MIDDLE)
-        if full.any():
-            qp.pmtu = max(qp.pmtu, int(pk.pay_len[full].max()))
+            st.psn_first = int(b.psn[rows[0]])
+        st.psn_last = int(b.psn[rows[-1]])
+        qp.ref = int(tab["psn"][-1])
+        if full >= 0:
+            qp.pmtu = max(qp.pmtu, full)
             st.pmtu = qp.pmtu
         out: list[RdmaMessage] = []
         if k:

@@ -166,3 +166,30 @@ def test_qp_groups_compiled_same_as_sorted(nqps):
     assert fast == slow
     assert sum(len(r) for r, _ in fast) == len(sel)
     assert (len(fast) > _MAX_GROUPS) == (nqps > _MAX_GROUPS)  # both ways of grouping are tried
+
+
+def test_line_table_follows_the_psn_line_across_the_24_bit_wrap():
+    """The fast path's table: held rows, then the batch's rows while their 24-bit PSNs continue the
+    line (through the wrap), unwrapped; any other PSN refuses the whole table."""
+    from mirrorckpt.parser import _reasm
+    from mirrorckpt.parser.reassembly import _COLS, _IS_FIRST, _IS_LAST
+
+    cursor = (1 << 24) - 2  # unwrapped, the line goes 2^24 - 2, 2^24 - 1, 2^24, ...
+    held = np.array([[cursor], [6], [1], [2], [3], [-1], [5], [6], [0]], np.int64)  # one held MIDDLE
+    nb = 6
+    psn24 = np.array([(cursor + 1 + i) % (1 << 24) for i in range(nb)], np.int64)  # 2^24 - 1, 0, 1, ...
+    op = np.full(nb, 7, np.int64)  # MIDDLE
+    va, rkey, dlen, imm, ts, plen, off = (np.arange(nb, dtype=np.int64) + 100 * (c + 1) for c in range(7))
+    has_imm = np.zeros(nb, np.uint8)
+    has_imm[2] = 1
+    out = np.empty((9, 1 + nb), np.int64)
+    rows = np.arange(nb, dtype=np.int64)
+    args = (va.astype(np.uint64), rkey, dlen, imm, has_imm, ts, plen, off, held, cursor, _IS_FIRST, _IS_LAST, 7, out)
+    ok, full = _reasm.line_table(rows, psn24, op, *args)
+    assert ok and full == plen.max()
+    assert out[_COLS.index("psn")].tolist() == list(range(cursor, cursor + 1 + nb))
+    assert out[:, 0].tolist() == held[:, 0].tolist()
+    assert out[_COLS.index("imm"), 1:].tolist() == [-1, -1, int(imm[2]), -1, -1, -1]
+    assert out[_COLS.index("src_off"), 1:].tolist() == off.tolist()
+    psn24[3] += 1  # a gap
+    assert _reasm.line_table(rows, psn24, op, *args) == (False, -1)
