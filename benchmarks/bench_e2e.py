@@ -64,9 +64,13 @@ def build(out: Path, protocol: str, steps: int, model: str, channels: int = 2,
     from mirrorckpt.tools.generator.gen import GenConfig, generate
     from mirrorckpt.tools.generator.wire import WireOptions
 
-    return generate(GenConfig(ranks=2, channels=channels, protocol=protocol, model=model, steps=steps, seed=1,
-                              mirrors=mirrors, wire=WireOptions(pmtu=PMTU[protocol]),
-                              send_truth=False), out)
+    truth = generate(GenConfig(ranks=2, channels=channels, protocol=protocol, model=model, steps=steps, seed=1,
+                               mirrors=mirrors, wire=WireOptions(pmtu=PMTU[protocol]),
+                               send_truth=False), out)
+    # On disk before it is replayed, as a recorded capture is: else the kernel writes it back
+    # (hundreds of MB, CPU on these 2 cores) during the timed replays, this one's or a later one's.
+    os.sync()
+    return truth
 
 
 # Runs the command and writes its peak RSS (KiB) to the last line of stderr. A process started from

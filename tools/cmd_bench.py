@@ -326,8 +326,9 @@ def _render_e2e(name, r) -> list[str]:
     protos = [p for p in ("Simple", "LL", "LL128") if p in r]
     lines = ["## End to end, by the slope method (issue 16)", "",
              "`mirrorckpt replay --config job.toml --quiet` in a fresh process on a 2-step and a 22-step capture of "
-             f"one generated job (2 ranks, 2 channels, `{r[protos[0]]['model']}` fp32, the egress of both ranks), "
-             "wall clock, best of 3 each: the slope between them is the per-iteration rate, start-up cancels; the "
+             f"one generated job (2 ranks, 2 channels, `{r[protos[0]]['model']}` fp32, the egress of both ranks; "
+             "written to disk before they are replayed), wall clock, best of 3 each: the slope between them is "
+             "the per-iteration rate, start-up cancels; the "
              "same slope of the CPU seconds (every thread of the process) is the rate per CPU second. "
              "The same captures replayed with `--json` (which adds every all-reduce's sha256, on a thread of its "
              "own) check every all-reduce against the generator's truth, and have a slope of their own. "
