@@ -14,12 +14,36 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 cdef extern from *:
     void __builtin_prefetch(const void *addr) nogil
 
-# Bytes asked for ahead of a walk. A walk reads a few words per record or block, whose places
-# depend on the lengths before them, so without a hint every record costs a memory latency (on
-# small frames most of the walk's time); the file is read in order, so the cache lines ahead are
-# requested while the current ones are parsed. 2048 measured best on 1 KB and 4 KB frames.
+# What a walk asks for ahead of itself. A walk reads a few words per record or block, whose places
+# depend on the lengths before them, so without a hint every record costs a memory latency. The
+# file is read in order: behind records under STRIDE_MIN bytes every cache line of the next AHEAD
+# bytes is requested (2048 measured best on 1 KB frames); behind longer ones only the lines where
+# the next AHEAD_BLOCKS records of the same length would start and end, so that the walk does not
+# pull the whole file through the cache (4 KB frames: the walk of a cached 661 MB capture took
+# 0.02 s with every line, 0.009 s so, and the replay's decode reads the payloads itself anyway).
 cdef enum:
     AHEAD = 2048
+    AHEAD_BLOCKS = 16
+    STRIDE_MIN = 2048
+
+
+cdef inline Py_ssize_t _prefetch(const uint8_t *buf, Py_ssize_t pf, Py_ssize_t pos, int64_t step,
+                                 Py_ssize_t end) noexcept nogil:
+    """Prefetches ahead of ``pos`` (``step``: the length of the record before it, 0 at the first);
+    returns how far it has asked."""
+    if pf < pos:
+        pf = pos
+    if step < STRIDE_MIN:
+        while pf < pos + AHEAD and pf < end:
+            __builtin_prefetch(&buf[pf])
+            pf += 64
+    else:  # pos >= step: a record of that length lies before it
+        while pf < pos + AHEAD_BLOCKS * step and pf < end:
+            __builtin_prefetch(&buf[pf])
+            __builtin_prefetch(&buf[pf - 4])
+            pf += step
+    return pf
+
 
 cpdef enum Status:
     END = 0          # walked to the end of the data
@@ -60,6 +84,7 @@ def walk_pcap(const uint8_t[::1] buf, Py_ssize_t pos, bint big, uint64_t frac_pe
     cdef const uint8_t *p
     cdef int64_t incl, a = 0, b = 0
     cdef Py_ssize_t pf = pos
+    cdef int64_t step = 0
     cdef Status status = END
     with nogil:
         while True:
@@ -69,9 +94,7 @@ def walk_pcap(const uint8_t[::1] buf, Py_ssize_t pos, bint big, uint64_t frac_pe
             if n == cap:
                 status = FULL
                 break
-            while pf < pos + AHEAD and pf < end:
-                __builtin_prefetch(&buf[pf])
-                pf += 64
+            pf = _prefetch(&buf[0], pf, pos, step, end)
             if end - pos < 16:
                 status = CUT_HEADER
                 a = end - pos
@@ -94,6 +117,7 @@ def walk_pcap(const uint8_t[::1] buf, Py_ssize_t pos, bint big, uint64_t frac_pe
             ts[n] = <uint64_t>rd32(p, big) * frac_per_sec + rd32(p + 4, big)
             n += 1
             pos += 16 + incl
+            step = 16 + incl
     return n, pos, status, a, b
 
 
@@ -113,6 +137,7 @@ def walk_pcapng(const uint8_t[::1] buf, Py_ssize_t pos, bint big, int32_t iface_
     cdef uint32_t btype, local
     cdef int64_t blen, need, room, incl, orig, a = 0, b = 0, skipped = 0
     cdef Py_ssize_t pf = pos
+    cdef int64_t step = 0
     cdef Status status = END
     with nogil:
         while True:
@@ -126,9 +151,7 @@ def walk_pcapng(const uint8_t[::1] buf, Py_ssize_t pos, bint big, int32_t iface_
                 status = CUT_HEADER
                 a = end - pos
                 break
-            while pf < pos + AHEAD and pf < end:
-                __builtin_prefetch(&buf[pf])
-                pf += 64
+            pf = _prefetch(&buf[0], pf, pos, step, end)
             p = &buf[pos]
             btype = rd32(p, big)
             if btype == 0x0A0D0D0A:
@@ -220,4 +243,5 @@ def walk_pcapng(const uint8_t[::1] buf, Py_ssize_t pos, bint big, int32_t iface_
             else:
                 skipped += 1
             pos += blen
+            step = blen
     return n, pos, status, a, b, skipped
