@@ -335,9 +335,9 @@ class Reassembler:
 
     def _fast(self, qp: _Qp, pk: _Rows, data) -> list[RdmaMessage] | None:
         """The common case, decided in two compiled passes (``_reasm.line_table``, then
-        ``_reasm.intact_messages``): the held
-        packets and the batch's continue the QP's PSN line from its cursor without a gap, close
-        intact messages and end, at most, inside one message that waits for its other packets.
+        ``_reasm.intact_messages``): the held packets and the batch's continue the QP's PSN line
+        from its cursor without a gap, close intact messages and end, at most, inside one message
+        that waits for its other packets.
         Places exactly what the careful path below would (same messages, runs and held packets,
         same counters); None, with nothing changed, when the table is anything else."""
         pend = qp.pend
