@@ -98,6 +98,7 @@ class Concatenator:
 
     def __init__(self, model: JobModel, collective_window: int = 8, p2p_fill: bool = False):
         memory.keep_freed_memory()  # a result buffer per collective, and (serve) the sends unpickled
+        self._buffers = memory.buffers()  # result buffers, off the heap
         self.model = model
         self.p2p_fill = p2p_fill
         self.collective_window = collective_window
@@ -120,8 +121,8 @@ class Concatenator:
         if r is None:
             c = self.model[i]
             n = c.count * (self.model.ring.nranks if c.kind == ALLGATHER else 1)
-            r = self.open[i] = CollectiveResult(i, c, np.zeros(n * dtype_size(c.dtype), np.uint8),
-                                                np.zeros(n, bool), np.zeros(n, bool))
+            z = self._buffers.zeros
+            r = self.open[i] = CollectiveResult(i, c, z(n * dtype_size(c.dtype)), z(n).view(bool), z(n).view(bool))
         return r
 
     def add(self, p: Placement) -> None:

@@ -190,11 +190,25 @@ class _Qp:
     slab: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
 
 
+_FLAG_BYTES = np.concatenate([np.arange(4) + _LL_ARGS[2], np.arange(4) + _LL_ARGS[4]])  # an LL line's two flags
+
+
+def _looks_ll(data, first: np.ndarray, length: np.ndarray) -> bool:
+    """Whether a message whose first packet lies at ``first`` (``length`` bytes) in ``data`` opens
+    with an LL line: its two flag words equal and not zero."""
+    first = first[length >= LL_LINE_BYTES]
+    if not len(first):
+        return False
+    w = np.ascontiguousarray(data[first[:, None] + _FLAG_BYTES]).view(np.uint32)
+    return bool(np.any((w[:, 0] != 0) & (w[:, 0] == w[:, 1])))
+
+
 class Reassembler:
     """Streaming per-QP PSN reassembly; feed decoded packets batch by batch, then flush."""
 
     def __init__(self, psn_window: int = 1024, max_message: int = 64 << 20, fast: bool = True, runs: bool = False):
         memory.keep_freed_memory()  # message buffers come and go at line rate
+        self._buffers = memory.buffers()  # run buffers, off the heap
         self.psn_window = psn_window
         self.max_message = max_message  # bigger RETH lengths are corruption, never allocated
         self.fast = fast  # the compiled common case (_fast); False: every table the careful way (tests)
@@ -476,7 +490,7 @@ class Reassembler:
         sizes = g.dlen[k0:k1]
         base = np.zeros(k1 - k0 + 1, np.int64)
         np.cumsum(sizes, out=base[1:])
-        buf = np.empty(int(base[-1]), np.uint8)
+        buf = self._buffers.empty(int(base[-1]))
         rows = slice(r0, r1)  # the run's packets, in PSN order, one after the other
         # Every packet but a message's last carries one MTU and the messages lie end to end, so a
         # packet's place in the run's buffer is the payload before it.
@@ -499,12 +513,15 @@ class Reassembler:
                             np.ascontiguousarray(dst[:rx][m]), np.ascontiguousarray(plen[:rx][m]))
         n = k1 - k0
         ll_flag, ll_off, ll_n, user = np.zeros(n, np.uint32), np.zeros(n, np.int64), np.zeros(n, np.int64), None
-        if kx < len(heads):
+        if kx < len(heads) and not _looks_ll(data, src[heads[kx:] - r0], plen[heads[kx:] - r0]):
+            # No new message opens like LL (Simple, LL128): no LL reading to keep, a plain copy.
+            copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
+        elif kx < len(heads):
             sz = sizes[kx:]
             nb = ll_n[kx:] = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
             out_off = ll_off[kx:]
             np.cumsum(nb[:-1], out=out_off[1:])
-            user = np.empty(int(out_off[-1] + nb[-1]), np.uint8)
+            user = self._buffers.empty(int(out_off[-1] + nb[-1]))
             _place.gather_ll(data, src[rx:], plen[rx:], np.concatenate([heads[kx:] - r0 - rx, [r1 - r0 - rx]]),
                              base[kx:] - base[kx], buf[base[kx]:], out_off, user, ll_flag[kx:], *_LL_ARGS)
         last = g.end_row[k0:k1] - 1

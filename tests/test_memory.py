@@ -64,3 +64,54 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
     faults = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert faults < 1000, faults  # measured: 1 with one arena, 4222 with a thread arena of its own
+
+
+def _spare_bytes(pool) -> int:
+    import sys
+
+    maps = pool._maps
+    return sum(len(maps[i]) for i in range(len(maps)) if sys.getrefcount(maps[i]) == 2)
+
+
+def test_a_big_buffer_is_used_again_once_every_array_on_it_is_gone():
+    pool = memory.Buffers(spare=64 << 20)
+    a = pool.empty(3 << 20)
+    at = a.ctypes.data
+    a[:] = 7
+    view = a[100:200]
+    del a
+    b = pool.empty(3 << 20)  # a view still holds the first one
+    assert b.ctypes.data != at
+    del view
+    c = pool.empty(5 << 20)  # free now, but 3 MB would not hold 5 MB: it takes a mapping of its own
+    assert c.ctypes.data != at
+    d = pool.zeros((3 << 20) - 5)  # fits and fills more than half: the first mapping, zeroed again
+    assert d.ctypes.data == at and not d.any() and len(d) == (3 << 20) - 5
+    e = pool.empty(1 << 20)  # less than half of any free mapping: a new one
+    assert e.ctypes.data not in (at, b.ctypes.data)
+    assert len(pool._maps) == 4 and all(x.flags.writeable for x in (b, c, d, e))
+
+
+def test_small_buffers_stay_on_the_heap_and_free_mappings_beyond_spare_are_unmapped():
+    pool = memory.Buffers(spare=8 << 20)
+    assert pool.empty(1000).base is None and not pool._maps  # numpy's own, from the heap
+    held = [pool.empty(4 << 20) for _ in range(6)]
+    assert len(pool._maps) == 6
+    held.clear()  # 24 MB free
+    big = pool.empty(20 << 20)  # a new mapping; the free ones are cut back to ``spare``
+    assert _spare_bytes(pool) <= 8 << 20 and len(pool._maps) == 3
+    assert len(big) == 20 << 20
+
+
+def test_a_buffer_dropped_on_another_thread_is_used_again():
+    import threading
+
+    pool = memory.Buffers()
+    a = pool.empty(2 << 20)
+    at = a.ctypes.data
+    box = [a]
+    del a
+    t = threading.Thread(target=box.clear)
+    t.start()
+    t.join()
+    assert pool.empty(2 << 20).ctypes.data == at

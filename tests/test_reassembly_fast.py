@@ -193,3 +193,46 @@ def test_line_table_follows_the_psn_line_across_the_24_bit_wrap():
     assert out[_COLS.index("src_off"), 1:].tolist() == off.tolist()
     psn24[3] += 1  # a gap
     assert _reasm.line_table(rows, psn24, op, *args) == (False, -1)
+
+
+def test_a_run_is_read_as_ll_only_where_a_message_opens_like_ll():
+    """The fast path reads a run as LL while it copies it (and takes a buffer for that reading)
+    only when one of its messages opens with an LL line: two equal, non-zero flag words."""
+    from mirrorckpt.parser.protocols import LL_INTACT_ARGS
+    from mirrorckpt.parser.reassembly import _looks_ll
+
+    line, _, f1, _, f2 = LL_INTACT_ARGS
+    data = np.zeros(4 * line, np.uint8)
+    first, length = np.array([0, line, 2 * line]), np.array([line, line, line])
+    assert not _looks_ll(data, first, length)  # zero flags: not LL (NCCL's flags start at 1)
+    data[line + f1], data[line + f2 + 1] = 5, 5  # equal words? no: 5 vs 5 << 8
+    assert not _looks_ll(data, first, length)
+    data[line + f2], data[line + f2 + 1] = 5, 0
+    assert _looks_ll(data, first, length)
+    assert not _looks_ll(data, first, np.array([line, line - 1, line]))  # too short for a line
+    assert not _looks_ll(data, first[:0], length[:0])
+
+
+@pytest.mark.parametrize("proto", ["Simple", "LL"])
+def test_only_ll_runs_take_a_buffer_for_their_ll_reading(tmp_path, proto):
+    from mirrorckpt.tools.generator.gen import GenConfig, generate
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    generate(GenConfig(ranks=2, channels=2, protocol=proto, model="linear:200000", steps=2, seed=5,
+                       mirrors="0:egress", wire=WireOptions(pmtu=4096 if proto == "Simple" else 1024),
+                       send_truth=False), tmp_path)
+    b = read_all(next(tmp_path.glob("*.pcap*")))
+    r = Reassembler(runs=True)
+    pk, _ = roce.decode(b)
+    runs = [x for x in r.feed(pk, b.data) if hasattr(x, "ll_user")]
+    assert len(runs) >= 2 and sum(len(x) for x in runs) > 10
+    if proto == "Simple":
+        assert all(x.ll_user is None and not x.ll_flag.any() for x in runs)
+    else:
+        # every message that is intact LL was read so (one batch: no packet held from before)
+        from mirrorckpt.parser import protocols
+
+        read = [(protocols.ll_intact(x.buf[x.base[k]:x.base[k + 1]]) is not None, bool(x.ll_flag[k]))
+                for x in runs for k in range(len(x))]
+        assert all(a == b for a, b in read) and sum(a for a, _ in read) > 10
+        assert any(x.ll_user is None for x in runs)  # runs whose messages open with no LL line
