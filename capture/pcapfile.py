@@ -147,6 +147,7 @@ class CaptureReader:
         self._pending: CaptureError | None = None
         self._done = False
         self._released = 0  # mapped pages below this offset were handed back (see __next__)
+        self._handed = 0  # end of the last batch handed on
         self._frames_next = min(self.batch_frames, 4096)
         self._rest = None  # columns of frames read but not yet handed on (a batch cut at BATCH_BYTES)
 
@@ -176,6 +177,10 @@ class CaptureReader:
         return self
 
     def __next__(self) -> FrameBatch:
+        if self._rest is None:
+            # The batch handed on last is done with: its pages go before the walk maps the next
+            # batch's, else both are resident at once (and for every capture of a job at once).
+            self._release(self._handed)
         cols, self._rest = (self._rest, None) if self._rest is not None else (self._next_columns(), None)
         offset = cols[0]
         if len(offset) > 1 and int(offset[-1]) - int(offset[0]) > BATCH_BYTES:
@@ -186,6 +191,7 @@ class CaptureReader:
         lo = int(offset[0])
         hi = int((offset + cols[1]).max())
         self._release(lo)
+        self._handed = hi
         return self._batch(self._buf[lo:hi], offset - lo, cols)
 
     def _release(self, upto: int) -> None:

@@ -10,6 +10,9 @@ a fixed memory budget anyway). One arena for every thread (M_ARENA_MAX 1): a thr
 grows in heaps of at most 64 MB and serves a larger request with a fresh mmap, so on the packet
 path's thread every 32 MB run buffer was new memory, faulted in again; a Simple replay's first pass
 in a process (what the CLI runs) took 0.35 s where later passes took 0.19 s, 0.22 s with one arena.
+The biggest buffers (a run's payload, a collective's result) no longer come from the heap at all
+but from ``Buffers``, mappings of their own used again whole: in the heap their many sizes holed
+it, and it grew with the length of the capture.
 """
 
 from __future__ import annotations
@@ -56,14 +59,15 @@ class Buffers:
     capture's length: a 2 GB capture peaked 20-30 % above 200 MB of the same job. Off the heap,
     and reused whole, they neither hole it nor fault again. A mapping is free when nothing but
     this pool refers to it (its reference count: every array on it holds one); a request takes the
-    smallest free one it fills at least half of. Free mappings beyond ``spare`` bytes are unmapped.
+    smallest free one it fills at least 1/``fit`` of. Free mappings beyond ``spare`` bytes are unmapped.
     Thread-safe: one pool serves the process (``buffers()``)."""
 
     MIN = 1 << 20  # smaller requests: the heap's, where they are reused well
     STEP = 2 << 20  # mapping sizes: whole huge pages
 
-    def __init__(self, spare: int = 16 << 20):
+    def __init__(self, spare: int = 16 << 20, fit: float = 2.0):
         self.spare = spare
+        self.fit = fit
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
@@ -78,7 +82,7 @@ class Buffers:
         maps, pick = self._maps, -1
         for i in range(len(maps)):
             size = len(maps[i])
-            if n <= size <= 2 * n and sys.getrefcount(maps[i]) == 2 and (pick < 0 or size < len(maps[pick])):
+            if n <= size <= self.fit * n and sys.getrefcount(maps[i]) == 2 and (pick < 0 or size < len(maps[pick])):
                 pick = i  # getrefcount 2: the list's reference and its own argument's
         if pick >= 0:
             return np.frombuffer(maps[pick], np.uint8, count=n)

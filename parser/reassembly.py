@@ -31,7 +31,7 @@ from mirrorckpt.parser.protocols import LL_INTACT_ARGS as _LL_ARGS
 from mirrorckpt.parser.roce import RocePackets
 
 _HALF = PSN_MODULUS // 2
-RUN_BYTES = 32 << 20  # below memory.keep_freed_memory's mmap threshold: buffers are reused
+RUN_BYTES = 32 << 20  # a run's buffer at most (and a message more): from memory.Buffers, used again
 _MAX_GROUPS = 256  # QPs in a batch grouped in one compiled pass (_reasm.group_qps); more: numpy
 _IS_FIRST = opcodes.IS_FIRST.astype(np.uint8)
 _IS_LAST = opcodes.IS_LAST.astype(np.uint8)
@@ -424,7 +424,7 @@ class Reassembler:
             k0 = int(g.head_at[i])
             if k0 >= 0 and psn[i] == qp.cursor and g.good[k0]:
                 k1 = int(g.run_end[k0])
-                # Runs of at most RUN_BYTES: one buffer each, reused from the heap (parser.memory).
+                # Runs of at most RUN_BYTES: one buffer each, used again from memory.Buffers.
                 k1 = min(k1, k0 + max(1, int(np.searchsorted(g.cum_dlen[k0 + 1:], g.cum_dlen[k0] + RUN_BYTES)) + 1))
                 out += self._bulk(qp, tab, src_is_new, data, g, k0, k1)
                 i = int(g.end_row[k1 - 1])

@@ -526,6 +526,48 @@ def test_batches_are_bounded_in_bytes(tmp_path, monkeypatch, writer):
     assert [whole.data[o:o + c].tobytes() for o, c in zip(whole.offset.tolist(), whole.caplen.tolist())] == frames
 
 
+def test_a_batch_s_pages_are_handed_back_before_the_next_batch_is_walked(tmp_path, monkeypatch):
+    """A batch is done with once the next is asked for: its pages go before the walk maps the
+    next batch's, so a capture holds about one batch resident, not two (and a job's captures
+    do not all peak together)."""
+    import mmap
+
+    import mirrorckpt.capture.pcapfile as pf
+
+    monkeypatch.setattr(pf, "BATCH_BYTES", 200_000)
+    monkeypatch.setattr(pf, "RELEASE_BYTES", 4096)
+    path = tmp_path / "big.pcapng"
+    frames = [bytes([i % 251]) * 4000 for i in range(400)]
+    with PcapngWriter(path) as w:
+        for i, f in enumerate(frames):
+            w.write(f, 1_000 + i)
+    r = open_capture(path, batch_frames=40)  # a walk per batch
+
+    class Walk:  # records what was handed back when each walk starts
+        def __init__(self, walk):
+            self.walk, self.at_fill = walk, []
+
+        def fill(self, *cols):
+            self.at_fill.append(r._released)
+            return self.walk.fill(*cols)
+
+        def __getattr__(self, k):
+            return getattr(self.walk, k)
+
+    r._walk = Walk(r._walk)
+    ends, got = [], []
+    for b in r:
+        start = b.data.ctypes.data - r._buf.ctypes.data  # the batch's place in the file
+        ends.append(start + int(b.offset[-1]) + int(b.caplen[-1]))
+        got += [b.data[o:o + c].tobytes() for o, c in zip(b.offset.tolist(), b.caplen.tolist())]
+    assert got == frames
+    walks = r._walk.at_fill
+    assert len(walks) >= 4
+    # every walk after the first began with the pages of the batch before it handed back
+    handed = [e - e % mmap.PAGESIZE for e in ends]
+    assert all(w >= h for w, h in zip(walks[1:], handed)), (walks, handed)
+
+
 def test_reader_asks_for_huge_pages_and_a_refusal_is_harmless():
     """A capture read from disk is cached in 2 MB folios where the kernel can (pcapfile._huge_pages):
     later walks of it map a folio per fault. A kernel or file system that refuses changes nothing."""
