@@ -59,15 +59,14 @@ class Buffers:
     capture's length: a 2 GB capture peaked 20-30 % above 200 MB of the same job. Off the heap,
     and reused whole, they neither hole it nor fault again. A mapping is free when nothing but
     this pool refers to it (its reference count: every array on it holds one); a request takes the
-    smallest free one it fills at least 1/``fit`` of. Free mappings beyond ``spare`` bytes are unmapped.
+    smallest free one it fills at least half of. Free mappings beyond ``spare`` bytes are unmapped.
     Thread-safe: one pool serves the process (``buffers()``)."""
 
     MIN = 1 << 20  # smaller requests: the heap's, where they are reused well
     STEP = 2 << 20  # mapping sizes: whole huge pages
 
-    def __init__(self, spare: int = 16 << 20, fit: float = 2.0):
+    def __init__(self, spare: int = 16 << 20):
         self.spare = spare
-        self.fit = fit
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
@@ -82,7 +81,7 @@ class Buffers:
         maps, pick = self._maps, -1
         for i in range(len(maps)):
             size = len(maps[i])
-            if n <= size <= self.fit * n and sys.getrefcount(maps[i]) == 2 and (pick < 0 or size < len(maps[pick])):
+            if n <= size <= 2 * n and sys.getrefcount(maps[i]) == 2 and (pick < 0 or size < len(maps[pick])):
                 pick = i  # getrefcount 2: the list's reference and its own argument's
         if pick >= 0:
             return np.frombuffer(maps[pick], np.uint8, count=n)

@@ -476,12 +476,16 @@ class NcclDecoder(RunLane):
         bytes in n >= 2 packets shows it as the power of two at or above L/n; a one-packet message
         only bounds it from below. The largest value seen is kept."""
         if m.dlen and m.length_known and m.npkts:
-            per = -(-m.dlen // m.npkts)
-            p = 1 << (per - 1).bit_length()
-            if p > self.pmtu.get(m.qp, 0):
-                self.pmtu[m.qp] = p
-            if m.npkts >= 2:  # (n-1)·PMTU < L <= n·PMTU: L/n is above PMTU/2, so p is the PMTU
-                self.pmtu_exact.add(m.qp)
+            self._pmtu_seen(m.qp, -(-m.dlen // m.npkts), m.npkts >= 2)
+
+    def _pmtu_seen(self, qp: QpKey, per: int, several: bool) -> None:
+        """A message of ``per`` bytes a packet (length over packets, rounded up) on ``qp``;
+        ``several``: in two packets or more."""
+        p = 1 << (per - 1).bit_length()
+        if p > self.pmtu.get(qp, 0):
+            self.pmtu[qp] = p
+        if several:  # (n-1)·PMTU < L <= n·PMTU: L/n is above PMTU/2, so p is the PMTU
+            self.pmtu_exact.add(qp)
 
     # -- CTS -----------------------------------------------------------------------------------
 

@@ -107,15 +107,10 @@ class RunLane:
     def _apply(self, runs: list[MessageRun], plan: list) -> list:
         from mirrorckpt.parser.nccl import Cts, NcclSend
 
-        for r in runs:  # _learn_pmtu: the largest power of two at or above length / packets
+        for r in runs:  # _learn_pmtu, the run's largest message a packet standing for all of them
             sel = (r.dlen > 0) & (r.npkts > 0)
             if sel.any():
-                per = int((-(-r.dlen[sel] // r.npkts[sel])).max())
-                p = 1 << (per - 1).bit_length()
-                if p > self.pmtu.get(r.qp, 0):
-                    self.pmtu[r.qp] = p
-                if (r.npkts[sel] >= 2).any():
-                    self.pmtu_exact.add(r.qp)
+                self._pmtu_seen(r.qp, int((-(-r.dlen[sel] // r.npkts[sel])).max()), bool((r.npkts[sel] >= 2).any()))
         for k, fields, conns, *_ in plan:  # CTS posts first, in arrival order
             if fields is None:
                 continue
