@@ -122,7 +122,9 @@ class Topology:
         self._up = True
         try:
             p = self.prefix
-            _ip("link", "add", self.bridge, "type", "bridge")
+            # Without snooping the bridge sends no IGMP of its own: a live capture saw one of its
+            # reports (all-snoopers, 224.0.0.106) on a mirrored port, a frame no host sent.
+            _ip("link", "add", self.bridge, "type", "bridge", "mcast_snooping", "0")
             _ip("link", "set", self.bridge, "mtu", str(self.mtu), "up")
             self._quiet(None, self.bridge)
             for i in range(self.hosts_count):
