@@ -58,8 +58,14 @@ class CollectiveResult:
 
     def seal(self) -> None:
         """Handed on: nothing is placed into it any more, so its verdict is taken once, from the
-        flags themselves (every reader of a finished result asks for it)."""
+        flags themselves (every reader of a finished result asks for it). A complete one gives its
+        flags back (half as many bytes again as a float32 result's data, held for as long as the
+        bucket is: by the iteration, the replica's step, the report's hash): they are all
+        covered and none conflicting, which read-only views of one value say as well."""
         self._sealed = bool(self.covered.all()) and not self.conflict.any()
+        if self._sealed:
+            n = self.covered.size
+            self.covered, self.conflict = np.broadcast_to(np.True_, (n,)), np.broadcast_to(np.False_, (n,))
 
     @property
     def complete(self) -> bool:

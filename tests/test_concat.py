@@ -155,3 +155,27 @@ def test_open_results_count_what_their_flags_hold(placements):
             assert r.complete == (bool(r.covered.all()) and not r.conflict.any())
         c.poll()
     assert bad is not None
+
+
+def test_a_complete_result_handed_on_gives_its_flags_back(placements):
+    """A complete result lives on as long as its bucket (iteration, replica step, report hash):
+    its per-element flags, half as many bytes again as float32 data, go back when it is handed
+    on; what its readers ask of them reads the same. An incomplete one keeps them (its holes)."""
+    model, ps = placements
+    out = {}
+    c = Concatenator(model, 8)
+    victim = next(p.coll for p in ps if p.spec.kind == "allreduce" and p.coll >= 4)
+    for p in ps:
+        if p.coll == victim and p.step.phase == REDUCED and p.step.nelem:
+            continue  # every final value of one all-reduce lost
+        c.add(p)
+        out.update((r.index, r) for r in c.poll())
+    out.update((r.index, r) for r in c.poll(final=True))
+    done = [r for r in out.values() if r.complete]
+    assert len(done) == len(out) - 1 and not out[victim].complete
+    for r in done:
+        assert r.covered.strides == (0,) and r.conflict.strides == (0,) and not r.covered.flags.writeable
+        assert r.count == r.spec.count * (model.ring.nranks if r.spec.kind == "allgather" else 1)
+        assert r.coverage == 1.0 and r.holes == [] and r.sha256() is not None
+    v = out[victim]
+    assert v.covered.strides == (1,) and v.holes == [(0, v.count)] and v.coverage == 0.0
