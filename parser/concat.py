@@ -36,9 +36,9 @@ def ranges(mask: np.ndarray) -> list[tuple[int, int]]:
 class CollectiveResult:
     index: int
     spec: CollSpec
-    data: np.ndarray  # uint8, the result's bytes (all-gather: every rank's part, by rank)
+    data: np.ndarray  # uint8, the result's bytes (all-gather: every rank's part, by rank); read where covered
     covered: np.ndarray  # bool per element
-    conflict: np.ndarray  # bool per element: copies disagreed
+    conflict: np.ndarray  # bool per element: copies disagreed (a read-only all-False view until two do)
     pieces: int = 0
     filled_by_p2p: list[tuple[int, int]] = field(default_factory=list)  # element ranges
     # the fill is off, yet exactly one point-to-point send would have filled the one hole: said in
@@ -127,8 +127,11 @@ class Concatenator:
         if r is None:
             c = self.model[i]
             n = c.count * (self.model.ring.nranks if c.kind == ALLGATHER else 1)
-            z = self._buffers.zeros
-            r = self.open[i] = CollectiveResult(i, c, z(n * dtype_size(c.dtype)), z(n).view(bool), z(n).view(bool))
+            # An element's bytes are only ever read where it is covered, so they need no zeroing
+            # (that cost as much as placing them); no conflict flags until copies disagree.
+            b = self._buffers
+            r = self.open[i] = CollectiveResult(i, c, b.empty(n * dtype_size(c.dtype)), b.zeros(n).view(bool),
+                                                np.broadcast_to(np.False_, (n,)))
         return r
 
     def add(self, p: Placement) -> None:
@@ -183,6 +186,8 @@ class Concatenator:
         if seen.any():
             differ = seen & ((old != new) if w is not None else (old != new).any(axis=1))
             if differ.any():
+                if not r.conflict.flags.writeable:  # the first disagreement: the flags are made now
+                    r.conflict = self._buffers.zeros(r.count).view(bool)
                 r.nconflict += int(np.count_nonzero(differ & ~r.conflict[start:start + n]))
                 r.conflict[start:start + n] |= differ
                 for a, ln in ranges(differ):
