@@ -20,11 +20,21 @@ CHUNK_FRAMES = 16384
 _NS = 10**9
 
 
+# Every write but a file's last starts and ends on a 2 MB boundary of the file. The page cache
+# keeps what a write brings in folios no larger than the write and aligned in the file, and a
+# replay maps a cached capture one folio per fault: a generated capture written as it came
+# (writes of any size at any offset) walked in 13-28 ms per 336 MB here, written so in 2-3 ms.
+WRITE_SPAN = 2 << 20
+WRITE_HOLD = 8 << 20  # bytes held before a write
+
+
 class _FileWriter:
     def __init__(self, path):
         self.path = str(path)
         self.frames = 0
-        self._f = open(path, "wb", buffering=1 << 20)
+        self._f = open(path, "wb", buffering=0)
+        self._held: list = []
+        self._nheld = 0
 
     def __enter__(self):
         return self
@@ -34,7 +44,26 @@ class _FileWriter:
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.close()
+            try:
+                self._drain(final=True)
+            finally:
+                self._f.close()
+
+    def _write(self, b) -> None:
+        self._held.append(b)
+        self._nheld += len(b)
+        if self._nheld >= WRITE_HOLD:
+            self._drain(final=False)
+
+    def _drain(self, final: bool) -> None:
+        """Writes the bytes held, all of them if ``final``, else whole spans (the rest stays held)."""
+        buf = memoryview(b"".join(self._held))
+        n = len(buf) if final else len(buf) - len(buf) % WRITE_SPAN
+        done = 0
+        while done < n:
+            done += self._f.write(buf[done:n])
+        self._held = [bytes(buf[n:])] if n < len(buf) else []
+        self._nheld = len(buf) - n
 
     def _frame_lengths(self, frame_len: int, wirelen: int | None, snaplen: int) -> tuple[int, int]:
         caplen = min(frame_len, snaplen) if snaplen else frame_len
@@ -65,7 +94,7 @@ class _FileWriter:
         data = np.ascontiguousarray(batch.data, dtype=np.uint8)
         n = _pack.pack_records(head_b, data, offset, np.ascontiguousarray(caplen, np.int64),
                                align, tail_b, out)
-        self._f.write(memoryview(out[:n]))
+        self._write(memoryview(out[:n]))
 
 
 class PcapWriter(_FileWriter):
@@ -81,7 +110,7 @@ class PcapWriter(_FileWriter):
         hdr["magic"] = fmt.PCAP_MAGIC_NS if nanosecond else fmt.PCAP_MAGIC_US
         hdr["version_major"], hdr["version_minor"] = 2, 4
         hdr["snaplen"], hdr["linktype"] = self.snaplen, linktype
-        self._f.write(hdr.tobytes())
+        self._write(hdr.tobytes())
 
     def _split_ts(self, ts_ns):
         return ts_ns // _NS, (ts_ns % _NS) // self._unit
@@ -93,8 +122,8 @@ class PcapWriter(_FileWriter):
         if not 0 <= ts_ns < (1 << 32) * _NS:
             raise ValueError(f"{self.path}: timestamp {ts_ns} ns does not fit pcap's 32-bit seconds")
         sec, frac = self._split_ts(int(ts_ns))
-        self._f.write(struct.pack("<IIII", sec, frac, caplen, wire))
-        self._f.write(frame[:caplen])
+        self._write(struct.pack("<IIII", sec, frac, caplen, wire))
+        self._write(bytes(frame[:caplen]))
         self.frames += 1
 
     def write_batch(self, batch: FrameBatch) -> None:
@@ -142,7 +171,7 @@ class PcapngWriter(_FileWriter):
                     + _option(fmt.OPT_IF_TSRESOL, bytes([9 if tsresol_ns else 6]))
                     + _option(fmt.OPT_ENDOFOPT, b""))
             out.append(_block(fmt.BT_IDB, struct.pack("<HHI", linktype, 0, snaplen) + opts))
-        self._f.write(b"".join(out))
+        self._write(b"".join(out))
 
     def write(self, frame: bytes, ts_ns: int, wirelen: int | None = None, iface: int = 0) -> None:
         if not 0 <= iface < len(self.interfaces):
@@ -154,10 +183,10 @@ class PcapngWriter(_FileWriter):
         ticks = int(ts_ns) // self._unit
         pad = fmt.pad4(caplen) - caplen
         length = 32 + caplen + pad
-        self._f.write(struct.pack("<IIIIIII", fmt.BT_EPB, length, iface, ticks >> 32,
-                                  ticks & 0xFFFFFFFF, caplen, wire))
-        self._f.write(frame[:caplen])
-        self._f.write(b"\0" * pad + struct.pack("<I", length))
+        self._write(struct.pack("<IIIIIII", fmt.BT_EPB, length, iface, ticks >> 32,
+                                ticks & 0xFFFFFFFF, caplen, wire))
+        self._write(bytes(frame[:caplen]))
+        self._write(b"\0" * pad + struct.pack("<I", length))
         self.frames += 1
 
     def write_batch(self, batch: FrameBatch) -> None:

@@ -175,6 +175,44 @@ def test_pcap_writer_round_trip(tmp_path, nanosecond):
         assert r.stats.truncated == int(batch.truncated.sum()) + 1
 
 
+@pytest.mark.parametrize("writer", [PcapWriter, PcapngWriter])
+def test_writers_write_whole_aligned_spans_but_the_last(tmp_path, monkeypatch, writer):
+    """Every write but the file's last starts and ends on a WRITE_SPAN boundary (the page cache then
+    holds the capture in large folios, which a replay maps one fault each); the bytes read back are
+    the frames written, batch and single frames mixed."""
+    from mirrorckpt.capture import writer as wmod
+
+    monkeypatch.setattr(wmod, "WRITE_SPAN", 4096)
+    monkeypatch.setattr(wmod, "WRITE_HOLD", 3 * 4096 + 100)
+    writes = []
+    real_open = open
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            writes.append((self.f.tell(), len(b)))
+            return self.f.write(b)
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+    monkeypatch.setattr(wmod, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
+    path = tmp_path / "x.cap"
+    batches = [sample_batch(50 + 40 * i, i) for i in range(6)]
+    with writer(path) as w:
+        for i, b in enumerate(batches):
+            w.write_batch(b)
+            w.write(bytes([i]) * 60, 1_700_000_000_000_000_000 + i)
+    assert len(writes) > 3 and all(pos % 4096 == 0 and n % 4096 == 0 for pos, n in writes[:-1]), writes
+    assert sum(n for _, n in writes) == path.stat().st_size
+    want = []
+    for i, b in enumerate(batches):
+        want += all_frames(b) + [bytes([i]) * 60]
+    assert all_frames(read_all(path)) == want
+
+
 @pytest.mark.parametrize("order", ["<", ">"])
 @pytest.mark.parametrize("nanosecond", [True, False])
 def test_pcap_both_byte_orders(tmp_path, order, nanosecond):
