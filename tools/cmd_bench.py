@@ -327,7 +327,10 @@ def _render_e2e(name, r) -> list[str]:
     lines = ["## End to end, by the slope method (issue 16)", "",
              "`mirrorckpt replay --config job.toml --quiet` in a fresh process on a 2-step and a 22-step capture of "
              f"one generated job (2 ranks, 2 channels, `{r[protos[0]]['model']}` fp32, the egress of both ranks; "
-             "written to disk before they are replayed), wall clock, best of 3 each: the slope between them is "
+             "written to disk before they are replayed, by `capture.writer` in whole 2 MB spans, so the page cache "
+             "holds them in large folios, as it does a capture read from disk; one still cached from small writes "
+             "maps in small folios, a fault each, and walks slower: 13-28 ms more per 336 MB measured here), "
+             "wall clock, best of 3 each: the slope between them is "
              "the per-iteration rate, start-up cancels; the "
              "same slope of the CPU seconds (every thread of the process) is the rate per CPU second. "
              "The same captures replayed with `--json` (which adds every all-reduce's sha256, on a thread of its "
