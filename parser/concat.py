@@ -32,6 +32,11 @@ def ranges(mask: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b - a)) for a, b in zip(edges[0::2], edges[1::2])]
 
 
+def uniform_flags(value: bool, n: int) -> np.ndarray:
+    """``n`` flags all ``value``, read-only and without memory of their own."""
+    return np.broadcast_to(np.bool_(value), (n,))
+
+
 @dataclass
 class CollectiveResult:
     index: int
@@ -64,8 +69,8 @@ class CollectiveResult:
         covered and none conflicting, which read-only views of one value say as well."""
         self._sealed = bool(self.covered.all()) and not self.conflict.any()
         if self._sealed:
-            n = self.covered.size
-            self.covered, self.conflict = np.broadcast_to(np.True_, (n,)), np.broadcast_to(np.False_, (n,))
+            n = self.count
+            self.covered, self.conflict = uniform_flags(True, n), uniform_flags(False, n)
 
     @property
     def complete(self) -> bool:
@@ -131,7 +136,7 @@ class Concatenator:
             # (that cost as much as placing them); no conflict flags until copies disagree.
             b = self._buffers
             r = self.open[i] = CollectiveResult(i, c, b.empty(n * dtype_size(c.dtype)), b.zeros(n).view(bool),
-                                                np.broadcast_to(np.False_, (n,)))
+                                                uniform_flags(False, n))
         return r
 
     def add(self, p: Placement) -> None:
