@@ -164,8 +164,11 @@ def device_digest(named: dict[str, torch.Tensor], step: int) -> tuple[list[str],
     keys = list(named)
     if not keys:
         return keys, torch.zeros(0, dtype=torch.int64), torch.zeros(0, STATS_LEN, dtype=torch.float64)
-    words = torch.stack([device_words(named[k]) for k in keys])
-    st = torch.stack([stats(named[k], step, k, host=False) for k in keys])
+    # one device for the stack: a foreach or for-loop optimizer keeps its step counters on the
+    # CPU beside CUDA parameters (their words are moved up, a few bytes each)
+    dev = next((t.device for t in named.values() if t.device.type != "cpu"), torch.device("cpu"))
+    words = torch.stack([device_words(named[k]).to(dev) for k in keys])
+    st = torch.stack([stats(named[k], step, k, host=False).to(dev) for k in keys])
     return keys, words, st
 
 
@@ -337,7 +340,8 @@ class CudaCopier:
             for n, t in tensors.items():
                 buf = self.pool.take(tuple(t.shape), t.dtype)
                 buf.copy_(t.detach(), non_blocking=True)
-                t.record_stream(self.stream)  # the allocator must not reuse t before the copy ran
+                if t.is_cuda:  # (a CPU step counter is copied at once)
+                    t.record_stream(self.stream)  # the allocator must not reuse t before the copy ran
                 out[n] = buf
             done = torch.cuda.Event()
             done.record(self.stream)
@@ -369,7 +373,8 @@ class CudaCopier:
             out["words"].copy_(words, non_blocking=True)
             out["stats"].copy_(st, non_blocking=True)
             for t in named.values():
-                t.record_stream(self.stream)
+                if t.is_cuda:
+                    t.record_stream(self.stream)
             done = torch.cuda.Event()
             done.record(self.stream)
         c = Copy(tensors=out, event=done)
