@@ -90,6 +90,8 @@ def _write_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict 
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=max(1, threads),
                                       overwrite=False)
         md = dcp.save(state_dict, storage_writer=writer, no_dist=True)
+        if getattr(md, "storage_data", None) is None:  # torch < 2.13 returns it without: read it back
+            md = dcp.FileSystemReader(str(tmp)).read_metadata()
         tensors = {k: {"sha256": h, "dtype": dtype_name(flat[k]), "shape": list(flat[k].shape)}
                    for k, h in zip(keys, sums)}
         stored = {k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
