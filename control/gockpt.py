@@ -54,7 +54,7 @@ from mirrorckpt.config.training import GROUP_OPTIONS, TrainingSpec
 from mirrorckpt.control.wire import as_numpy as wire_numpy
 from mirrorckpt.updater.dcp_keys import ReplicaState, loads, rng_tensor
 from mirrorckpt.updater.fingerprint import STATS_LEN, stats
-from mirrorckpt.updater.numeric import Digest, replica_flags
+from mirrorckpt.updater.numeric import Digest, kernel_scalars, replica_flags
 from mirrorckpt.updater.optim import LossScaler, build_optimizer, state_keys
 
 MAX_PARTS = 64
@@ -637,7 +637,8 @@ class Rebuild:
         for g, hp in zip(self.optimizer.param_groups, slices["hparams"]):
             g.update({k: tuple(v) if isinstance(v, list) else v for k, v in hp.items()})
         try:
-            self.optimizer.step()  # parameters without .grad are skipped, as in the trainer
+            with kernel_scalars(self.optimizer, self.training.optimizer):
+                self.optimizer.step()  # parameters without .grad are skipped, as in the trainer
         finally:
             for i in stepped:
                 self.params[i].grad = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from pathlib import Path
 
 import common
 import numpy as np
@@ -38,11 +39,13 @@ class WireJob:
     buckets (the gradients before clipping, as DDP all-reduced them)."""
 
     def __init__(self, plane: AppliancePlane, *, impl: str = "fused", clip: float | None = 0.05,
-                 fingerprint_every: int = 20, autocast: bool = False):
+                 fingerprint_every: int = 20, autocast: bool = False, device: str = "cpu"):
         torch.manual_seed(0)
         self.plane, self.clip, self.autocast = plane, clip, autocast
-        self.model = build_model(DIMS, 3)
-        flags = {"fused": impl == "fused", "foreach": impl == "foreach"}
+        self.device = torch.device(device)
+        self.model = build_model(DIMS, 3).to(self.device)
+        # "default": foreach and fused unset, as most jobs leave them (torch picks per device)
+        flags = {} if impl == "default" else {"fused": impl == "fused", "foreach": impl == "foreach"}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01, **flags)
         self.shard = Shard(DIMS, 3, 0)
         self.link = attach(self.model, self.opt, appliance=("127.0.0.1", plane.port), secret=SECRET,
@@ -50,9 +53,9 @@ class WireJob:
         self.wire: dict[int, list[np.ndarray]] = {}
 
     def step(self, wire_of=None) -> None:
-        x, y = self.shard.next()
+        x, y = (t.to(self.device) for t in self.shard.next())
         self.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.model(x)
         nn.functional.mse_loss(out.float(), y).backward()
         grads = [p.grad.detach().clone() for p in self.link.model_params]
@@ -63,7 +66,8 @@ class WireJob:
         if i == 0:
             assert wait_for(lambda: self.plane.replica is not None), "REGISTER did not create the replica"
         layout = self.link.layout
-        self.wire[i] = [torch.cat([grads[k].reshape(-1) for k in b.params]).numpy() for b in layout.bucket_list(i)]
+        self.wire[i] = [torch.cat([grads[k].reshape(-1) for k in b.params]).cpu().numpy()
+                        for b in layout.bucket_list(i)]
         src = i if wire_of is None else wire_of
         self.plane.apply(ReducedIteration(i, [b.copy() for b in self.wire[src]]))
 
@@ -177,6 +181,47 @@ def test_bf16_autocast_trainer_within_tolerance(tmp_path):
         job.close()
         plane.stop()
     assert plane.stats.drift_events == 0 and plane.stats.fingerprints_exact == 0
+
+
+@pytest.mark.parametrize("impl", ["fused", "default"])
+def test_cuda_trainer_against_the_cpu_replica_or_a_named_skip(tmp_path, impl):
+    """A trainer stepping on a GPU (fused AdamW, or torch's default there: foreach) with clipping,
+    its real gradients fed to a CPU replica that mirrors the implementation: no drift from the
+    arithmetic in 1,000 steps, a corrupted element caught and resynced by GoCkpt from the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA device missing (torch.cuda.is_available() is False): a GPU-trained job against the "
+                    "CPU replica was not run")
+    corrupt = {}
+
+    def on_iteration(index, r):
+        if index + 1 == 610 and not corrupt:
+            p = r.params[0].view(-1)
+            p[7] += 0.05 * float(p.double().square().mean().sqrt())
+            corrupt["step"] = index + 1
+    plane = plane_for(tmp_path, 100, on_iteration=on_iteration)
+    job = WireJob(plane, impl=impl, clip=0.05, device="cuda")
+    try:
+        for _ in range(1000):
+            job.step()
+        assert wait_for(lambda: plane.replica.iterations_done == 1000 and plane.fallback is None)
+        job.link.flush()
+        assert wait_for(lambda: plane.stats.fingerprints_checked >= 45)
+        spec = plane.training.optimizer
+        assert spec.device == "cuda" and (spec.fused if impl == "fused" else spec.foreach)
+        assert not plane.replica.policy.exact and "cuda" in plane.replica.policy.why
+    finally:
+        job.close()
+        plane.stop()
+    st = plane.stats
+    drifts = [d for k, d in st.events if k == "drift"]
+    assert [d["step"] for d in drifts] == [620], drifts
+    assert st.fallbacks_requested == 1 and st.fallbacks_done == 1 and st.fallbacks_failed == 0
+    marks = verified(tmp_path)
+    assert set(range(100, 601, 100)) <= set(marks)
+    for step, v in marks.items():
+        assert v["match"] in ("exact", "tolerance") and v["distance"] <= v["tolerance"], (step, v)
+    print(f"cuda {impl}: {st.fingerprints_exact}/{st.fingerprints_checked} fingerprints exact, "
+          f"largest distance {st.max_distance:.3e}")
 
 
 # ------------------------------------------------------------------------ pieces
@@ -377,3 +422,73 @@ def test_a_step_gradscaler_skips_is_counted_and_reported_skipped(tmp_path):
         link.close()
         plane.stop()
     assert scaler.update.__func__ is torch.amp.GradScaler.update  # unwrapped at close
+
+
+# ------------------------------------------------------------------------ recorded CUDA fused steps
+
+def recorded_cuda_steps():
+    """Steps of torch's CUDA fused Adam/AdamW recorded on an H100 (tests/data): per case its
+    hyper-parameters and, per step, the arrays before and after."""
+    d = np.load(Path(__file__).parent / "data" / "cuda_fused_adam_h100.npz")
+    meta = json.loads(str(d["meta"]))
+    for name, hp in meta["cases"].items():
+        yield name, hp, {s: {k: d[f"{name}/{s}_{k}"] for k in ("p0", "g", "m0", "v0", "p1", "m1", "v1")}
+                         for s in meta["steps"]}
+
+
+def test_the_cuda_fused_kernel_is_emulated_bit_for_bit_on_the_recorded_steps():
+    """The kernel's arithmetic as found on the GPU (float32 scalars, its FMAs, float32 bias
+    corrections): NUMERICS.md's account of what the replica must mirror."""
+    from mirrorckpt.tools.testbed.cuda_numerics import emulate_fused
+
+    off = {}
+    for name, hp, steps in recorded_cuda_steps():
+        for s, a in steps.items():
+            got = emulate_fused(a["p0"], a["g"], a["m0"], a["v0"], s, hp["lr"], *hp["betas"], hp["eps"],
+                                hp["weight_decay"], hp["cls"] == "adamw")
+            off[name] = off.get(name, 0) + sum(int((x.view(np.uint32) != a[k].view(np.uint32)).sum())
+                                               for x, k in zip(got, ("p1", "m1", "v1")))
+    assert off == {"adamw_lr1e-1_wd1e-2": 0, "adamw_lr1e-3_wd1e-1_b95": 0, "adam_lr1e-2_wd1e-4": 0}, off
+
+
+def _relative(a: torch.Tensor, b: np.ndarray) -> float:
+    b = torch.from_numpy(b).double()
+    return float((a.double() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "fused"])
+def test_the_replica_steps_with_the_cuda_kernels_scalars_and_is_left_with_rounding(impl):
+    """From each recorded state, one CPU step of the replica's implementation against the GPU's
+    result: with the kernel's float32 scalars and decay (numeric.kernel_scalars) every tensor is
+    within 2 units of roundoff; without them exp_avg_sq carries the 1.3e-5 bias of 1 - 0.999."""
+    u = numeric.UNIT_ROUNDOFF["float32"]
+    worst, biased = 0.0, 0.0
+    for _name, hp, steps in recorded_cuda_steps():
+        spec = OptimizerSpec(name=hp["cls"], lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                             weight_decay=hp["weight_decay"], fused=True, device="cuda")
+        assert numeric.float32_scalars(spec)
+        for s, a in steps.items():
+            for mirrored in (True, False):
+                p = nn.Parameter(torch.from_numpy(a["p0"].copy()))
+                cls = torch.optim.AdamW if hp["cls"] == "adamw" else torch.optim.Adam
+                opt = cls([p], lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                          weight_decay=hp["weight_decay"], fused=impl == "fused", foreach=False)
+                opt.state[p] = {"step": torch.tensor(float(s - 1)), "exp_avg": torch.from_numpy(a["m0"].copy()),
+                                "exp_avg_sq": torch.from_numpy(a["v0"].copy())}
+                p.grad = torch.from_numpy(a["g"].copy())
+                if mirrored:
+                    with numeric.kernel_scalars(opt, spec):
+                        opt.step()
+                    assert opt.param_groups[0]["betas"] == tuple(hp["betas"])  # given back after the step
+                    assert opt.param_groups[0]["weight_decay"] == hp["weight_decay"]
+                else:
+                    opt.step()
+                st = opt.state[p]
+                d = [_relative(p.detach(), a["p1"]), _relative(st["exp_avg"], a["m1"]),
+                     _relative(st["exp_avg_sq"], a["v1"])]
+                if mirrored:
+                    worst = max(worst, *d)
+                elif hp["betas"][1] == 0.999 and s == 1:
+                    biased = max(biased, d[2])
+    assert worst < 2 * u, worst / u
+    assert biased > 1e-5, biased

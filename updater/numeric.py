@@ -18,9 +18,11 @@ arithmetic is known to differ.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from mirrorckpt.config.training import OptimizerSpec
 from mirrorckpt.updater import fingerprint as fp
 
@@ -34,6 +36,66 @@ NOT_MIRRORED = {
     "cuda": "CUDA kernels (fused/foreach AdamW/Adam/SGD) round, order and contract (FMA) differently from "
             "the CPU's; the replica runs the same implementation on the CPU and is compared within tolerance",
 }
+
+
+def float32_scalars(spec: OptimizerSpec) -> bool:
+    """Whether the trainer's kernel takes its scalars as float32: torch's CUDA fused Adam and
+    AdamW do (found on an H100 against recorded steps, NUMERICS.md). Three of its results then
+    differ from the CPU's by more than rounding, the same way for every element: (1 - beta2)
+    formed from the float32 0.999 is 1.3e-5 from the double's; AdamW's decay ``p - (lr * wd) * p``
+    is not the CPU's ``p * (1 - lr * wd)`` with that factor rounded to float32 (up to 2^-25 of p
+    each step, always the same way); and the bias corrections are float32 powers, off by up to
+    hundreds of units of roundoff in the first steps. The replica steps with the kernel's
+    scalars and its forms, whatever its implementation, and is left with rounding alone."""
+    return spec.fused and spec.device == "cuda" and spec.name in ("adam", "adamw")
+
+
+def _f32(x) -> float:
+    return float(np.float32(float(x)))
+
+
+def _kernel_group(optimizer, g: dict, spec: OptimizerSpec) -> None:
+    """One param group changed so that torch's CPU step computes what the CUDA kernel does."""
+    f32 = np.float32
+    b1, b2 = (_f32(b) for b in g["betas"])
+    g["betas"] = (b1, b2)
+    stepped = [p for p in g["params"] if p.grad is not None]
+    if g["weight_decay"] and g.get("decoupled_weight_decay", spec.name == "adamw"):
+        decay = _f32(f32(_f32(g["lr"])) * f32(_f32(g["weight_decay"])))
+        for p in stepped:
+            p.add_(p, alpha=-decay)
+        g["weight_decay"] = 0.0
+    steps = {int(optimizer.state[p]["step"]) + 1 if "step" in optimizer.state.get(p, {}) else 1 for p in stepped}
+    if len(steps) != 1:
+        return  # parameters at different steps: their bias corrections differ, left as the CPU's
+    t = steps.pop()
+    # the kernel: step_size = lr / (1 - b1^t), denom = sqrt(v) / sqrt(1 - b2^t) + eps, in float32.
+    # torch's CPU step forms both corrections in double; an lr and eps scaled by k give the
+    # kernel's update up to rounding: (s/k) m / (sqrt(v)/c + eps/k) = s m / (sqrt(v)/(k c) + eps)
+    bc1 = f32(1) - f32(b1) ** f32(t)
+    bc2_sqrt = np.sqrt(f32(1) - f32(b2) ** f32(t))
+    step_size = float(f32(_f32(g["lr"])) / bc1)
+    k = math.sqrt(1 - b2 ** t) / float(bc2_sqrt)
+    g["lr"] = step_size / k * (1 - b1 ** t)
+    g["eps"] = _f32(g["eps"]) / k
+
+
+@contextmanager
+def kernel_scalars(optimizer, spec: OptimizerSpec):
+    """The optimizer's groups as the trainer's kernel steps them (see float32_scalars), for one
+    step; the groups' own values are given back after it."""
+    if not float32_scalars(spec):
+        yield
+        return
+    saved = [{k: g[k] for k in ("betas", "weight_decay", "lr", "eps")} for g in optimizer.param_groups]
+    with torch.no_grad():
+        for g in optimizer.param_groups:
+            _kernel_group(optimizer, g, spec)
+    try:
+        yield
+    finally:
+        for g, old in zip(optimizer.param_groups, saved):
+            g.update(old)
 
 
 def replica_flags(spec: OptimizerSpec, impl: str = "mirror") -> dict:
@@ -69,6 +131,8 @@ def policy(spec: OptimizerSpec, impl: str = "mirror") -> Policy:
     if spec.device == "cpu" and same:
         return Policy(True, 0.0, f"trainer and replica both run {theirs}: bit-exact")
     why = f"trainer runs {theirs}, the replica {ours} on cpu"
+    if float32_scalars(spec):
+        why += " with the kernel's float32 scalars and decay"
     if spec.device in NOT_MIRRORED:
         why += f" ({NOT_MIRRORED[spec.device]})"
     return Policy(False, COEFFICIENTS[spec.name], why)

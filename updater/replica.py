@@ -395,7 +395,8 @@ class Replica:
                                                          _total_norm([norms[i] for i in idx], c.norm_type))
                 else:
                     torch.nn.utils.clip_grad_norm_([self.params[i] for i in idx], c.max_norm, c.norm_type)
-            self.optimizer.step()
+            with numeric.kernel_scalars(self.optimizer, self.training.optimizer):
+                self.optimizer.step()
         finally:
             for i in idx:
                 self.params[i].grad = None

@@ -9,6 +9,7 @@ of the two is compared: the true relative L2 distance, and the distance the fing
 updater.numeric is chosen from them.
 
     python -m mirrorckpt.tools.testbed.drift --steps 2000 --out DIR   # DIR/drift.json, DIR/drift.png
+    python -m mirrorckpt.tools.testbed.drift --device cuda --out DIR  # the trainer's step on a GPU
 """
 
 from __future__ import annotations
@@ -70,29 +71,30 @@ def _optimizer(case: Case, params):
     return cls(params, lr=case.lr, weight_decay=case.weight_decay, **flags)
 
 
-def run_case(case: Case, steps: int, every: int, seed: int = 0) -> dict:
-    model = build_model(DIMS, seed)
+def run_case(case: Case, steps: int, every: int, seed: int = 0, device: str = "cpu") -> dict:
+    model = build_model(DIMS, seed).to(device)
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     opt = _optimizer(case, params)
     layout = JobLayout([ParamSpec(n, tuple(p.shape)) for n, p in zip(names, params)],
                        [BucketSpec(tuple(reversed(range(len(params)))))])
     spec = OptimizerSpec(name=case.optimizer, lr=case.lr, weight_decay=case.weight_decay, momentum=case.momentum,
-                         fused=case.trainer == "fused", foreach=case.trainer == "foreach")
+                         fused=case.trainer == "fused", foreach=case.trainer == "foreach",
+                         device=torch.device(device).type)
     training = TrainingSpec(optimizer=spec, clip=ClipSpec(case.max_norm) if case.max_norm else None)
-    rep = Replica(layout, training, {n: p.detach().clone() for n, p in zip(names, params)}, impl=case.replica)
+    rep = Replica(layout, training, {n: p.detach().cpu().clone() for n, p in zip(names, params)}, impl=case.replica)
     shard = Shard(DIMS, seed + 1, 0)
     bucket = layout.bucket_list(1)[0]
     series: dict[str, list] = {}
     exact_steps, clipped = 0, 0
     t0 = time.perf_counter()
     for i in range(steps):
-        x, y = shard.next()
+        x, y = (t.to(device) for t in shard.next())
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=case.autocast):
             out = model(x)
         nn.functional.mse_loss(out.float(), y).backward()
-        flat = torch.cat([params[k].grad.reshape(-1) for k in bucket.params]).numpy().copy()  # the wire: pre-clip
+        flat = torch.cat([params[k].grad.reshape(-1) for k in bucket.params]).cpu().numpy().copy()  # the wire: pre-clip
         meta = {}
         if case.max_norm:
             total = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -112,9 +114,9 @@ def run_case(case: Case, steps: int, every: int, seed: int = 0) -> dict:
             b = theirs[k]
             if a.numel() == 1:
                 continue  # the step counter: always exact
-            eq = torch.equal(a, b)
+            eq = torch.equal(a.cpu(), b)
             same &= eq
-            a = a.detach()
+            a = a.detach().cpu()
             true = 0.0 if eq else float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
             est = fp.distance(fp.stats(a, t, k), fp.stats(b, t, k), a.numel())
             series.setdefault(k, []).append((t, true, est))
@@ -161,14 +163,19 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cpu", help="where the trainer steps (cpu, cuda); the replica is on the cpu")
+    ap.add_argument("--cases", default="", help="comma-separated case numbers (default: all)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     a.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for case in CASES:
-        r = run_case(case, a.steps, a.every)
+    picked = [CASES[int(k)] for k in a.cases.split(",")] if a.cases else CASES
+    for case in picked:
+        r = run_case(case, a.steps, a.every, device=a.device)
+        r["device"] = a.device
         results.append(r)
-        print(f"{case.name:55s} exact checks {r['exact_checks']}/{r['checks']}  clipped {r['clipped_steps']}  "
+        label = f"{case.name} [{a.device}]"
+        print(f"{label:60s} exact checks {r['exact_checks']}/{r['checks']}  clipped {r['clipped_steps']}  "
               f"max d/(u sqrt t): fingerprint {r['max_ratio']:.3f} true {r['max_true_ratio']:.3f}  "
               f"({r['seconds']:.1f} s)", flush=True)
     from mirrorckpt.updater.numeric import COEFFICIENTS
