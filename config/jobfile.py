@@ -8,6 +8,7 @@ documented example. ``dump_job`` writes the same format (the generator writes on
 from __future__ import annotations
 
 import ipaddress
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,7 +106,7 @@ SCHEMA = {
                 "fingerprint_every": (_int(1), False), "tls_cert": (_str(), False), "tls_key": (_str(), False),
                 "tls_ca": (_str(), False)},
     "metrics": {"listen": (_str(), False)},
-    "updater": {"pipelined": (_bool, False)},
+    "updater": {"pipelined": (_bool, False), "threads": (_int(1), False)},
     "capture": {"backend": (_str(("file", "afpacket", "dpdk")), False), "batch_frames": (_int(1), False),
                 "queue_bytes": (_int(1), False), "window": (_int(1), False), "transfer_bytes": (_int(0), False)},
 }
@@ -160,6 +161,18 @@ class JobConfig:
     def pipelined(self) -> bool:
         """[updater] pipelined (default off)."""
         return bool(self.updater.get("pipelined", False))
+
+    def updater_threads(self, packet_path: int) -> int:
+        """[updater] threads: torch's threads for the replica's step; by default the cores the packet
+        path's ``packet_path`` threads and processes leave, at least one (see default_updater_threads)."""
+        return self.updater.get("threads") or default_updater_threads(packet_path)
+
+
+def default_updater_threads(packet_path: int) -> int:
+    """The cores this process may use less the packet path's, at least one: torch's default pool
+    (a thread per core) spins on the packet path's cores between steps and costs it more than the
+    step gains (serve on 2 cores, LL: one updater thread was faster than two in every A/B run)."""
+    return max(1, len(os.sched_getaffinity(0)) - packet_path)
 
 
 def _source(spec: str, base: Path | None) -> str:

@@ -109,6 +109,15 @@ def test_serve_without_persist_says_it_commits_nothing(tmp_path):
     assert any("no [persist] table" in w and "no checkpoint is ever committed" in w for w in warned), warned
 
 
+def test_serve_sets_the_updaters_torch_threads(tmp_path):
+    """[updater] threads reaches torch in the serve process (the default is covered in test_jobfile)."""
+    cfg = demo_config(tmp_path, "\n[updater]\nthreads = 3\n")
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "updater: 3 torch thread(s)" in [x["msg"] for x in logs(res.stderr)]
+
+
 def test_serve_control_plane_is_mutual_tls(tmp_path):
     c = common.make_certs(tmp_path)
     (tmp_path / "secret").write_bytes(SECRET)

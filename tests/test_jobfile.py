@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from mirrorckpt.config import jobfile
 from mirrorckpt.config.jobfile import ConfigError, dump_job, load_job, parse_job
 from mirrorckpt.tools.cli import main
 
@@ -61,7 +62,9 @@ def test_round_trip(tmp_path):
     (('shape = [4]', 'shape = 4'), "shape: expected a list of integers"),
     (("nranks = 3", "nranks = 3\n[ring"), "job.toml:"),
     (("[[mirror]]", "[updater]\npipelined = 1\n[[mirror]]"), "[updater] pipelined: expected true or false, got 1"),
-    (("[[mirror]]", "[updater]\npipeline = true\n[[mirror]]"), "[updater]: unknown key 'pipeline' (known: pipelined)"),
+    (("[[mirror]]", "[updater]\npipeline = true\n[[mirror]]"),
+     "[updater]: unknown key 'pipeline' (known: pipelined, threads)"),
+    (("[[mirror]]", "[updater]\nthreads = 0\n[[mirror]]"), "[updater] threads: expected an integer >= 1, got 0"),
     (("[ring]", "updater = 1\n[ring]"), "[updater] must be a table"),
     (("rank = 0", "rank = 0\nworkers = 0"), "workers: expected an integer >= 1, got 0"),
     (("[[mirror]]", "[capture]\ntransfer_bytes = -1\n[[mirror]]"), "transfer_bytes: expected an integer >= 0"),
@@ -85,6 +88,17 @@ def test_updater_pipelined_is_read_and_written(tmp_path):
     job = load_job(write(tmp_path, GOOD.replace("[[mirror]]", "[updater]\npipelined = true\n\n[[mirror]]", 1)))
     assert job.pipelined and job.updater == {"pipelined": True}
     assert load_job(write(tmp_path, dump_job(job), "again.toml")).pipelined
+
+
+def test_updater_threads_default_to_the_cores_the_packet_path_leaves(tmp_path, monkeypatch):
+    job = load_job(write(tmp_path, GOOD))
+    monkeypatch.setattr(jobfile.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert job.updater_threads(3) == 13
+    monkeypatch.setattr(jobfile.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert job.updater_threads(2) == 1 and job.updater_threads(5) == 1  # never none
+    job = load_job(write(tmp_path, GOOD.replace("[[mirror]]", "[updater]\nthreads = 4\n\n[[mirror]]", 1)))
+    assert job.updater_threads(2) == 4
+    assert load_job(write(tmp_path, dump_job(job), "again.toml")).updater_threads(2) == 4
 
 
 def test_relative_sources_follow_the_file(tmp_path):

@@ -257,6 +257,10 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     if keep_replica:  # the replica's imports are not replay time; its first optimizer imports torch's compiler
         import mirrorckpt.updater.appliance  # noqa: F401
         import torch
+        from mirrorckpt.config.jobfile import default_updater_threads
+
+        # the packet path: the capture reader thread and the consumer
+        torch.set_num_threads(job.updater_threads(2) if job is not None else default_updater_threads(2))
         torch.optim.Adam([torch.zeros(1, requires_grad=True)], foreach=False)
     memory.freeze_startup_heap()
     t0 = time.perf_counter()

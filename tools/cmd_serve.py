@@ -162,6 +162,11 @@ def serve(config_path, pace, pipelined, log_level):
                                  server_options={"ssl_context": ssl_context} if ssl_context is not None else None)
     if pipelined:
         log.info("pipelined update: each bucket is stepped as soon as it is final")
+    import torch
+
+    # the packet path: each capture process and the parser thread
+    torch.set_num_threads(job.updater_threads(sum(m.workers for m in job.mirrors) + 1))
+    log.info("updater: %d torch thread(s)", torch.get_num_threads())
     daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control, pipelined=pipelined)
     metrics.follow_persister(lambda: getattr(daemon.appliance, "persister", None))
     signal.signal(signal.SIGTERM, daemon.request_stop)
