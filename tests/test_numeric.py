@@ -87,21 +87,10 @@ def verified(tmp_path) -> dict[int, dict]:
 
 
 def test_fused_trainer_and_for_loop_replica_2000_steps_within_tolerance_and_corruption_caught(tmp_path):
-    corrupt = {}
-
-    def on_iteration(index, r):  # one element off by 5% of its tensor's rms: far beyond tolerance
-        if index + 1 == 1210 and not corrupt:
-            p = r.params[0].view(-1)
-            p[7] += 0.05 * float(p.double().square().mean().sqrt())
-            corrupt["step"] = index + 1
-    plane = plane_for(tmp_path, 100, replica_impl="for-loop", on_iteration=on_iteration)
+    plane = plane_for(tmp_path, 100, replica_impl="for-loop", on_iteration=corrupt_once(1210))
     job = WireJob(plane, impl="fused", clip=0.05)
     try:
-        for _ in range(2000):
-            job.step()
-        assert wait_for(lambda: plane.replica.iterations_done == 2000 and plane.fallback is None)
-        job.link.flush()
-        assert wait_for(lambda: plane.stats.fingerprints_checked >= 95)
+        run_checked(job, plane, 2000, checked=95)
         r = plane.replica
         assert not r.policy.exact and "fused on cpu" in r.policy.why
         assert plane.training.optimizer.fused and plane.training.clip.max_norm == 0.05
@@ -129,13 +118,27 @@ def test_fused_trainer_and_for_loop_replica_2000_steps_within_tolerance_and_corr
                                                * math.sqrt(v["steps_since_exact"] + 1))
 
 
-def run_checked(job, plane, steps: int) -> None:
-    """``steps`` trainer steps, all applied by the replica and fingerprint-checked (every 20th)."""
+def corrupt_once(step: int):
+    """An on_iteration hook moving one replica element by 5 % of its tensor's rms after ``step``
+    iterations: far beyond tolerance."""
+    done = []
+
+    def on_iteration(index, r):
+        if index + 1 == step and not done:
+            p = r.params[0].view(-1)
+            p[7] += 0.05 * float(p.double().square().mean().sqrt())
+            done.append(step)
+    return on_iteration
+
+
+def run_checked(job, plane, steps: int, checked: int | None = None) -> None:
+    """``steps`` trainer steps, all applied by the replica with no fallback under way, and
+    ``checked`` fingerprints checked (default: all but one of every 20th)."""
     for _ in range(steps):
         job.step()
-    assert wait_for(lambda: plane.replica.iterations_done == steps)
+    assert wait_for(lambda: plane.replica.iterations_done == steps and plane.fallback is None)
     job.link.flush()
-    assert wait_for(lambda: plane.stats.fingerprints_checked >= steps // 20 - 1)
+    assert wait_for(lambda: plane.stats.fingerprints_checked >= (steps // 20 - 1 if checked is None else checked))
 
 
 def test_same_implementation_on_a_cpu_trainer_is_bit_exact_and_the_manifest_says_so(tmp_path):
@@ -191,21 +194,10 @@ def test_cuda_trainer_against_the_cpu_replica_or_a_named_skip(tmp_path, impl):
     if not torch.cuda.is_available():
         pytest.skip("CUDA device missing (torch.cuda.is_available() is False): a GPU-trained job against the "
                     "CPU replica was not run")
-    corrupt = {}
-
-    def on_iteration(index, r):
-        if index + 1 == 610 and not corrupt:
-            p = r.params[0].view(-1)
-            p[7] += 0.05 * float(p.double().square().mean().sqrt())
-            corrupt["step"] = index + 1
-    plane = plane_for(tmp_path, 100, on_iteration=on_iteration)
+    plane = plane_for(tmp_path, 100, on_iteration=corrupt_once(610))
     job = WireJob(plane, impl=impl, clip=0.05, device="cuda")
     try:
-        for _ in range(1000):
-            job.step()
-        assert wait_for(lambda: plane.replica.iterations_done == 1000 and plane.fallback is None)
-        job.link.flush()
-        assert wait_for(lambda: plane.stats.fingerprints_checked >= 45)
+        run_checked(job, plane, 1000, checked=45)
         spec = plane.training.optimizer
         assert spec.device == "cuda" and (spec.fused if impl == "fused" else spec.foreach)
         assert not plane.replica.policy.exact and "cuda" in plane.replica.policy.why
