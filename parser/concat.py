@@ -67,7 +67,8 @@ class CollectiveResult:
         flags back (half as many bytes again as a float32 result's data, held for as long as the
         bucket is: by the iteration, the replica's step, the report's hash): they are all
         covered and none conflicting, which read-only views of one value say as well."""
-        self._sealed = bool(self.covered.all()) and not self.conflict.any()
+        # Conflict flags are a read-only all-False view until copies disagree: no pass over those.
+        self._sealed = bool(self.covered.all()) and not (self.conflict.flags.writeable and self.conflict.any())
         if self._sealed:
             n = self.count
             self.covered, self.conflict = uniform_flags(True, n), uniform_flags(False, n)

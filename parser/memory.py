@@ -58,14 +58,20 @@ class Buffers:
     into the heap they left holes the next request did not fit, so the heap grew with the
     capture's length: a 2 GB capture peaked 20-30 % above 200 MB of the same job. Off the heap,
     and reused whole, they neither hole it nor fault again. A mapping is free when nothing but
-    this pool refers to it (its reference count: every array on it holds one); a request takes the
-    smallest free one it fills at least half of. Free mappings beyond ``spare`` bytes are unmapped.
-    Thread-safe: one pool serves the process (``buffers()``)."""
+    this pool refers to it (its reference count: every array on it holds one).
+
+    Mappings come in size classes, powers of two times ``STEP``, and a request takes a free one of
+    its class (or the next). Sized to each request, a run's buffer (its size set by where a batch
+    was cut) rarely fitted a freed one: a Simple replay mapped 33 buffers, 239 MB, where 20 serve
+    it in classes, and every new one is faulted in and zeroed by the kernel (half the packet
+    path's thread time in that replay). Free mappings beyond ``spare`` bytes are unmapped: a
+    batch's runs are freed together, so ``spare`` holds a batch's worth (with 16 MB, warm replays
+    still mapped afresh). Thread-safe: one pool serves the process (``buffers()``)."""
 
     MIN = 1 << 20  # smaller requests: the heap's, where they are reused well
-    STEP = 2 << 20  # mapping sizes: whole huge pages
+    STEP = 2 << 20  # the smallest class: a whole huge page
 
-    def __init__(self, spare: int = 16 << 20):
+    def __init__(self, spare: int = 64 << 20):
         self.spare = spare
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
@@ -77,15 +83,23 @@ class Buffers:
         with self._lock:
             return self._take(n)
 
+    @classmethod
+    def size_class(cls, n: int) -> int:
+        """The mapping size for ``n`` bytes: a power of two times ``STEP``."""
+        size = cls.STEP
+        while size < n:
+            size <<= 1
+        return size
+
     def _take(self, n: int) -> np.ndarray:
-        maps, pick = self._maps, -1
+        maps, pick, c = self._maps, -1, self.size_class(n)
         for i in range(len(maps)):
             size = len(maps[i])
-            if n <= size <= 2 * n and sys.getrefcount(maps[i]) == 2 and (pick < 0 or size < len(maps[pick])):
+            if c <= size <= 2 * c and sys.getrefcount(maps[i]) == 2 and (pick < 0 or size < len(maps[pick])):
                 pick = i  # getrefcount 2: the list's reference and its own argument's
         if pick >= 0:
             return np.frombuffer(maps[pick], np.uint8, count=n)
-        m = self._map(-(-n // self.STEP) * self.STEP)
+        m = self._map(c)
         a = np.frombuffer(m, np.uint8, count=n)  # before _trim, which would take ``m`` for free
         maps.append(m)
         self._trim()

@@ -83,13 +83,31 @@ def test_a_big_buffer_is_used_again_once_every_array_on_it_is_gone():
     b = pool.empty(3 << 20)  # a view still holds the first one
     assert b.ctypes.data != at
     del view
-    c = pool.empty(5 << 20)  # free now, but 3 MB would not hold 5 MB: it takes a mapping of its own
+    c = pool.empty(5 << 20)  # free now, but a 4 MB mapping would not hold 5 MB: an 8 MB one of its own
     assert c.ctypes.data != at
-    d = pool.zeros((3 << 20) - 5)  # fits and fills more than half: the first mapping, zeroed again
+    d = pool.zeros((3 << 20) - 5)  # its class (4 MB): the first mapping, zeroed again
     assert d.ctypes.data == at and not d.any() and len(d) == (3 << 20) - 5
-    e = pool.empty(1 << 20)  # less than half of any free mapping: a new one
+    e = pool.empty(1 << 20)  # the 2 MB class: no free mapping of it or the next: a new one
     assert e.ctypes.data not in (at, b.ctypes.data)
     assert len(pool._maps) == 4 and all(x.flags.writeable for x in (b, c, d, e))
+
+
+def test_requests_of_one_size_class_share_a_mapping():
+    """A run's buffer is sized by where its batch was cut: in classes, one freed mapping serves the
+    next run of any size of its class (or of the class below), without a fresh, faulted mapping."""
+    pool = memory.Buffers(spare=64 << 20)
+    a = pool.empty(9 << 20)
+    at = a.ctypes.data
+    del a
+    b = pool.empty(15 << 20)  # the 16 MB class: the same mapping
+    assert b.ctypes.data == at and len(pool._maps) == 1 and len(pool._maps[0]) == 16 << 20
+    del b
+    c = pool.empty(5 << 20)  # the 8 MB class: one class up is taken
+    assert c.ctypes.data == at
+    del c
+    d = pool.empty(3 << 20)  # the 4 MB class: 16 MB is two classes up: a new mapping
+    assert d.ctypes.data != at and len(pool._maps) == 2 and len(pool._maps[1]) == 4 << 20
+    assert [memory.Buffers.size_class(n) >> 20 for n in (1, 2 << 20, (2 << 20) + 1, 31 << 20)] == [2, 2, 4, 32]
 
 
 def test_small_buffers_stay_on_the_heap_and_free_mappings_beyond_spare_are_unmapped():
