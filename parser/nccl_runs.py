@@ -57,6 +57,9 @@ class RunLane:
     """Mixed into ``NcclDecoder`` (whose state it reads and, once it holds, changes)."""
 
     def take_runs(self, runs: list[MessageRun]) -> list | None:
+        if self.protocol not in (None, protocols.SIMPLE):  # pinned LL or LL128: every send is read
+            for r in runs:
+                r.fill()
         plan = self._plain(runs)
         return None if plan is None else self._apply(runs, plan)
 
@@ -76,6 +79,7 @@ class RunLane:
                 dl = r.dlen[k]
                 if not cts_fits(h, dl).all():
                     return None
+                r.fill()
                 fields = {f: h.read(r.buf, r.base[k], f) for f in _CTS_FIELDS}
                 if not cts_plausible(h, fields, dl).all():
                     return None
@@ -147,7 +151,9 @@ class RunLane:
             if flag and want_ll:
                 fast = (protocols.LL, r.ll_user[o:o + n], flag)
             else:
-                fast = protocols.decode_intact(r.buf[a:b], self.protocol) if b > a else None
+                # a run still unfilled holds no message that opens like LL or LL128: Simple, unread
+                proto = self.protocol if self.protocol is not None or r.pending is None else protocols.SIMPLE
+                fast = protocols.decode_intact(r.buf[a:b], proto) if b > a else None
             if fast is None:  # lines to read the careful way, or an empty step: as the per-message path
                 msg = r.message(m)
                 out.append(self._make(c, msg.data, [], [msg], size, va, "empty" if b == a and not size else "normal",

@@ -26,7 +26,14 @@ import numpy as np
 from mirrorckpt.capture._pack import copy_ranges
 from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser import _place, _reasm, memory, opcodes
-from mirrorckpt.parser.headers import LL_DATA_PER_LINE, LL_LINE_BYTES, PSN_MODULUS
+from mirrorckpt.parser.headers import (
+    LL128_FLAG_OFFSET,
+    LL128_GROUP_WIRE,
+    LL128_LINE_BYTES,
+    LL_DATA_PER_LINE,
+    LL_LINE_BYTES,
+    PSN_MODULUS,
+)
 from mirrorckpt.parser.protocols import LL_INTACT_ARGS as _LL_ARGS
 from mirrorckpt.parser.roce import RocePackets
 
@@ -110,14 +117,26 @@ class MessageRun:
     ll_off: np.ndarray
     ll_n: np.ndarray
     ll_flag: np.ndarray
+    # (source, src_off, dst_off, length): payload not yet copied into ``buf`` (Reassembler.defer),
+    # of messages none of which opens like LL or LL128 (so Simple wherever the protocol is not
+    # pinned); ``fill`` copies it, and whatever reads ``buf`` fills first
+    pending: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.psn)
+
+    def fill(self) -> None:
+        """Copies the payload ``Reassembler.defer`` left for the reader of the run's sends."""
+        if self.pending is not None:
+            src, src_off, dst_off, length = self.pending
+            copy_ranges(src, src_off, self.buf, dst_off, length)
+            self.pending = None
 
     def message(self, k: int) -> RdmaMessage:
         return self.messages(slice(k, k + 1))[0]
 
     def messages(self, which: slice = slice(None)) -> list[RdmaMessage]:
+        self.fill()
         key, sport, buf, user = self.qp, self.sport, self.buf, self.ll_user
         a, b = self.base[:-1][which].tolist(), self.base[1:][which].tolist()
         cols = zip(self.psn[which].tolist(), self.npkts[which].tolist(), a, b, self.va[which].tolist(),
@@ -203,16 +222,35 @@ def _looks_ll(data, first: np.ndarray, length: np.ndarray) -> bool:
     return bool(np.any((w[:, 0] != 0) & (w[:, 0] == w[:, 1])))
 
 
+def _may_be_ll128(data, first: np.ndarray, length: np.ndarray, dlen: np.ndarray) -> bool:
+    """Whether a message of ``dlen`` bytes whose first packet lies at ``first`` (``length`` bytes)
+    in ``data`` could read as intact LL128 (``protocols.ll128_intact``): whole groups, and its first
+    two lines' flags equal and positive as an int64 (Simple data in whole groups passes the first
+    line's test half of the time)."""
+    whole = (dlen > 0) & (dlen % LL128_GROUP_WIRE == 0)
+    if not whole.any():
+        return False
+    if (length[whole] < 2 * LL128_LINE_BYTES).any():
+        return True  # its first two lines are not in the first packet: not told here
+    at = first[whole][:, None] + (LL128_FLAG_OFFSET + np.concatenate([np.arange(8), LL128_LINE_BYTES + np.arange(8)]))
+    f = np.ascontiguousarray(data[at]).view(np.int64)
+    return bool(((f[:, 0] > 0) & (f[:, 0] == f[:, 1])).any())
+
+
 class Reassembler:
     """Streaming per-QP PSN reassembly; feed decoded packets batch by batch, then flush."""
 
-    def __init__(self, psn_window: int = 1024, max_message: int = 64 << 20, fast: bool = True, runs: bool = False):
+    def __init__(self, psn_window: int = 1024, max_message: int = 64 << 20, fast: bool = True, runs: bool = False,
+                 defer: bool = False):
         memory.keep_freed_memory()  # message buffers come and go at line rate
         self._buffers = memory.buffers()  # run buffers, off the heap
         self.psn_window = psn_window
         self.max_message = max_message  # bigger RETH lengths are corruption, never allocated
         self.fast = fast  # the compiled common case (_fast); False: every table the careful way (tests)
         self.runs = runs  # hand on runs of intact messages as MessageRun (columns), not one object each
+        # Leave a run's plain copy from the batch to whoever reads it (MessageRun.pending): only for
+        # batches that stay valid after the next (a capture file's mapping), read on another thread
+        self.defer = defer
         self.qps: dict[QpKey, _Qp] = {}
 
     def feed(self, pk: RocePackets, data: np.ndarray) -> list:
@@ -513,9 +551,16 @@ class Reassembler:
                             np.ascontiguousarray(dst[:rx][m]), np.ascontiguousarray(plen[:rx][m]))
         n = k1 - k0
         ll_flag, ll_off, ll_n, user = np.zeros(n, np.uint32), np.zeros(n, np.int64), np.zeros(n, np.int64), None
+        pending = None
         if kx < len(heads) and not _looks_ll(data, src[heads[kx:] - r0], plen[heads[kx:] - r0]):
             # No new message opens like LL (Simple, LL128): no LL reading to keep, a plain copy.
-            copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
+            # Deferred (see ``defer``) only when none could be LL128 either: the decoder then knows
+            # them Simple without reading them (MessageRun.pending).
+            if self.defer and self._plain(data, src, plen, heads - r0, sizes, kx, buf, base) and \
+                    opcodes.HAS_IMMDT[tab["opcode"][g.end_row[k0:k1] - 1]].all():  # no CTS post: read at once
+                pending = (data, src[rx:], dst[rx:], plen[rx:])
+            else:
+                copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
         elif kx < len(heads):
             sz = sizes[kx:]
             nb = ll_n[kx:] = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
@@ -528,10 +573,19 @@ class Reassembler:
         imm = tab["imm"][last]
         run = MessageRun(qp.key, st.sport, tab["psn"][heads], g.npk[k0:k1], base, tab["va"][heads], tab["rkey"][heads],
                          sizes, np.where(opcodes.HAS_IMMDT[tab["opcode"][last]], imm, -1),
-                         np.minimum.reduceat(tab["ts"][rows], heads - r0), buf, user, ll_off, ll_n, ll_flag)
+                         np.minimum.reduceat(tab["ts"][rows], heads - r0), buf, user, ll_off, ll_n, ll_flag, pending)
         st.messages += int(n)
         qp.cursor = int(run.psn[-1] + run.npkts[-1])
         return [run] if self.runs else run.messages()
+
+    @staticmethod
+    def _plain(data, src, plen, rows, sizes, kx, buf, base) -> bool:
+        """No message of a run opens like LL or LL128: those from ``kx`` on read in the batch,
+        the ones before (already in ``buf``, from held packets) read there."""
+        if _may_be_ll128(data, src[rows[kx:]], plen[rows[kx:]], sizes[kx:]):
+            return False
+        return not kx or not (_looks_ll(buf, base[:kx], plen[rows[:kx]])
+                              or _may_be_ll128(buf, base[:kx], plen[rows[:kx]], sizes[:kx]))
 
     def _one(self, qp: _Qp, tab, src_is_new, data, final, i, is_first, is_last, bounds):
         """One message from row ``i`` the careful way; None while it must wait for packets."""
