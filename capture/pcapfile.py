@@ -12,7 +12,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,18 +150,9 @@ class CaptureReader:
         self._handed = 0  # end of the last batch handed on
         self._frames_next = min(self.batch_frames, 4096)
         self._rest = None  # columns of frames read but not yet handed on (a batch cut at BATCH_BYTES)
-        self._kept: deque[int] = deque(maxlen=1)  # starts of the last batches handed on (keep_batches)
-
-    @property
-    def keep_batches(self) -> int:
-        """Batches handed on whose pages stay mapped when the next is asked for (0: none). A
-        reader that decodes batches on other threads still reads them then, and pages dropped
-        under it would be mapped in again."""
-        return self._kept.maxlen - 1
-
-    @keep_batches.setter
-    def keep_batches(self, n: int) -> None:
-        self._kept = deque(self._kept, maxlen=max(0, int(n)) + 1)
+        # Set by a reader whose batches are still read on another thread after the next is asked
+        # for: that thread gives their pages back (release_before), the walk does not.
+        self.consumer_releases = False
 
     def __enter__(self) -> CaptureReader:
         return self
@@ -193,7 +183,8 @@ class CaptureReader:
         if self._rest is None:
             # The batch handed on last is done with: its pages go before the walk maps the next
             # batch's, else both are resident at once (and for every capture of a job at once).
-            self._release(self._kept[0] if self.keep_batches and self._kept else self._handed)
+            if not self.consumer_releases:
+                self._release(self._handed)
         cols, self._rest = (self._rest, None) if self._rest is not None else (self._next_columns(), None)
         offset = cols[0]
         if len(offset) > 1 and int(offset[-1]) - int(offset[0]) > BATCH_BYTES:
@@ -203,10 +194,17 @@ class CaptureReader:
         # The batch's data covers its own frames only, so a stage that copies it copies little.
         lo = int(offset[0])
         hi = int((offset + cols[1]).max())
-        self._kept.append(lo)
-        self._release(self._kept[0])
+        if not self.consumer_releases:
+            self._release(lo)
         self._handed = hi
         return self._batch(self._buf[lo:hi], offset - lo, cols)
+
+    def release_before(self, batch: FrameBatch) -> None:
+        """With ``consumer_releases``: every batch handed on before ``batch`` (one of this reader's,
+        or a part of one) is done with. Pages a late reader mapped in again go too: the walk's own
+        release only ever moves forward, so pages read after it would stay mapped."""
+        if self._buf is not None and len(batch.data):
+            self._release(batch.data.ctypes.data - self._buf.ctypes.data)
 
     def _release(self, upto: int) -> None:
         """Drops the mapped pages before ``upto`` from the resident set: the batches there are done

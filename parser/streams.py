@@ -27,7 +27,8 @@ when the list it just got was made, never later (a stream counted ended early wo
 concatenator finalize collectives before that stream's last sends).
 
 That thread stayed the slower side, so where every source's batches stay valid after the next
-(capture files: views of their mapping, kept mapped ``ahead`` + 2 batches back) the plain copy of
+(capture files: views of their mapping, whose pages the caller gives back once copied:
+``CaptureReader.release_before``) the plain copy of
 Simple payloads from the batch into their runs is made on the caller's thread, just before it gets
 the list (``PacketPath.take_unfilled``, ``MessageRun.fill``): on a 2-rank Simple replay the packet
 path's thread went from about 125 to 105 ms for 367 MB, and the replay's rate by the slope method
@@ -99,6 +100,7 @@ class MirrorStreams:
         self.stats = [StreamStats(name) for name, _ in sources]
         self._iters = [iter(b) for _, b in sources]
         self.ahead = ahead
+        self._fed: dict[int, FrameBatch] = {}  # per stream, the last part fed since the last list
 
     def __iter__(self) -> Iterator[list[NcclSend]]:
         if self.ahead <= 0:
@@ -113,12 +115,13 @@ class MirrorStreams:
         # The plain payload copies of Simple runs are made here, on the caller's thread, where
         # placement leaves room (the packet path's thread is the slower side), when every source's
         # batches stay valid after the next (a capture file's mapping, kept mapped while they wait).
-        defer = all(getattr(it, "stable_batches", False) for it in self._iters)
+        # Their pages are then given back here, once copied (release_before), not by the walk.
+        defer = all(getattr(it, "stable_batches", False) and hasattr(it, "release_before") for it in self._iters)
         if defer:
             for p, it in zip(self.paths, self._iters):
                 p.defer_copies()
-                if hasattr(it, "keep_batches"):
-                    it.keep_batches = self.ahead + 2  # the list waiting, the one made, the one read
+                it.consumer_releases = True
+        self._fed = {}
 
         def put(item) -> bool:
             while not stop.is_set():
@@ -134,17 +137,18 @@ class MirrorStreams:
             try:
                 for sends in self._merge(ended):
                     fills = [r for p in self.paths for r in p.take_unfilled()]
-                    if not put((sends, fills, frozenset(ended))):
+                    fed, self._fed = self._fed, {}
+                    if not put((sends, fills, fed, frozenset(ended))):
                         return
-                put((done, [], frozenset(ended)))
+                put((done, [], {}, frozenset(ended)))
             except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-                put((e, [], frozenset(ended)))
+                put((e, [], {}, frozenset(ended)))
 
         t = threading.Thread(target=run, name="mirror-read", daemon=True)
         t.start()
         try:
             while True:
-                item, fills, ended = q.get()
+                item, fills, fed, ended = q.get()
                 if isinstance(item, BaseException):
                     raise item
                 self.ended = set(ended)
@@ -152,6 +156,9 @@ class MirrorStreams:
                     return
                 for r in fills:
                     r.fill()
+                if defer:  # what came before the parts just fed is copied
+                    for k, part in fed.items():
+                        self._iters[k].release_before(part)
                 yield item
         finally:
             stop.set()  # the caller stopped early (an error, a closed generator): let the thread end
@@ -178,6 +185,7 @@ class MirrorStreams:
             st.frames += len(part)
             st.bytes += part.nbytes
             _, sends = self.paths[k].feed(part)
+            self._fed[k] = part
             if sends:
                 yield sends
             nb = rest if rest is not None else self._next(k, self._iters[k])
