@@ -122,7 +122,7 @@ class ChannelResolver:
         conn = s.connection
         if conn in self.mapped:
             return [s]
-        if s.protocol == SIMPLE and self.model.ring.protocol not in (SIMPLE, AUTO) and len(s.data):
+        if s.protocol == SIMPLE and self.model.ring.protocol not in (SIMPLE, AUTO) and s.nbytes:
             # Point-to-point traffic between ring ranks: its own connection, never a ring one.
             self.rejected.add(conn)
             return self._release(conn) + [s]

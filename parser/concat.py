@@ -212,13 +212,13 @@ class Concatenator:
     def add_p2p(self, s: NcclSend) -> None:
         """A send outside the ring (point-to-point): kept as a candidate to fill a collective's hole
         when the job declares such fills (``p2p_fill``), else ignored."""
-        if not (s.complete and len(s.data)):
+        if not (s.complete and s.nbytes):
             return
         if self.p2p_fill:
             self.p2p.append(s)
             del self.p2p[:-64]
         else:
-            self.p2p_seen.append((len(s.data), s.ts_ns))
+            self.p2p_seen.append((s.nbytes, s.ts_ns))
             del self.p2p_seen[:-64]
 
     def _fill_from_p2p(self, r: CollectiveResult) -> None:
@@ -231,7 +231,7 @@ class Concatenator:
         es = dtype_size(r.spec.dtype)
         lo = max(r.last_ts, self.span.get(r.index, [0, 0])[1])
         hi = min((sp[0] for c, sp in self.span.items() if c > r.index), default=None)
-        sizes = [(len(s.data), s.ts_ns) for s in self.p2p] if self.p2p_fill else self.p2p_seen
+        sizes = [(s.nbytes, s.ts_ns) for s in self.p2p] if self.p2p_fill else self.p2p_seen
         fit = [i for i, (nb, ts) in enumerate(sizes) if nb == n * es and ts >= lo and (hi is None or ts < hi)]
         if len(fit) != 1:
             return  # none, or which of them carries the hole is not known

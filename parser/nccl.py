@@ -100,8 +100,37 @@ class NcclSend:
             return self.flag - 1
         return self.seq - 1 if self.seq is not None else None
 
+    @property
+    def nbytes(self) -> int:
+        """Length of ``data``, which it does not read."""
+        return len(self.data)
+
     def sha256(self) -> str | None:
         return hashlib.sha256(self.data.tobytes()).hexdigest() if self.complete else None
+
+
+class LazySend(NcclSend):
+    """A Simple send whose bytes are still in the capture batch (``MessageRun.pending``): its run's
+    buffer is filled for its message's range when ``data`` is first read. Most sends of a ring
+    all-reduce are never read (the reduce-scatter half: the concatenator keeps final values
+    only), so their copy is never made."""
+
+    @property
+    def data(self) -> np.ndarray:
+        src = self.__dict__.get("_source")
+        if src is not None:
+            run, a, b = src
+            run.fill_range(a, b)
+            self._source = None
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._data)
 
 
 @dataclass

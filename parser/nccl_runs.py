@@ -109,7 +109,7 @@ class RunLane:
         return plan
 
     def _apply(self, runs: list[MessageRun], plan: list) -> list:
-        from mirrorckpt.parser.nccl import Cts, NcclSend
+        from mirrorckpt.parser.nccl import Cts, LazySend, NcclSend
 
         for r in runs:  # _learn_pmtu, the run's largest message a packet standing for all of them
             sel = (r.dlen > 0) & (r.npkts > 0)
@@ -162,7 +162,11 @@ class RunLane:
             proto, user, flag = fast
             c.protocol = proto
             cts = self._match_cts(c, va)
-            out.append(NcclSend(c.key, r.qp, proto, user, [], b - a, size, va, "normal", flag,
-                                cts.idx if cts else None, cts, t, True, stream, psn, npkts, pmtu.get(r.qp, 0),
-                                qi if nq > 1 else 0, nq))
+            lazy = r.pending is not None  # still in the batch: copied if and when it is read
+            s = (LazySend if lazy else NcclSend)(c.key, r.qp, proto, user, [], b - a, size, va, "normal", flag,
+                                                 cts.idx if cts else None, cts, t, True, stream, psn, npkts,
+                                                 pmtu.get(r.qp, 0), qi if nq > 1 else 0, nq)
+            if lazy:
+                s._source = (r, a, b)
+            out.append(s)
         return out

@@ -132,6 +132,13 @@ class MessageRun:
             copy_ranges(src, src_off, self.buf, dst_off, length)
             self.pending = None
 
+    def fill_range(self, a: int, b: int) -> None:
+        """``fill`` for the messages in ``buf[a:b]`` only (a ``LazySend``'s)."""
+        if self.pending is not None:
+            src, src_off, dst_off, length = self.pending
+            i, j = np.searchsorted(dst_off, (a, b)).tolist()
+            copy_ranges(src, src_off[i:j], self.buf, dst_off[i:j], length[i:j])
+
     def message(self, k: int) -> RdmaMessage:
         return self.messages(slice(k, k + 1))[0]
 

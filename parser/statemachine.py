@@ -236,7 +236,7 @@ class RingStateMachine:
         if by_psn and not self._slot_agrees(s, proto, spec.kind, t):
             self.counts["unplaced_slot"] += 1
             return None
-        if s.protocol is not None and len(s.data) and s.protocol != proto:
+        if s.protocol is not None and s.nbytes and s.protocol != proto:
             # e.g. an LL message whose lines were read as raw bytes: never data of this collective
             self.counts["protocol_mismatch"] += 1
             return None

@@ -27,13 +27,13 @@ when the list it just got was made, never later (a stream counted ended early wo
 concatenator finalize collectives before that stream's last sends).
 
 That thread stayed the slower side, so where every source's batches stay valid after the next
-(capture files: views of their mapping, whose pages the caller gives back once copied:
-``CaptureReader.release_before``) the plain copy of
-Simple payloads from the batch into their runs is made on the caller's thread, just before it gets
-the list (``PacketPath.take_unfilled``, ``MessageRun.fill``): on a 2-rank Simple replay the packet
-path's thread went from about 125 to 105 ms for 367 MB, and the replay's rate by the slope method
-rose by 20-70 % in interleaved runs. A live source's batches are ring slots, given back after the
-next: there the copy stays on the packet path.
+(capture files: views of their mapping) a Simple send's payload is copied from its batch when the
+caller reads it (``nccl.LazySend``, ``MessageRun.pending``): the concatenator reads the final
+values only, so the reduce-scatter half of a ring all-reduce is never copied, and what is copied is
+copied on the caller's thread. The caller then gives the capture's pages back, up to the batches of
+the list it takes (``CaptureReader.release_before``): the walk's own release would run ahead of
+the copies, and a page read after it stays mapped. A live source's batches are ring slots, given
+back after the next: there the copy stays on the packet path.
 """
 
 from __future__ import annotations
@@ -136,27 +136,24 @@ class MirrorStreams:
             ended: set[int] = set()
             try:
                 for sends in self._merge(ended):
-                    fills = [r for p in self.paths for r in p.take_unfilled()]
                     fed, self._fed = self._fed, {}
-                    if not put((sends, fills, fed, frozenset(ended))):
+                    if not put((sends, fed, frozenset(ended))):
                         return
-                put((done, [], {}, frozenset(ended)))
+                put((done, {}, frozenset(ended)))
             except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-                put((e, [], {}, frozenset(ended)))
+                put((e, {}, frozenset(ended)))
 
         t = threading.Thread(target=run, name="mirror-read", daemon=True)
         t.start()
         try:
             while True:
-                item, fills, fed, ended = q.get()
+                item, fed, ended = q.get()
                 if isinstance(item, BaseException):
                     raise item
                 self.ended = set(ended)
                 if item is done:
                     return
-                for r in fills:
-                    r.fill()
-                if defer:  # what came before the parts just fed is copied
+                if defer:  # the lists before this one are done with, and their batches' pages
                     for k, part in fed.items():
                         self._iters[k].release_before(part)
                 yield item

@@ -97,10 +97,11 @@ def simple_job(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,deferred", [("simple", True), ("ll128_bf16_v229", False), ("ll_r2_noise_faults", False)])
-def test_reading_ahead_leaves_simple_payload_copies_to_the_caller(name, deferred, simple_job, monkeypatch):
-    """Read ahead from capture files, a Simple run's payload is copied from the batch on the
-    caller's thread, before it gets the sends (the same bytes as copied at once); runs of LL or
-    LL128 messages are read on the packet path's thread and copied there."""
+def test_reading_ahead_leaves_simple_payload_copies_to_the_reader_of_the_sends(name, deferred, simple_job,
+                                                                                monkeypatch):
+    """Read ahead from capture files, a Simple send's payload is copied from the batch when the
+    caller reads its bytes (the same bytes as copied at once); runs of LL or LL128 messages are read
+    on the packet path's thread and copied there."""
     from mirrorckpt.parser import reassembly
 
     def walk(ahead):
@@ -112,20 +113,62 @@ def test_reading_ahead_leaves_simple_payload_copies_to_the_caller(name, deferred
 
     want = walk(0)
     filled = []
-    real = reassembly.MessageRun.fill
+    real = reassembly.MessageRun.fill_range
+
+    def fill_range(self, a, b):
+        if self.pending is not None:
+            filled.append((threading.current_thread() is threading.main_thread(), b - a))
+        real(self, a, b)
+
+    monkeypatch.setattr(reassembly.MessageRun, "fill_range", fill_range)
+    got = walk(1)
+    assert got == want
+    here = sum(n for main, n in filled if main)
+    assert (here > 1 << 20) if deferred else not here
+    assert all(main for main, _ in filled)
+
+
+def test_a_replay_copies_the_sends_it_reads_and_no_others(simple_job, monkeypatch):
+    """The concatenator reads the final values only: the reduce-scatter half of a ring all-reduce's
+    sends stays in the capture, and every all-reduce is still exact."""
+    import json
+
+    from mirrorckpt.config.jobfile import load_job
+    from mirrorckpt.parser import reassembly
+    from mirrorckpt.tools.cmd_replay import run
+
+    copied = {"lazy": 0, "whole": 0, "deferred": 0}
+    real_range, real_fill, real_bulk = reassembly.MessageRun.fill_range, reassembly.MessageRun.fill, \
+        reassembly.Reassembler._bulk
+
+    def bulk(self, *a):
+        out = real_bulk(self, *a)
+        copied["deferred"] += sum(int(r.pending[3].sum()) for r in out if getattr(r, "pending", None) is not None)
+        return out
+
+    def fill_range(self, a, b):
+        if self.pending is not None:
+            copied["lazy"] += b - a
+        real_range(self, a, b)
 
     def fill(self):
         if self.pending is not None:
-            filled.append((threading.current_thread() is threading.main_thread(), int(self.pending[3].sum())))
-        real(self)
+            copied["whole"] += int(self.pending[3].sum())
+        real_fill(self)
 
+    monkeypatch.setattr(reassembly.MessageRun, "fill_range", fill_range)
     monkeypatch.setattr(reassembly.MessageRun, "fill", fill)
-    got = walk(1)
+    monkeypatch.setattr(reassembly.Reassembler, "_bulk", bulk)
+    job = load_job(simple_job / "job.toml")
+    js, results, _, _ = run([str(simple_job / m.source) for m in job.mirrors], job, nccl_version=job.ring.nccl_version)
+    truth = json.loads((simple_job / "truth.json").read_text())
+    want = [h for it in truth["iterations"] for h in it["buckets_sha256"]]
+    got = [r.sha256() for r in results if r.spec.kind == "allreduce" and r.spec.iteration is not None]
     assert got == want
-    # Runs the decoder takes the careful way (its first sends, before it knows the release) are
-    # read, and so copied, on the packet path's thread: in a 22-step job 10 % of the bytes.
-    here = sum(n for main, n in filled if main)
-    assert (here > 1 << 20) if deferred else not here
+    # 2 ranks: half of the ring's sends carry final values (and the careful path, the decoder's
+    # first sends, copies its runs whole on the packet path's thread)
+    lazy, deferred = copied["lazy"], copied["deferred"] - copied["whole"]
+    assert deferred > 1 << 20 and 0.4 * deferred < lazy < 0.6 * deferred
 
 
 def test_simple_data_in_whole_ll128_groups_is_told_from_ll128_by_its_first_two_lines():
