@@ -169,3 +169,75 @@ def place_agreeing(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, con
                     added += j - i
                 i = j
     return added if ok else -1
+
+
+cdef inline bint _gathered(uint8_t *d, const uint8_t *src, const int64_t *soff, const int64_t *moff,
+                           const int64_t *ln, Py_ssize_t nrows, Py_ssize_t *k, int64_t x, int64_t y,
+                           bint compare) noexcept nogil:
+    """Bytes [x, y) of a message whose packet r holds its bytes [moff[r], moff[r] + ln[r]) at
+    src[soff[r]:]: compared with (False when they differ) or copied to d[x:y]. Ranges come in
+    increasing order; ``k`` keeps the row the last one ended in."""
+    cdef int64_t m, a
+    cdef Py_ssize_t r
+    while k[0] < nrows and moff[k[0]] + ln[k[0]] <= x:
+        k[0] += 1
+    r = k[0]
+    while x < y:
+        a = x - moff[r]
+        m = moff[r] + ln[r] - x
+        if m > y - x:
+            m = y - x
+        if compare:
+            if memcmp(d + x, src + soff[r] + a, m) != 0:
+                return False
+        else:
+            memcpy(d + x, src + soff[r] + a, m)
+        x += m
+        r += 1
+    return True
+
+
+def place_agreeing_gather(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, const uint8_t[::1] src,
+                          const int64_t[::1] src_off, const int64_t[::1] msg_off, const int64_t[::1] length,
+                          Py_ssize_t n, Py_ssize_t es):
+    """``place_agreeing`` from a message still in its packets: packet r carries the message's bytes
+    [msg_off[r], msg_off[r] + length[r]) at src[src_off[r]:], the packets tiling the message from
+    byte 0 in order. One pass from the capture to the collective's buffer."""
+    cdef Py_ssize_t i, j, r, k, nr = src_off.shape[0], added = 0
+    cdef uint8_t *d
+    cdef uint8_t *c
+    cdef bint ok = True
+    if start < 0 or n < 0 or (start + n) > covered.shape[0] or (start + n) * es > dst.shape[0] \
+            or msg_off.shape[0] != nr or length.shape[0] != nr:
+        raise ValueError("place_agreeing_gather: range outside the buffers")
+    for r in range(nr):
+        if msg_off[r] != (msg_off[r - 1] + length[r - 1] if r else 0) or length[r] < 0 or src_off[r] < 0 \
+                or src_off[r] + length[r] > src.shape[0]:
+            raise ValueError(f"place_agreeing_gather: packet {r} does not follow the one before in the message")
+    if nr == 0 or msg_off[nr - 1] + length[nr - 1] < n * es:
+        raise ValueError("place_agreeing_gather: the packets hold fewer bytes than the elements placed")
+    if n == 0:
+        return 0
+    d = &dst[start * es]
+    c = &covered[start]
+    with nogil:
+        i = 0
+        k = 0
+        while i < n:  # runs of covered elements: compare
+            j = _run_end(c, i, n, 1)
+            if j > i and not _gathered(d, &src[0], &src_off[0], &msg_off[0], &length[0], nr, &k, i * es, j * es, True):
+                ok = False
+                break
+            i = _run_end(c, j, n, 0)
+        if ok:
+            i = 0
+            k = 0
+            while i < n:  # runs of uncovered elements: copy
+                i = _run_end(c, i, n, 1)
+                j = _run_end(c, i, n, 0)
+                if j > i:
+                    _gathered(d, &src[0], &src_off[0], &msg_off[0], &length[0], nr, &k, i * es, j * es, False)
+                    memset(c + i, 1, j - i)
+                    added += j - i
+                i = j
+    return added if ok else -1

@@ -20,7 +20,7 @@ from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, CollSpec
 from mirrorckpt.config.layout import dtype_size, numpy_dtype
 from mirrorckpt.parser import _place, memory
 from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.nccl import NcclSend
+from mirrorckpt.parser.nccl import LazySend, NcclSend
 from mirrorckpt.parser.schedule import REDUCED
 from mirrorckpt.parser.statemachine import Placement
 
@@ -162,8 +162,16 @@ class Concatenator:
         if c.kind == ALLGATHER:
             origin = self.model.ring.orders()[p.channel][st.chunk]
             start += origin * c.count
-        self._put(r, start, st.nelem, p.send.data[: st.nelem * es], p.send.holes, p.send.connection)
         r.last_ts = max(r.last_ts, p.send.ts_ns)
+        s, n = p.send, st.nelem
+        if type(s) is LazySend and not s.holes and s.nbytes >= n * es:
+            # still in the capture: placed from its packets, without a copy in between
+            added = s.place_agreeing(r.data, r.covered.view(np.uint8), start, n, es)
+            if added is not None and added >= 0:
+                r.ncovered += added
+                r.pieces += 1
+                return
+        self._put(r, start, n, s.data[: n * es], s.holes, s.connection)
 
     def _put(self, r: CollectiveResult, start: int, n: int, data: np.ndarray, byte_holes, origin) -> None:
         """``origin`` (a connection, or a description) is only formatted when copies conflict."""

@@ -132,6 +132,12 @@ class LazySend(NcclSend):
     def nbytes(self) -> int:
         return len(self._data)
 
+    def place_agreeing(self, dst, covered, start: int, n: int, es: int) -> int | None:
+        """Its first ``n`` elements placed into a collective's buffer straight from the capture, as
+        ``_place.place_agreeing`` places ``data``; None once ``data`` was read (then place that)."""
+        src = self.__dict__.get("_source")
+        return src[0].place_range(src[1], src[2], dst, covered, start, n, es) if src is not None else None
+
 
 @dataclass
 class _Conn:

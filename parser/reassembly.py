@@ -139,6 +139,16 @@ class MessageRun:
             i, j = np.searchsorted(dst_off, (a, b)).tolist()
             copy_ranges(src, src_off[i:j], self.buf, dst_off[i:j], length[i:j])
 
+    def place_range(self, a: int, b: int, dst, covered, start: int, n: int, es: int) -> int | None:
+        """``_place.place_agreeing_gather`` of the message in ``buf[a:b]`` straight from the batch
+        (its first ``n`` elements); None once the run is filled (``buf`` holds the bytes)."""
+        if self.pending is None or a < self.pending[2][0]:
+            return None  # copied already (a message that began in held packets: copied at once)
+        src, src_off, dst_off, length = self.pending
+        i, j = np.searchsorted(dst_off, (a, b)).tolist()
+        return _place.place_agreeing_gather(dst, covered, start, src, src_off[i:j], dst_off[i:j] - a, length[i:j],
+                                            n, es)
+
     def message(self, k: int) -> RdmaMessage:
         return self.messages(slice(k, k + 1))[0]
 

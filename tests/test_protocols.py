@@ -225,6 +225,47 @@ def test_place_agreeing_long_runs_match_numpy(es):
     assert np.array_equal(got_dst, dst) and np.array_equal(got_cov, covered)
 
 
+@pytest.mark.parametrize("es", [1, 2, 4, 8])
+def test_place_agreeing_gather_from_packets_is_place_agreeing_of_the_message(es):
+    """The message still in its packets (random lengths, not element-aligned, scattered in a batch
+    with header bytes between them): the same result, flags and refusals as placing the message
+    itself, for every covered pattern and start."""
+    from mirrorckpt.parser import _place
+
+    rng = np.random.default_rng(10 + es)
+    n = 2000
+    msg = rng.integers(0, 256, n * es + 5, dtype=np.uint8)  # a few bytes more than placed
+    cuts = np.sort(rng.choice(np.arange(1, len(msg)), 60, replace=False))
+    lengths = np.diff(np.concatenate([[0], cuts, [len(msg)]]))
+    gaps = rng.integers(0, 70, len(lengths))  # headers between payloads
+    src_off = np.cumsum(gaps + np.concatenate([[0], lengths[:-1]]))
+    batch = rng.integers(0, 256, int(src_off[-1] + lengths[-1]), dtype=np.uint8)
+    msg_off = np.concatenate([[0], np.cumsum(lengths[:-1])])
+    for so, mo, ln in zip(src_off, msg_off, lengths):
+        batch[so:so + ln] = msg[mo:mo + ln]
+    for start, seed in ((0, 1), (3, 2), (0, 3)):
+        covered = np.repeat(np.random.default_rng(seed).integers(0, 2, 300).astype(bool),
+                            np.random.default_rng(seed).integers(1, 30, 300))[:start + n + 10]
+        covered = np.concatenate([covered, np.zeros(start + n + 10 - len(covered), bool)])
+        dst = rng.integers(0, 256, len(covered) * es, dtype=np.uint8)
+        if seed == 3:  # every covered element agrees: placed
+            dst.reshape(-1, es)[start:start + n][covered[start:start + n]] = \
+                msg[:n * es].reshape(n, es)[covered[start:start + n]]
+        want_dst, want_cov = dst.copy(), covered.copy()
+        want = _place.place_agreeing(want_dst, want_cov.view(np.uint8), start, msg, n, es)
+        got_dst, got_cov = dst.copy(), covered.copy()
+        got = _place.place_agreeing_gather(got_dst, got_cov.view(np.uint8), start, batch, src_off, msg_off, lengths,
+                                           n, es)
+        assert got == want and (got >= 0) == (seed == 3)
+        assert np.array_equal(got_dst, want_dst) and np.array_equal(got_cov, want_cov)
+    with pytest.raises(ValueError, match="fewer bytes"):
+        _place.place_agreeing_gather(dst, covered.view(np.uint8), 0, batch, src_off[:3], msg_off[:3], lengths[:3],
+                                     n, es)
+    with pytest.raises(ValueError, match="does not follow"):
+        _place.place_agreeing_gather(dst, covered.view(np.uint8), 0, batch, src_off[::-1].copy(),
+                                     msg_off[::-1].copy(), lengths[::-1].copy(), n, es)
+
+
 def test_gather_ll_copies_each_message_and_reads_it_as_ll_intact_would():
     """Messages of random packets, end to end: the copy is copy_ranges', and each message's flag and
     user bytes are ll_intact's of its wire (LL, LL with one bad line, Simple, a length that is not

@@ -335,6 +335,9 @@ def _render_e2e(name, r) -> list[str]:
              "same slope of the CPU seconds (every thread of the process) is the rate per CPU second. "
              "The same captures replayed with `--json` (which adds every all-reduce's sha256, on a thread of its "
              "own) check every all-reduce against the generator's truth, and have a slope of their own. "
+             "The packet path runs on a thread of its own; from capture files a Simple send's final values are "
+             "placed straight from the capture by the consumer (`nccl.LazySend`), the reduce-scatter half never "
+             "copied. "
              f"One-core memcpy in the same run: {r['memcpy_GBps']:.1f} GB/s (numpy copyto of 256 MiB, best of 5; "
              f"{r['memcpy_GBps_before']:.1f} before, {r['memcpy_GBps_after']:.1f} after).", "",
              "| protocol (PMTU) | capture, short / long | seconds, short / long | GB/s of capture (slope) | of memcpy |"
@@ -368,7 +371,7 @@ def _render_e2e(name, r) -> list[str]:
         for steps, x in m:
             lines.append(f"| {steps} steps, {x['bytes'] / 1e6:.0f} MB | {x['peak_rss_MB']:.0f} | "
                          f"{'yes' if x['exact'] else 'NO'} |")
-    lines += ["", "FlowCheck's Fig. 10 for this appliance, from the rates above: 8 data-parallel ranks, bf16 "
+    lines += ["", "FlowCheck's Fig. 10 for this appliance, from the rates per CPU second above: 8 data-parallel ranks, bf16 "
               "gradients, one mirrored port (a rank's egress carries 2·7/8 of the gradient per iteration, in wire "
               "bytes of the protocol) at 100 Gbit/s.", "",
               "| job | protocol | GB on the port per iteration | on the wire at 100 Gbit/s, s | processing on one "
