@@ -121,16 +121,18 @@ class LazySend(NcclSend):
         if src is not None:
             run, a, b = src
             run.fill_range(a, b)
+            self._data = run.buf[a:b]
             self._source = None
         return self._data
 
     @data.setter
-    def data(self, value: np.ndarray) -> None:
+    def data(self, value: np.ndarray | None) -> None:
         self._data = value
 
     @property
     def nbytes(self) -> int:
-        return len(self._data)
+        src = self.__dict__.get("_source")
+        return src[2] - src[1] if src is not None else len(self._data)
 
     def place_agreeing(self, dst, covered, start: int, n: int, es: int) -> int | None:
         """Its first ``n`` elements placed into a collective's buffer straight from the capture, as

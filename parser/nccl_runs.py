@@ -151,9 +151,12 @@ class RunLane:
             if flag and want_ll:
                 fast = (protocols.LL, r.ll_user[o:o + n], flag)
             else:
-                # a run still unfilled holds no message that opens like LL or LL128: Simple, unread
-                proto = self.protocol if self.protocol is not None or r.pending is None else protocols.SIMPLE
-                fast = protocols.decode_intact(r.buf[a:b], proto) if b > a else None
+                if r.pending is not None and b > a:
+                    # still in the batch, none of its messages opens like LL or LL128: Simple, and
+                    # its bytes are the send's (LazySend reads them when they are wanted)
+                    fast = (protocols.SIMPLE, None, None)
+                else:
+                    fast = protocols.decode_intact(r.buf[a:b], self.protocol) if b > a else None
             if fast is None:  # lines to read the careful way, or an empty step: as the per-message path
                 msg = r.message(m)
                 out.append(self._make(c, msg.data, [], [msg], size, va, "empty" if b == a and not size else "normal",

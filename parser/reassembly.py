@@ -119,17 +119,23 @@ class MessageRun:
     ll_flag: np.ndarray
     # (source, src_off, dst_off, length): payload not yet copied into ``buf`` (Reassembler.defer),
     # of messages none of which opens like LL or LL128 (so Simple wherever the protocol is not
-    # pinned); ``fill`` copies it, and whatever reads ``buf`` fills first
+    # pinned); ``fill`` copies it, and whatever reads ``buf`` fills first. ``buf`` is None until then
+    # when none of the run was copied at once.
     pending: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.psn)
 
+    def _own_buf(self) -> np.ndarray:
+        if self.buf is None:
+            self.buf = memory.buffers().empty(int(self.base[-1]))
+        return self.buf
+
     def fill(self) -> None:
         """Copies the payload ``Reassembler.defer`` left for the reader of the run's sends."""
         if self.pending is not None:
             src, src_off, dst_off, length = self.pending
-            copy_ranges(src, src_off, self.buf, dst_off, length)
+            copy_ranges(src, src_off, self._own_buf(), dst_off, length)
             self.pending = None
 
     def fill_range(self, a: int, b: int) -> None:
@@ -137,7 +143,7 @@ class MessageRun:
         if self.pending is not None:
             src, src_off, dst_off, length = self.pending
             i, j = np.searchsorted(dst_off, (a, b)).tolist()
-            copy_ranges(src, src_off[i:j], self.buf, dst_off[i:j], length[i:j])
+            copy_ranges(src, src_off[i:j], self._own_buf(), dst_off[i:j], length[i:j])
 
     def place_range(self, a: int, b: int, dst, covered, start: int, n: int, es: int) -> int | None:
         """``_place.place_agreeing_gather`` of the message in ``buf[a:b]`` straight from the batch
@@ -545,7 +551,8 @@ class Reassembler:
         sizes = g.dlen[k0:k1]
         base = np.zeros(k1 - k0 + 1, np.int64)
         np.cumsum(sizes, out=base[1:])
-        buf = self._buffers.empty(int(base[-1]))
+        # A run whose copy is left to the reader of its sends gets its buffer only if one is read
+        buf = None if self.defer else self._buffers.empty(int(base[-1]))
         rows = slice(r0, r1)  # the run's packets, in PSN order, one after the other
         # Every packet but a message's last carries one MTU and the messages lie end to end, so a
         # packet's place in the run's buffer is the payload before it.
@@ -561,6 +568,8 @@ class Reassembler:
         old = np.flatnonzero(~new)
         kx = int(np.searchsorted(heads - r0, old[-1] + 1)) if len(old) else 0  # first message of new rows only
         rx = int(heads[kx] - r0) if kx < len(heads) else r1 - r0  # its first row
+        if rx and buf is None:
+            buf = self._buffers.empty(int(base[-1]))
         for from_new in (True, False):
             m = new[:rx] == from_new
             if m.any():
@@ -577,8 +586,10 @@ class Reassembler:
                     opcodes.HAS_IMMDT[tab["opcode"][g.end_row[k0:k1] - 1]].all():  # no CTS post: read at once
                 pending = (data, src[rx:], dst[rx:], plen[rx:])
             else:
+                buf = buf if buf is not None else self._buffers.empty(int(base[-1]))
                 copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
         elif kx < len(heads):
+            buf = buf if buf is not None else self._buffers.empty(int(base[-1]))
             sz = sizes[kx:]
             nb = ll_n[kx:] = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
             out_off = ll_off[kx:]
