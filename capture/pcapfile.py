@@ -200,11 +200,10 @@ class CaptureReader:
         return self._batch(self._buf[lo:hi], offset - lo, cols)
 
     def release_before(self, batch: FrameBatch) -> None:
-        """With ``consumer_releases``: every batch handed on before ``batch`` (one of this reader's,
-        or a part of one) is done with. Pages a late reader mapped in again go too: the walk's own
-        release only ever moves forward, so pages read after it would stay mapped."""
-        if self._buf is not None and len(batch.data):
-            self._release(batch.data.ctypes.data - self._buf.ctypes.data)
+        """With ``consumer_releases``: every frame handed on before ``batch`` (one of this reader's,
+        or a part of one) is done with, and its pages go."""
+        if self._buf is not None and len(batch):
+            self._release(batch.data.ctypes.data + int(batch.offset[0]) - self._buf.ctypes.data)
 
     def _release(self, upto: int) -> None:
         """Drops the mapped pages before ``upto`` from the resident set: the batches there are done
