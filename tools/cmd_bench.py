@@ -348,15 +348,20 @@ def _render_e2e(name, r) -> list[str]:
         x = r[p]
         a, b = (x["runs"][str(k)] for k in x["steps"])
         checked = sum(v["allreduces_checked"] for v in x["runs"].values())
+        dt = b["seconds"] - a["seconds"]  # a guarded slope is still shown, in brackets
+        raw = (b["bytes"] - a["bytes"]) / dt / 1e9 if x["slope_GBps"] is None and dt > 0 else None
+        rate = f"– ({raw:.2f})" if raw else _f(x["slope_GBps"])
+        share = f"– ({100 * raw / r['memcpy_GBps']:.1f}%)" if raw else \
+            f"{_f(100 * x['of_memcpy'] if x['of_memcpy'] else None, 1)}%"
         lines.append(f"| {p} ({x['pmtu']}) | {a['bytes'] / 1e6:.0f} / {b['bytes'] / 1e6:.0f} MB | "
-                     f"{a['seconds']:.2f} / {b['seconds']:.2f} | {_f(x['slope_GBps'])} | "
-                     f"{_f(100 * x['of_memcpy'] if x['of_memcpy'] else None, 1)}% | "
+                     f"{a['seconds']:.2f} / {b['seconds']:.2f} | {rate} | {share} | "
                      f"{_f(x.get('per_cpu_second_GB'))} | {_f(x.get('json_slope_GBps'))} | "
                      f"{a['peak_rss_MB']:.0f} / {b['peak_rss_MB']:.0f} | "
                      f"{'yes' if x['exact'] else 'NO'} ({checked}) |")
     if longer:
-        lines += ["", "A slope whose long run is less than 0.05 s slower than the short one is not given (`–`: "
-                  "inside the start-up noise). The same slope to a longer capture of the same job, best of 3:", "",
+        lines += ["", "A slope whose long run is less than 0.05 s slower than the short one is not taken as a rate "
+                  "(`–`, its value in brackets: inside the start-up noise). The same slope to a longer capture of "
+                  "the same job, best of 3:", "",
                   "| protocol | capture, short / longer | seconds, short / longer | GB/s of capture (slope) | "
                   "of memcpy |", "|---|---|---|---|---|"]
         for p in longer:
