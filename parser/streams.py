@@ -30,7 +30,7 @@ That thread stayed the slower side, so where every source's batches stay valid a
 (capture files: views of their mapping) a Simple send's payload is copied from its batch when the
 caller reads it (``nccl.LazySend``, ``MessageRun.pending``): the concatenator reads the final
 values only, so the reduce-scatter half of a ring all-reduce is never copied, and what is copied is
-copied on the caller's thread. The caller then gives the capture's pages back, up to the batches of
+copied on the caller's thread. The caller then gives the capture's pages back, up to the parts of
 the list it takes (``CaptureReader.release_before``): the walk's own release would run ahead of
 the copies, and a page read after it stays mapped. A live source's batches are ring slots, given
 back after the next: there the copy stays on the packet path.
@@ -112,10 +112,10 @@ class MirrorStreams:
         q: queue.Queue = queue.Queue(self.ahead)
         stop = threading.Event()
         done = object()
-        # The plain payload copies of Simple runs are made here, on the caller's thread, where
-        # placement leaves room (the packet path's thread is the slower side), when every source's
-        # batches stay valid after the next (a capture file's mapping, kept mapped while they wait).
-        # Their pages are then given back here, once copied (release_before), not by the walk.
+        # Simple sends stay in their batch until the caller reads them (LazySend), on its thread,
+        # where placement leaves room (the packet path's thread is the slower side): only when
+        # every source's batches stay valid after the next (a capture file's mapping). Their pages
+        # are then given back here, up to the parts of the list taken (release_before), not by the walk.
         defer = all(getattr(it, "stable_batches", False) and hasattr(it, "release_before") for it in self._iters)
         if defer:
             for p, it in zip(self.paths, self._iters):
