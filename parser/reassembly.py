@@ -15,6 +15,9 @@ places every byte, and a lost or duplicated packet only ever damages its own byt
 
 Payloads are copied once into the message buffer when their message is decided within the same
 batch; only packets still waiting at the end of a batch are copied into a per-QP holding slab.
+With ``defer`` (batches that stay valid, read on another thread) a run of messages that cannot be
+LL or LL128 is not copied at all: its payload stays in the batch until its sends are read
+(``MessageRun.pending``, ``nccl.LazySend``).
 """
 
 from __future__ import annotations
