@@ -20,7 +20,7 @@ from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, CollSpec
 from mirrorckpt.config.layout import dtype_size, numpy_dtype
 from mirrorckpt.parser import _place, memory
 from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.nccl import LazySend, NcclSend
+from mirrorckpt.parser.nccl import NcclSend
 from mirrorckpt.parser.schedule import REDUCED
 from mirrorckpt.parser.statemachine import Placement
 
@@ -164,8 +164,8 @@ class Concatenator:
             start += origin * c.count
         r.last_ts = max(r.last_ts, p.send.ts_ns)
         s, n = p.send, st.nelem
-        if type(s) is LazySend and not s.holes and s.nbytes >= n * es:
-            # still in the capture: placed from its packets, without a copy in between
+        if not s.holes and s.nbytes >= n * es:
+            # a send still in the capture is placed from its packets, without a copy in between
             added = s.place_agreeing(r.data, r.covered.view(np.uint8), start, n, es)
             if added is not None and added >= 0:
                 r.ncovered += added

@@ -31,7 +31,8 @@ SEARCH = 64  # model collectives tried past the last mapped one when a tag does 
 
 
 class GlooSend:
-    """The payload of a placement (what the concatenator reads: data, holes, connection, ts)."""
+    """The payload of a placement (what the concatenator reads: data, holes, connection, ts, and
+    as an NCCL send does, nbytes and place_agreeing)."""
 
     __slots__ = ("connection", "data", "holes", "ts_ns", "op")
 
@@ -41,6 +42,13 @@ class GlooSend:
     @property
     def complete(self) -> bool:
         return not self.holes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def place_agreeing(self, dst, covered, start: int, n: int, es: int) -> None:
+        return None  # its bytes are in ``data``: the concatenator places those
 
 
 class TagMap:

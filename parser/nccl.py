@@ -105,6 +105,11 @@ class NcclSend:
         """Length of ``data``, which it does not read."""
         return len(self.data)
 
+    def place_agreeing(self, dst, covered, start: int, n: int, es: int) -> int | None:
+        """Its first ``n`` elements placed into a collective's buffer from where its bytes lie, as
+        ``_place.place_agreeing`` places ``data``; None: place ``data`` (already in a buffer)."""
+        return None
+
     def sha256(self) -> str | None:
         return hashlib.sha256(self.data.tobytes()).hexdigest() if self.complete else None
 
@@ -135,8 +140,7 @@ class LazySend(NcclSend):
         return src[2] - src[1] if src is not None else len(self._data)
 
     def place_agreeing(self, dst, covered, start: int, n: int, es: int) -> int | None:
-        """Its first ``n`` elements placed into a collective's buffer straight from the capture, as
-        ``_place.place_agreeing`` places ``data``; None once ``data`` was read (then place that)."""
+        """Straight from the capture; None once ``data`` was read."""
         src = self.__dict__.get("_source")
         return src[0].place_range(src[1], src[2], dst, covered, start, n, es) if src is not None else None
 

@@ -554,8 +554,6 @@ class Reassembler:
         sizes = g.dlen[k0:k1]
         base = np.zeros(k1 - k0 + 1, np.int64)
         np.cumsum(sizes, out=base[1:])
-        # A run whose copy is left to the reader of its sends gets its buffer only if one is read
-        buf = None if self.defer else self._buffers.empty(int(base[-1]))
         rows = slice(r0, r1)  # the run's packets, in PSN order, one after the other
         # Every packet but a message's last carries one MTU and the messages lie end to end, so a
         # packet's place in the run's buffer is the payload before it.
@@ -571,8 +569,9 @@ class Reassembler:
         old = np.flatnonzero(~new)
         kx = int(np.searchsorted(heads - r0, old[-1] + 1)) if len(old) else 0  # first message of new rows only
         rx = int(heads[kx] - r0) if kx < len(heads) else r1 - r0  # its first row
-        if rx and buf is None:
-            buf = self._buffers.empty(int(base[-1]))
+        # A run whose copy is left to the readers of its sends (``defer``, none copied at once) gets
+        # its buffer only if one of them is read (MessageRun._own_buf).
+        buf = self._buffers.empty(int(base[-1])) if rx or not self.defer else None
         for from_new in (True, False):
             m = new[:rx] == from_new
             if m.any():
@@ -589,10 +588,10 @@ class Reassembler:
                     opcodes.HAS_IMMDT[tab["opcode"][g.end_row[k0:k1] - 1]].all():  # no CTS post: read at once
                 pending = (data, src[rx:], dst[rx:], plen[rx:])
             else:
-                buf = buf if buf is not None else self._buffers.empty(int(base[-1]))
+                buf = self._buffers.empty(int(base[-1])) if buf is None else buf
                 copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
         elif kx < len(heads):
-            buf = buf if buf is not None else self._buffers.empty(int(base[-1]))
+            buf = self._buffers.empty(int(base[-1])) if buf is None else buf
             sz = sizes[kx:]
             nb = ll_n[kx:] = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
             out_off = ll_off[kx:]

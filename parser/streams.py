@@ -121,7 +121,6 @@ class MirrorStreams:
             for p, it in zip(self.paths, self._iters):
                 p.defer_copies()
                 it.consumer_releases = True
-        self._fed = {}
 
         def put(item) -> bool:
             while not stop.is_set():

@@ -5,6 +5,7 @@ sends; an error of the thread comes out in the caller, and a caller that stops e
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 from common import PCAPS
@@ -12,11 +13,13 @@ from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser.streams import MirrorStreams
 
 
-def _sources(name: str, batch_frames: int):
-    return [(str(p), open_capture(p, batch_frames=batch_frames)) for p in sorted((PCAPS / name).glob("*.pcap*"))]
+def _sources(name, batch_frames: int):
+    """A bundled capture's files by name, or those of a folder (a Path)."""
+    where = name if isinstance(name, Path) else PCAPS / name
+    return [(str(p), open_capture(p, batch_frames=batch_frames)) for p in sorted(where.glob("*.pcap*"))]
 
 
-def _walk(name: str, ahead: int, batch_frames: int = 8) -> tuple[list, MirrorStreams]:
+def _walk(name, ahead: int, batch_frames: int = 8) -> tuple[list, MirrorStreams]:
     ms = MirrorStreams(_sources(name, batch_frames), ahead=ahead)
     seen = []
     for sends in ms:
@@ -105,11 +108,7 @@ def test_reading_ahead_leaves_simple_payload_copies_to_the_reader_of_the_sends(n
     from mirrorckpt.parser import reassembly
 
     def walk(ahead):
-        if name != "simple":
-            return _walk(name, ahead=ahead, batch_frames=64)[0]
-        ms = MirrorStreams([(str(p), open_capture(p, batch_frames=1024)) for p in sorted(simple_job.glob("*.pcapng"))],
-                           ahead=ahead)
-        return [[(s.stream, s.connection, s.seq, s.ts_ns, s.data.tobytes(), s.holes) for s in sends] for sends in ms]
+        return _walk(simple_job, ahead, 1024)[0] if name == "simple" else _walk(name, ahead, 64)[0]
 
     want = walk(0)
     filled = []
