@@ -216,7 +216,8 @@ def progress(text: str) -> dict:
     out = {}
     for key, pat in {"complete": r"iterations: (\d+) complete", "incomplete": r"(\d+) incomplete",
                      "step": r"replica: step (\d+)", "iteration": r"replica: step \d+, iteration (\d+)",
-                     "lag": r"lag (\d+)", "committed": r"last committed checkpoint: iteration (\d+)"}.items():
+                     "lag": r"lag (\d+)", "committed": r"last committed checkpoint: iteration (\d+)",
+                     "queued": r"queues:[^\n]*\biterations (\d+)"}.items():
         m = re.search(pat, text)
         out[key] = int(m.group(1)) if m else -1
     out["stale"] = "STALE" in text
@@ -224,9 +225,12 @@ def progress(text: str) -> dict:
 
 
 def settled(text: str) -> bool:
-    """Every iteration came off the wire (complete or not), and the persister caught up."""
+    """Every iteration came off the wire (complete or not), the updater took every one of them off
+    its queue, and the persister caught up (committed at the replica's step: with iterations still
+    queued that step is not the last one)."""
     p = progress(text)
-    return p["complete"] + p["incomplete"] >= STEPS and (p["stale"] or p["committed"] == p["step"])
+    return p["complete"] + p["incomplete"] >= STEPS and p["queued"] <= 0 and \
+        (p["stale"] or p["committed"] == p["step"])
 
 
 def samples(m: dict, name: str) -> dict:
