@@ -225,12 +225,12 @@ def progress(text: str) -> dict:
 
 
 def settled(text: str) -> bool:
-    """Every iteration came off the wire (complete or not), the updater took every one of them off
-    its queue, and the persister caught up (committed at the replica's step: with iterations still
-    queued that step is not the last one)."""
+    """Every iteration came off the wire (complete or not), the updater applied every complete one
+    (its queue empty, the replica's step at their count), and the persister caught up: a status read
+    with two iterations still queued had the persister caught up at an earlier step."""
     p = progress(text)
     return p["complete"] + p["incomplete"] >= STEPS and p["queued"] <= 0 and \
-        (p["stale"] or p["committed"] == p["step"])
+        (p["stale"] or p["committed"] == p["step"] >= p["complete"])
 
 
 def samples(m: dict, name: str) -> dict:
