@@ -28,6 +28,7 @@ sends R-1 chunks per loop: its own, then those of the ranks 1..R-2 hops upstream
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -142,9 +143,17 @@ class RecvSlot:
 
 def recv_slot(t: int, proto: str, kind: str, version, arm: bool = False) -> RecvSlot:
     """Where the message at absolute connection step ``t`` lands and what its CTS says (doc 4.3)."""
-    off = slot(t) * nv.step_bytes(proto, version, arm)
-    return RecvSlot(slot(t), off, nv.recv_buffer_offset(proto, version, arm) + off,
-                    nv.cts_size(proto, kind, version, arm), flag(proto, t))
+    step, base, cts = _slot_geometry(proto, kind, version, arm)
+    off = slot(t) * step
+    return RecvSlot(slot(t), off, base + off, cts, flag(proto, t))
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_geometry(proto: str, kind: str, version, arm: bool) -> tuple[int, int, int]:
+    """(slot bytes, protocol buffer offset, CTS size): the state machine asks twice per Simple send,
+    and each answer parses and range-checks the release again."""
+    return (nv.step_bytes(proto, version, arm), nv.recv_buffer_offset(proto, version, arm),
+            nv.cts_size(proto, kind, version, arm))
 
 
 # --- partitions -------------------------------------------------------------------------------
