@@ -53,6 +53,12 @@ class ConnKey(Key, NamedTuple("ConnKeyFields", [("sender", bytes), ("receiver", 
         return f"{address_text(self.sender)}->{address_text(self.receiver)}:{self.sport}"
 
 
+# Unmatched CTS posts kept per connection (NcclDecoder._post): per receive address (a real capture
+# had 20 posts queued at one address when its send came), and addresses.
+CTS_KEPT_PER_ADDR = 64
+CTS_ADDRS_KEPT = 256
+
+
 @dataclass
 class Cts:
     idx: int
@@ -150,6 +156,7 @@ class _Conn:
     key: ConnKey
     cts: dict[int, Cts] = field(default_factory=dict)  # idx -> entry
     by_addr: dict[int, list[int]] = field(default_factory=dict)  # addr -> unmatched idx, in order
+    tags: set[int] = field(default_factory=set)  # every CTS post's tag (the data sender's rank)
     # per QP: split-form pieces awaiting their close
     bulks: dict[QpKey, list[RdmaMessage]] = field(default_factory=dict)
     protocol: str | None = None
@@ -560,12 +567,28 @@ class NcclDecoder(RunLane):
         g = (self._rkey_group.get((m.qp.dst, m.qp.src, rkey)) if rkey else None) \
             or self._group_for(m.qp.dst, m.qp.src, rkey, None, ConnKey(m.qp.dst, m.qp.src, m.sport))
         conn = self._conn(g.key)
-        cts = Cts(idx=int(e["idx"]), addr=int(e["addr"]), size=int(e["size"]), rkey=int(e["rkey"]),
-                  nreqs=int(e["nreqs"]), tag=int(e["tag"]))
-        conn.cts[cts.idx] = cts
-        conn.by_addr.setdefault(cts.addr, []).append(cts.idx)
+        self._post(conn, Cts(idx=int(e["idx"]), addr=int(e["addr"]), size=int(e["size"]), rkey=int(e["rkey"]),
+                             nreqs=int(e["nreqs"]), tag=int(e["tag"])))
         self.cts_posts += 1
         return True
+
+    @staticmethod
+    def _post(conn: _Conn, cts: Cts) -> None:
+        """Keeps a CTS post until a send to its address takes it (``_match_cts``). An egress-only
+        mirror shows a connection's posts and its data in different streams (they go opposite
+        ways), so most posts are never taken: the newest are kept per address and a bounded number
+        of addresses, the oldest going first."""
+        conn.cts[cts.idx] = cts
+        conn.tags.add(cts.tag)
+        q = conn.by_addr.get(cts.addr)
+        if q is None:
+            q = conn.by_addr[cts.addr] = []
+            if len(conn.by_addr) > CTS_ADDRS_KEPT:
+                for idx in conn.by_addr.pop(next(iter(conn.by_addr))):
+                    conn.cts.pop(idx, None)
+        q.append(cts.idx)
+        if len(q) > CTS_KEPT_PER_ADDR:
+            conn.cts.pop(q.pop(0), None)
 
     def _match_cts(self, c: _Conn, va: int | None) -> Cts | None:
         if va is None:
@@ -573,7 +596,7 @@ class NcclDecoder(RunLane):
         pending = c.by_addr.get(va)
         if not pending:
             return None
-        return c.cts.get(pending.pop(0))
+        return c.cts.pop(pending.pop(0), None)
 
     # -- data ----------------------------------------------------------------------------------
 

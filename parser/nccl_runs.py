@@ -120,9 +120,7 @@ class RunLane:
                 continue
             cols = [fields[f].tolist() for f in _CTS_FIELDS]
             for idx, addr, size, rkey, nreqs, tag in zip(*cols):
-                conn = conns[rkey]
-                conn.cts[idx] = Cts(idx=idx, addr=addr, size=size, rkey=rkey, nreqs=nreqs, tag=tag)
-                conn.by_addr.setdefault(addr, []).append(idx)
+                self._post(conns[rkey], Cts(idx, addr, size, rkey, nreqs, tag))
             self.cts_posts += len(k)
         # The sends, by time and QP number (stable: arrival order breaks ties), as feed sorts them.
         which = [(i, p[3]) for i, p in enumerate(plan) if len(p[3])]

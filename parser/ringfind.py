@@ -66,8 +66,8 @@ def find_ring(seqs: dict[ConnKey, dict[int, NcclSend]], decoders: list[NcclDecod
         edges[a][b] += 1
     for dec in decoders:
         for key, c in dec.conns.items():
-            if c.cts:
-                t = {e.tag for e in c.cts.values()}
+            if c.tags:
+                t = set(c.tags)
                 if len(t) == 1:
                     tags.setdefault(key.sender, t.pop())
                 edges[key.sender][key.receiver] += 1

@@ -52,6 +52,7 @@ def same(batch, size: int, version: str | None = "2.18") -> int:
     for k, c in dl.conns.items():
         e = de.conns[k]
         assert c.cts == e.cts and c.by_addr == e.by_addr and c.protocol == e.protocol and c.qp_mode == e.qp_mode
+        assert c.tags == e.tags
     return n
 
 
@@ -87,6 +88,31 @@ def test_generated_same_and_taken(tmp_path, proto, pmtu, version, qps):
         assert n > 0  # lossless, whole messages on one QP or in turn on several: the lane takes batches
     for what in ("loss", "swap"):
         same(damaged(b, 9, what), 300, version)
+
+
+@pytest.mark.parametrize("mirrors", ["0:egress", "0:both"])
+def test_cts_posts_kept_bounded(tmp_path, monkeypatch, mirrors):
+    """A long job keeps a bounded number of CTS posts: an egress-only mirror shows posts whose data
+    goes the other way (never taken), one port in both directions has each taken by its send.
+    (The bound per receive address is lowered so that 12 steps reach it.)"""
+    from mirrorckpt.parser.nccl_versions import NCCL_STEPS
+    from mirrorckpt.tools.generator.gen import GenConfig, generate
+
+    monkeypatch.setattr(nccl, "CTS_KEPT_PER_ADDR", 4)
+
+    generate(GenConfig(ranks=2, channels=2, protocol="LL", nccl_version="2.18", model="linear:100000", steps=12,
+                       seed=3, mirrors=mirrors, send_truth=False), tmp_path)
+    out, dec, _ = sends(read_all(next(tmp_path.glob("*.pcap*"))), 500, True)
+    posting = [c for c in dec.conns.values() if c.tags]
+    kept = sum(len(c.cts) for c in posting)
+    assert kept == sum(len(q) for c in posting for q in c.by_addr.values())
+    if mirrors == "0:both":  # posts and data on one port: each post taken by its send
+        assert sum(s.cts is not None for s in out) > 0.9 * len(out) and kept <= len(posting) * NCCL_STEPS
+    else:  # a few kept per receive slot
+        assert kept <= len(posting) * NCCL_STEPS * nccl.CTS_KEPT_PER_ADDR
+    assert dec.cts_posts > 150 and kept < dec.cts_posts / 2
+    # the data senders' ranks, for ring inference: rank 0's posts name rank 1, rank 1's rank 0
+    assert {t for c in posting for t in c.tags} == ({1} if mirrors == "0:egress" else {0, 1})
 
 
 def test_keys_hash_in_c_and_differ_by_class():
