@@ -12,6 +12,7 @@ shapes get equal protocols: NCCL's choice depends only on the size, kind and com
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from mirrorckpt.config import ddp
@@ -20,6 +21,8 @@ from mirrorckpt.config.layout import JobLayout, RingSpec, dtype_size
 from mirrorckpt.parser import schedule
 from mirrorckpt.parser.errors import InferenceError
 from mirrorckpt.parser.nccl_versions import AUTO, SIMPLE, protocol
+
+CACHED_COLLECTIVES = 1 << 16  # JobModel's collectives kept made (each is remade on demand)
 
 
 def ring_threads(ring: RingSpec, proto: str) -> int | None:
@@ -109,6 +112,9 @@ class JobModel:
             if self.iterations is not None and i >= self.iterations:
                 return None
             c = self._cache[index] = self._iteration(i)[j]
+            if len(self._cache) > CACHED_COLLECTIVES:  # a daemon runs for weeks: the oldest go (recomputed if asked)
+                for k in list(itertools.islice(self._cache, CACHED_COLLECTIVES // 2)):
+                    del self._cache[k]
         return c
 
     def first_of_iteration(self, i: int) -> int:

@@ -407,3 +407,15 @@ def test_the_table_queries_agree_with_the_walk():
         # Simple's second slice step of every message carries nothing
         i, st, t = msgs[0]
         assert sm.expected(ch, pos, t + 1) is None
+
+
+def test_job_model_cache_bounded_and_same(monkeypatch):
+    """The model's made collectives are bounded (a daemon runs for weeks) and remade the same."""
+    from mirrorckpt.parser import collectives
+
+    monkeypatch.setattr(collectives, "CACHED_COLLECTIVES", 64)
+    ring = RingSpec(nranks=2, nchannels=2, protocol="LL", nccl_version="2.18")
+    model = JobModel.allreduces(ring, [1000, 2000, 3000], "float32")
+    first = [model[i] for i in range(300)]
+    assert len(model._cache) <= 64
+    assert [model[i] for i in range(300)] == first and len(model._cache) <= 64
