@@ -106,10 +106,11 @@ def _payload(seqs, ranks, channels, model: JobModel, coll: int) -> np.ndarray | 
         if loc is None:
             continue
         ch, pos = loc
-        sm.collective_steps(ch, pos, coll)
-        tr = sm.track(ch, pos)
-        m0, n = tr.m0[coll], tr.n[coll]
-        for i, st in enumerate(plan.messages(pos, ch)[:n]):
+        msgs = plan.messages(pos, ch)[:sm.collective_steps(ch, pos, coll)[1]]
+        if not msgs:
+            continue
+        m0 = sm.message_number(ch, pos, coll, msgs[0])
+        for i, st in enumerate(msgs):
             s = seq.get(m0 + i)
             if s is not None and s.complete and st.nelem:
                 out[st.offset * es:(st.offset + st.nelem) * es] = s.data[:st.nelem * es]

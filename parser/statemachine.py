@@ -34,6 +34,10 @@ MAX_GAP_MESSAGES = 1 << 14
 MAX_ANCHORS = 64
 # NCCL_IB_AR_THRESHOLD's default: larger sends use the split form on a QP that uses it at all.
 AR_THRESHOLD = 8192
+# Collectives tabulated per connection before the oldest half is dropped: a serve of a job with
+# hundreds of buckets an iteration would otherwise grow the tables for as long as it runs. A send
+# of a collective this far back is long past the concatenator's window and stays unplaced.
+TRACK_KEPT = 1 << 16
 
 
 @dataclass
@@ -70,6 +74,18 @@ class _Track:
     t_end: int = 0  # counter after the last collective tabulated
     m_end: int = 0
     period_mark: tuple[int, int] = (-1, -1)  # (collectives, t_end) at the last period boundary
+    base: int = 0  # collective index of t0[0]: the ones before were dropped (TRACK_KEPT)
+
+    @property
+    def tabulated(self) -> int:
+        """Collectives tabulated so far, dropped ones included."""
+        return self.base + len(self.t0)
+
+    def trim(self) -> None:
+        if len(self.t0) > TRACK_KEPT:
+            k = len(self.t0) - TRACK_KEPT // 2
+            del self.t0[:k], self.m0[:k], self.n[:k]
+            self.base += k
 
 
 class RingStateMachine:
@@ -101,8 +117,8 @@ class RingStateMachine:
         if (t is not None and t > tr.t_end + MAX_AHEAD_STEPS) or (m is not None and m > tr.m_end + MAX_AHEAD_STEPS):
             return False  # a step (a message: one step at least) no plausible sequence reaches: garbage
         while (t is not None and tr.t_end <= t) or (m is not None and tr.m_end <= m) or \
-                (coll is not None and len(tr.t0) <= coll):
-            c = self.model[len(tr.t0)]
+                (coll is not None and tr.tabulated <= coll):
+            c = self.model[tr.tabulated]
             if c is None:
                 return False
             if (t is not None or m is not None) and self._idle_period(tr):
@@ -118,12 +134,13 @@ class RingStateMachine:
             tr.m0.append(tr.m_end)
             tr.n.append(len(msgs))
             tr.m_end += len(msgs)
+        tr.trim()
         return True
 
     def _idle_period(self, tr: _Track) -> bool:
         """From iteration 2 on the sequence repeats; a connection that a whole iteration left
         untouched (a channel small collectives never use) will never reach a later step."""
-        n = len(tr.t0)
+        n = tr.tabulated
         start = self.model.first_of_iteration(2)
         period = self.model.first_of_iteration(3) - start
         if n < start or (n - start) % period:
@@ -145,11 +162,11 @@ class RingStateMachine:
         i = bisect.bisect_right(tr.t0, t) - 1  # on the list itself: no array of every collective per send
         while i >= 0 and tr.n[i] == 0:
             i -= 1
-        if i < 0:
+        if i < 0:  # before the first collective, or one dropped long ago
             return None
-        plan = self.model.plan(self.model[i])
+        plan = self.model.plan(self.model[tr.base + i])
         k = plan.message_index(pos, channel, t - tr.t0[i])
-        return None if k is None else (i, plan.messages(pos, channel)[k], tr.m0[i] + k)
+        return None if k is None else (tr.base + i, plan.messages(pos, channel)[k], tr.m0[i] + k)
 
     def by_message(self, channel: int, pos: int, m: int) -> tuple[int, RingStep, int] | None:
         """(collective, message, absolute step) of the connection's message number ``m``."""
@@ -161,19 +178,22 @@ class RingStateMachine:
             i -= 1
         if i < 0 or m - tr.m0[i] >= tr.n[i]:
             return None
-        st = self.model.plan(self.model[i]).messages(pos, channel)[m - tr.m0[i]]
-        return i, st, tr.t0[i] + st.conn_step
+        st = self.model.plan(self.model[tr.base + i]).messages(pos, channel)[m - tr.m0[i]]
+        return tr.base + i, st, tr.t0[i] + st.conn_step
 
     def collective_steps(self, channel: int, pos: int, coll: int) -> tuple[int, int]:
         """(first connection step, messages) of collective ``coll`` on a connection."""
         tr = self.track(channel, pos)
-        if not self._extend(tr, coll=coll):
+        if not self._extend(tr, coll=coll) or coll < tr.base:
             return 0, 0
-        return tr.t0[coll], tr.n[coll]
+        return tr.t0[coll - tr.base], tr.n[coll - tr.base]
 
-    def message_number(self, channel: int, pos: int, coll: int, st: RingStep) -> int:
+    def message_number(self, channel: int, pos: int, coll: int, st: RingStep) -> int | None:
+        """The connection's message number of message ``st`` of collective ``coll`` (None: dropped)."""
         tr = self.track(channel, pos)
-        return tr.m0[coll] + self.model.plan(self.model[coll]).message_index(pos, channel, st.conn_step)
+        if not self._extend(tr, coll=coll) or coll < tr.base:
+            return None
+        return tr.m0[coll - tr.base] + self.model.plan(self.model[coll]).message_index(pos, channel, st.conn_step)
 
     # -- placing sends ---------------------------------------------------------------------------
 

@@ -409,6 +409,31 @@ def test_the_table_queries_agree_with_the_walk():
         assert sm.expected(ch, pos, t + 1) is None
 
 
+def test_tables_bounded_for_a_long_run(monkeypatch):
+    """The per-connection tables keep the last TRACK_KEPT collectives (a daemon serves for weeks):
+    queries on the kept ones agree with the walk, older ones find nothing, nothing is misplaced."""
+    from mirrorckpt.parser import statemachine
+
+    monkeypatch.setattr(statemachine, "TRACK_KEPT", 8)
+    model = ddp_model("Simple")
+    sm = RingStateMachine(model, model.ring.ranks_by_address(), channel_map(model.ring))
+    ncoll = model.first_of_iteration(ITERATIONS + 20)
+    assert ncoll > 40
+    w = walk(model, ncoll)
+    for (ch, pos), msgs in w.items():
+        for m, (i, st, t) in enumerate(msgs):  # in wire order, as a serve sees them
+            assert sm.by_message(ch, pos, m) == (i, st, t)
+            assert sm.expected(ch, pos, t) == (i, st)
+        tr = sm.track(ch, pos)
+        assert len(tr.t0) <= 8 and tr.base > 0
+        i, st, t = msgs[0]  # dropped long ago
+        assert sm.by_message(ch, pos, 0) is None and sm.expected(ch, pos, t) is None
+        assert sm.message_number(ch, pos, i, st) is None and sm.collective_steps(ch, pos, i) == (0, 0)
+        m = len(msgs) - 1
+        i, st, t = msgs[m]
+        assert sm.message_number(ch, pos, i, st) == m
+
+
 def test_job_model_cache_bounded_and_same(monkeypatch):
     """The model's made collectives are bounded (a daemon runs for weeks) and remade the same."""
     from mirrorckpt.parser import collectives
