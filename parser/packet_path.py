@@ -19,8 +19,14 @@ class PacketPath:
         self.reassembler = Reassembler(psn_window=psn_window, runs=not messages)
         self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream)
 
-    def feed(self, batch: FrameBatch) -> tuple[list[RdmaMessage], list[NcclSend]]:
-        pk, _ = roce.decode(batch, icrc=self.icrc, into=self.counters)
+    def decode(self, batch: FrameBatch) -> roce.RocePackets:
+        """The frame decode and ICRC check alone: compiled, so it may run ahead on another thread
+        (``streams.MirrorStreams``), which then hands its packets to ``feed``."""
+        return roce.decode(batch, icrc=self.icrc, into=self.counters)[0]
+
+    def feed(self, batch: FrameBatch, pk: roce.RocePackets | None = None) -> tuple[list[RdmaMessage], list[NcclSend]]:
+        if pk is None:
+            pk = self.decode(batch)
         msgs = self.reassembler.feed(pk, batch.data)
         sends = self.nccl.feed(msgs)
         return (msgs if not self.reassembler.runs else []), sends

@@ -34,6 +34,11 @@ copied on the caller's thread. The caller then gives the capture's pages back, u
 the list it takes (``CaptureReader.release_before``): the walk's own release would run ahead of
 the copies, and a page read after it stays mapped. A live source's batches are ring slots, given
 back after the next: there the copy stays on the packet path.
+
+Those sources are also walked and decoded (frame walk, header decode, ICRC: compiled, without the
+GIL) on a thread per source, ``DECODE_AHEAD`` batches before the packet path (``_DecodeAhead``),
+so that what stays on the packet path's thread is the reassembly and the NCCL decoding, and the
+walk's and the ICRC's time runs beside the caller's placement on the other core.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.parser import roce
 from mirrorckpt.parser.nccl import NcclSend
 from mirrorckpt.parser.packet_path import PacketPath
+
+# Batches a source is walked and decoded ahead of its packet path (each up to BATCH_BYTES of capture).
+DECODE_AHEAD = 1
 
 
 @dataclass
@@ -101,6 +109,7 @@ class MirrorStreams:
         self._iters = [iter(b) for _, b in sources]
         self.ahead = ahead
         self._fed: dict[int, FrameBatch] = {}  # per stream, the last part fed since the last list
+        self._decoded: list[_DecodeAhead] = []  # per stream, when decoded ahead (see _read_ahead)
 
     def __iter__(self) -> Iterator[list[NcclSend]]:
         if self.ahead <= 0:
@@ -121,6 +130,7 @@ class MirrorStreams:
             for p, it in zip(self.paths, self._iters):
                 p.defer_copies()
                 it.consumer_releases = True
+            self._decoded = [_DecodeAhead(it, p, stop) for it, p in zip(self._iters, self.paths)]
 
         def put(item) -> bool:
             while not stop.is_set():
@@ -157,34 +167,38 @@ class MirrorStreams:
                         self._iters[k].release_before(part)
                 yield item
         finally:
-            stop.set()  # the caller stopped early (an error, a closed generator): let the thread end
+            stop.set()  # the caller stopped early (an error, a closed generator): let the threads end
             t.join()
+            for d in self._decoded:
+                d.join()
+            self._decoded = []
 
     def _merge(self, ended: set[int]) -> Iterator[list[NcclSend]]:
         """Frames of all streams in timestamp order: the stream with the oldest next frame is fed
         up to ``merge_ns`` past the next frame of any other stream (batches are cut there, not copied)."""
-        heads: dict[int, FrameBatch] = {}
-        for k, it in enumerate(self._iters):
-            b = self._next(k, it)
+        # per stream, its next batch and that batch's packets (None: decoded when fed)
+        heads: dict[int, tuple[FrameBatch, roce.RocePackets | None]] = {}
+        for k in range(len(self._iters)):
+            b = self._next(k)
             if b is not None:
                 heads[k] = b
         while heads:
-            k = min(heads, key=lambda j: (int(heads[j].ts_ns[0]) if len(heads[j]) else -1, j))
-            b = heads.pop(k)
-            others = [int(h.ts_ns[0]) for h in heads.values() if len(h)]
+            k = min(heads, key=lambda j: (int(heads[j][0].ts_ns[0]) if len(heads[j][0]) else -1, j))
+            b, pk = heads.pop(k)
+            others = [int(h.ts_ns[0]) for h, _ in heads.values() if len(h)]
             cut = len(b)
             if others and len(b):
                 # frames up to (and including) the other streams' next timestamp + merge_ns go now
                 cut = max(1, int(np.searchsorted(b.ts_ns, min(others) + self.merge_ns, side="right")))
-            part, rest = (b, None) if cut >= len(b) else _split(b, cut)
+            (part, pk), rest = ((b, pk), None) if cut >= len(b) else _split_decoded(b, pk, cut)
             st = self.stats[k]
             st.frames += len(part)
             st.bytes += part.nbytes
-            _, sends = self.paths[k].feed(part)
+            _, sends = self.paths[k].feed(part, pk)
             self._fed[k] = part
             if sends:
                 yield sends
-            nb = rest if rest is not None else self._next(k, self._iters[k])
+            nb = rest if rest is not None else self._next(k)
             if nb is not None:
                 heads[k] = nb
             else:
@@ -195,9 +209,11 @@ class MirrorStreams:
                     yield sends
                 ended.add(k)
 
-    def _next(self, k: int, it) -> FrameBatch | None:
+    def _next(self, k: int) -> tuple[FrameBatch, roce.RocePackets | None] | None:
         try:
-            return next(it)
+            if self._decoded:
+                return self._decoded[k].next()
+            return next(self._iters[k]), None
         except StopIteration:
             return None
         except CaptureError as e:  # damaged part-way: keep what came before, say so
@@ -219,3 +235,59 @@ class MirrorStreams:
 def _split(b: FrameBatch, cut: int) -> tuple[FrameBatch, FrameBatch]:
     """The first ``cut`` frames and the rest, sharing the batch's buffer."""
     return b.select(slice(0, cut)), b.select(slice(cut, None), b.first_index + cut)
+
+
+def _split_decoded(b: FrameBatch, pk: roce.RocePackets | None, cut: int):
+    """``_split``, each part with its packets (None: not decoded yet)."""
+    first, rest = _split(b, cut)
+    if pk is None:
+        return (first, None), (rest, None)
+    j = int(np.searchsorted(pk.frame, cut))  # rows are in frame order
+    later = pk.take(slice(j, None))
+    later.frame = later.frame - cut
+    return (first, pk.take(slice(0, j))), (rest, later)
+
+
+class _DecodeAhead:
+    """One source's batches walked and decoded (``PacketPath.decode``) on a thread of its own, at
+    most ``DECODE_AHEAD`` before the packet path takes them; only for sources whose batches stay
+    valid after the next (capture files). ``next`` raises what the source raised, in its place."""
+
+    _END = object()
+
+    def __init__(self, it, path: PacketPath, stop: threading.Event):
+        self._q: queue.Queue = queue.Queue(DECODE_AHEAD)
+        self._stop = stop
+        self._t = threading.Thread(target=self._run, args=(it, path), name="mirror-decode", daemon=True)
+        self._t.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, it, path: PacketPath) -> None:
+        try:
+            for b in it:
+                if not self._put((b, path.decode(b))):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # noqa: BLE001 - raised again where the batch was asked for
+            self._put(e)
+
+    def next(self) -> tuple[FrameBatch, roce.RocePackets]:
+        item = self._q.get()
+        if item is self._END:
+            self._q.put(item)  # asked again after the end: the end again
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._q.put(self._END)
+            raise item
+        return item
+
+    def join(self) -> None:
+        self._t.join()

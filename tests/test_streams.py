@@ -55,7 +55,37 @@ def test_a_caller_that_stops_early_stops_the_thread():
     it = iter(ms)
     next(it)
     it.close()
-    assert not [t for t in threading.enumerate() if t.name == "mirror-read"]
+    assert not [t for t in threading.enumerate() if t.name in ("mirror-read", "mirror-decode")]
+
+
+def test_capture_files_are_decoded_ahead_on_threads_of_their_own(monkeypatch):
+    """The walk, header decode and ICRC of a capture file run on a thread per source, before the
+    packet path takes the batch; its packets are those of decoding the batch there."""
+    from mirrorckpt.parser.packet_path import PacketPath
+
+    where = []
+    real = PacketPath.decode
+    monkeypatch.setattr(PacketPath, "decode", lambda self, b: where.append(threading.current_thread().name) or
+                        real(self, b))
+    want, _ = _walk("ll_r2_noise_faults", ahead=0)
+    assert where and set(where) == {"MainThread"}
+    where.clear()
+    got, _ = _walk("ll_r2_noise_faults", ahead=1)
+    assert got == want
+    assert where and set(where) == {"mirror-decode"}
+
+
+def test_a_capture_damaged_part_way_ends_the_same_decoded_ahead(tmp_path):
+    """A capture cut off mid-frame: the sends before the damage and the damage itself, as without
+    reading ahead."""
+    for p in sorted((PCAPS / "demo").glob("*.pcap*")):
+        raw = p.read_bytes()
+        (tmp_path / p.name).write_bytes(raw[:len(raw) * 2 // 3 + 5])
+    want, plain = _walk(tmp_path, ahead=0)
+    got, ahead = _walk(tmp_path, ahead=1)
+    assert got == want and len(want) >= 3
+    assert [s.damage for s in ahead.stats] == [s.damage for s in plain.stats]
+    assert all(s.damage for s in plain.stats)
 
 
 @pytest.mark.parametrize("name", ["ll_r2_noise_faults", "demo", "ll128_bf16_v229"])
