@@ -154,7 +154,7 @@ class LazySend(NcclSend):
 @dataclass
 class _Conn:
     key: ConnKey
-    cts: dict[int, Cts] = field(default_factory=dict)  # idx -> entry
+    cts: dict[int, tuple] = field(default_factory=dict)  # idx -> a post not yet taken (Cts's fields)
     by_addr: dict[int, list[int]] = field(default_factory=dict)  # addr -> unmatched idx, in order
     tags: set[int] = field(default_factory=set)  # every CTS post's tag (the data sender's rank)
     # per QP: split-form pieces awaiting their close
@@ -567,26 +567,27 @@ class NcclDecoder(RunLane):
         g = (self._rkey_group.get((m.qp.dst, m.qp.src, rkey)) if rkey else None) \
             or self._group_for(m.qp.dst, m.qp.src, rkey, None, ConnKey(m.qp.dst, m.qp.src, m.sport))
         conn = self._conn(g.key)
-        self._post(conn, Cts(idx=int(e["idx"]), addr=int(e["addr"]), size=int(e["size"]), rkey=int(e["rkey"]),
-                             nreqs=int(e["nreqs"]), tag=int(e["tag"])))
+        self._post(conn, (int(e["idx"]), int(e["addr"]), int(e["size"]), int(e["rkey"]), int(e["nreqs"]),
+                          int(e["tag"])))
         self.cts_posts += 1
         return True
 
     @staticmethod
-    def _post(conn: _Conn, cts: Cts) -> None:
-        """Keeps a CTS post until a send to its address takes it (``_match_cts``). An egress-only
-        mirror shows a connection's posts and its data in different streams (they go opposite
-        ways), so most posts are never taken: the newest are kept per address and a bounded number
-        of addresses, the oldest going first."""
-        conn.cts[cts.idx] = cts
-        conn.tags.add(cts.tag)
-        q = conn.by_addr.get(cts.addr)
+    def _post(conn: _Conn, post: tuple) -> None:
+        """Keeps a CTS post (``Cts``'s fields, made a ``Cts`` only if taken) until a send to its
+        address takes it (``_match_cts``). An egress-only mirror shows a connection's posts and its
+        data in different streams (they go opposite ways), so most posts are never taken: the
+        newest are kept per address and a bounded number of addresses, the oldest going first."""
+        idx, addr = post[0], post[1]
+        conn.cts[idx] = post
+        conn.tags.add(post[5])
+        q = conn.by_addr.get(addr)
         if q is None:
-            q = conn.by_addr[cts.addr] = []
+            q = conn.by_addr[addr] = []
             if len(conn.by_addr) > CTS_ADDRS_KEPT:
-                for idx in conn.by_addr.pop(next(iter(conn.by_addr))):
-                    conn.cts.pop(idx, None)
-        q.append(cts.idx)
+                for i in conn.by_addr.pop(next(iter(conn.by_addr))):
+                    conn.cts.pop(i, None)
+        q.append(idx)
         if len(q) > CTS_KEPT_PER_ADDR:
             conn.cts.pop(q.pop(0), None)
 
@@ -596,7 +597,8 @@ class NcclDecoder(RunLane):
         pending = c.by_addr.get(va)
         if not pending:
             return None
-        return c.cts.pop(pending.pop(0), None)
+        post = c.cts.pop(pending.pop(0), None)
+        return Cts(*post) if post is not None else None
 
     # -- data ----------------------------------------------------------------------------------
 

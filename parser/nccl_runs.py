@@ -24,7 +24,7 @@ import numpy as np
 from mirrorckpt.parser import nccl_versions, protocols
 from mirrorckpt.parser.reassembly import MessageRun
 
-_CTS_FIELDS = ("idx", "addr", "size", "rkey", "nreqs", "tag")
+_CTS_FIELDS = ("idx", "addr", "size", "rkey", "nreqs", "tag")  # nccl.Cts's fields, in its order
 
 
 # What makes a WRITE a CTS post, for one message (ints) or a column of them (arrays) alike: the
@@ -109,7 +109,7 @@ class RunLane:
         return plan
 
     def _apply(self, runs: list[MessageRun], plan: list) -> list:
-        from mirrorckpt.parser.nccl import Cts, LazySend, NcclSend
+        from mirrorckpt.parser.nccl import LazySend, NcclSend
 
         for r in runs:  # _learn_pmtu, the run's largest message a packet standing for all of them
             sel = (r.dlen > 0) & (r.npkts > 0)
@@ -118,9 +118,9 @@ class RunLane:
         for k, fields, conns, *_ in plan:  # CTS posts first, in arrival order
             if fields is None:
                 continue
-            cols = [fields[f].tolist() for f in _CTS_FIELDS]
-            for idx, addr, size, rkey, nreqs, tag in zip(*cols):
-                self._post(conns[rkey], Cts(idx, addr, size, rkey, nreqs, tag))
+            rkeys = fields["rkey"].tolist()
+            for rkey, post in zip(rkeys, zip(*[fields[f].tolist() for f in _CTS_FIELDS])):
+                self._post(conns[rkey], post)
             self.cts_posts += len(k)
         # The sends, by time and QP number (stable: arrival order breaks ties), as feed sorts them.
         which = [(i, p[3]) for i, p in enumerate(plan) if len(p[3])]

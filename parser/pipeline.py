@@ -129,9 +129,14 @@ class CollectiveAssembler:
         self.concat.ended = set(ended)
 
     def add(self, sends: list[NcclSend]) -> tuple[list[CollectiveResult], list]:
+        res = self.resolver
+        mapped = res.mapped if res is not None else {}
         for s in sends:
-            if self.resolver is not None and isinstance(s, NcclSend) and self.resolver.is_ring(s.connection):
-                for r in self.resolver.offer(s):
+            # a connection already mapped to its channel goes straight to placement (the resolver
+            # would hand it on as it is)
+            if res is not None and isinstance(s, NcclSend) and s.connection not in mapped and \
+                    res.is_ring(s.connection):
+                for r in res.offer(s):
                     self._place(r)
             else:
                 self._place(s)

@@ -38,9 +38,11 @@ AR_THRESHOLD = 8192
 # hundreds of buckets an iteration would otherwise grow the tables for as long as it runs. A send
 # of a collective this far back is long past the concatenator's window and stays unplaced.
 TRACK_KEPT = 1 << 16
+# Collectives whose spec, protocol and plan are kept at hand (asked for several times per send).
+COLLS_KEPT = 1 << 10
 
 
-@dataclass
+@dataclass(slots=True)  # one per placed send
 class Placement:
     coll: int  # collective index in the job model
     spec: CollSpec
@@ -51,7 +53,7 @@ class Placement:
     t: int  # absolute connection step
 
 
-@dataclass
+@dataclass(slots=True)  # one per placed send
 class _Cursor:
     """The last send placed on one QP of one mirror stream."""
 
@@ -101,9 +103,22 @@ class RingStateMachine:
         self.split_qps: set[tuple[int, QpKey]] = set()  # QPs that carried a split-form send
         self.counts = Counter()  # placed, mismatch, unplaced reasons
         self._pos: dict[tuple[int, int], int] = {}  # (channel, rank) -> ring position
+        self._colls: dict[int, tuple[CollSpec, str, schedule.RingPlan]] = {}  # see _coll
         self.mismatches: list[str] = []
 
     # -- tables ----------------------------------------------------------------------------------
+
+    def _coll(self, i: int) -> tuple[CollSpec, str, schedule.RingPlan]:
+        """Collective ``i``'s spec, protocol and plan, from one lookup once asked for (the model's
+        protocols are settled before a state machine places: inference makes its own)."""
+        got = self._colls.get(i)
+        if got is None:
+            c = self.model[i]
+            p = self.model.protocol(c)
+            if len(self._colls) >= COLLS_KEPT:
+                self._colls.clear()
+            got = self._colls[i] = (c, p, self.model.plan_as(c, p))
+        return got
 
     def track(self, channel: int, pos: int) -> _Track:
         tr = self.tracks.get((channel, pos))
@@ -164,7 +179,7 @@ class RingStateMachine:
             i -= 1
         if i < 0:  # before the first collective, or one dropped long ago
             return None
-        plan = self.model.plan(self.model[tr.base + i])
+        plan = self._coll(tr.base + i)[2]
         k = plan.message_index(pos, channel, t - tr.t0[i])
         return None if k is None else (tr.base + i, plan.messages(pos, channel)[k], tr.m0[i] + k)
 
@@ -178,7 +193,7 @@ class RingStateMachine:
             i -= 1
         if i < 0 or m - tr.m0[i] >= tr.n[i]:
             return None
-        st = self.model.plan(self.model[tr.base + i]).messages(pos, channel)[m - tr.m0[i]]
+        st = self._coll(tr.base + i)[2].messages(pos, channel)[m - tr.m0[i]]
         return tr.base + i, st, tr.t0[i] + st.conn_step
 
     def collective_steps(self, channel: int, pos: int, coll: int) -> tuple[int, int]:
@@ -193,7 +208,7 @@ class RingStateMachine:
         tr = self.track(channel, pos)
         if not self._extend(tr, coll=coll) or coll < tr.base:
             return None
-        return tr.m0[coll - tr.base] + self.model.plan(self.model[coll]).message_index(pos, channel, st.conn_step)
+        return tr.m0[coll - tr.base] + self._coll(coll)[2].message_index(pos, channel, st.conn_step)
 
     # -- placing sends ---------------------------------------------------------------------------
 
@@ -251,8 +266,7 @@ class RingStateMachine:
                 self.counts["unplaced_past_end"] += 1
                 return None
             coll, st, t = hit
-        spec = self.model[coll]
-        proto = self.model.protocol(spec)
+        spec, proto, _ = self._coll(coll)
         if by_psn and not self._slot_agrees(s, proto, spec.kind, t):
             self.counts["unplaced_slot"] += 1
             return None
