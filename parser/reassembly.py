@@ -99,6 +99,17 @@ class RdmaMessage:
         return sum(n for _, n in self.holes)
 
 
+def grown(pool: memory.Buffers, buf: np.ndarray | None, n: int) -> np.ndarray:
+    """``buf`` if it holds ``n`` bytes, else a buffer of ``n`` bytes from ``pool`` that begins with
+    ``buf``'s bytes."""
+    if buf is not None and len(buf) >= n:
+        return buf
+    out = pool.empty(n)
+    if buf is not None:
+        out[:len(buf)] = buf
+    return out
+
+
 @dataclass(slots=True)
 class MessageRun:
     """Intact messages of one QP, consecutive on its PSN line, as columns over one buffer: what
@@ -130,8 +141,9 @@ class MessageRun:
         return len(self.psn)
 
     def _own_buf(self) -> np.ndarray:
-        if self.buf is None:
-            self.buf = memory.buffers().empty(int(self.base[-1]))
+        """The run's whole buffer: ``buf`` until then holds only the messages copied at once (those
+        begun in held packets), or is None."""
+        self.buf = grown(memory.buffers(), self.buf, int(self.base[-1]))
         return self.buf
 
     def fill(self) -> None:
@@ -142,11 +154,13 @@ class MessageRun:
             self.pending = None
 
     def fill_range(self, a: int, b: int) -> None:
-        """``fill`` for the messages in ``buf[a:b]`` only (a ``LazySend``'s)."""
+        """``fill`` for the messages in ``buf[a:b]`` only (a ``LazySend``'s; one copied at once
+        needs nothing)."""
         if self.pending is not None:
             src, src_off, dst_off, length = self.pending
             i, j = np.searchsorted(dst_off, (a, b)).tolist()
-            copy_ranges(src, src_off[i:j], self._own_buf(), dst_off[i:j], length[i:j])
+            if i < j:
+                copy_ranges(src, src_off[i:j], self._own_buf(), dst_off[i:j], length[i:j])
 
     def place_range(self, a: int, b: int, dst, covered, start: int, n: int, es: int) -> int | None:
         """``_place.place_agreeing_gather`` of the message in ``buf[a:b]`` straight from the batch
@@ -569,9 +583,12 @@ class Reassembler:
         old = np.flatnonzero(~new)
         kx = int(np.searchsorted(heads - r0, old[-1] + 1)) if len(old) else 0  # first message of new rows only
         rx = int(heads[kx] - r0) if kx < len(heads) else r1 - r0  # its first row
-        # A run whose copy is left to the readers of its sends (``defer``, none copied at once) gets
-        # its buffer only if one of them is read (MessageRun._own_buf).
-        buf = self._buffers.empty(int(base[-1])) if rx or not self.defer else None
+        # A run whose copy is left to the readers of its sends (``defer``) gets a buffer for the
+        # messages copied at once, its whole buffer only if one of the others is read
+        # (MessageRun._own_buf): most runs of a batch begin in held packets, and whole buffers
+        # taken for them were most of a Simple replay's memory.
+        head = int(base[kx]) if kx < len(heads) else int(base[-1])
+        buf = self._buffers.empty(head if self.defer else int(base[-1])) if rx or not self.defer else None
         for from_new in (True, False):
             m = new[:rx] == from_new
             if m.any():
@@ -588,10 +605,10 @@ class Reassembler:
                     opcodes.HAS_IMMDT[tab["opcode"][g.end_row[k0:k1] - 1]].all():  # no CTS post: read at once
                 pending = (data, src[rx:], dst[rx:], plen[rx:])
             else:
-                buf = self._buffers.empty(int(base[-1])) if buf is None else buf
+                buf = grown(self._buffers, buf, int(base[-1]))
                 copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
         elif kx < len(heads):
-            buf = self._buffers.empty(int(base[-1])) if buf is None else buf
+            buf = grown(self._buffers, buf, int(base[-1]))
             sz = sizes[kx:]
             nb = ll_n[kx:] = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
             out_off = ll_off[kx:]

@@ -75,6 +75,45 @@ def test_capture_files_are_decoded_ahead_on_threads_of_their_own(monkeypatch):
     assert where and set(where) == {"mirror-decode"}
 
 
+def test_the_decode_thread_walks_at_most_decode_ahead_batches_before_the_packet_path(monkeypatch):
+    """Each batch walked early keeps its capture pages mapped: the thread walks the next one only
+    once the packet path took one."""
+    from mirrorckpt.parser import streams
+
+    taken, walked, most = [0], [0], [0]
+    real_next = streams._DecodeAhead.next
+
+    def next_(self):
+        got = real_next(self)
+        taken[0] += 1
+        return got
+
+    class Counted:
+        """A capture reader that counts the batches walked."""
+
+        stable_batches = True
+
+        def __init__(self, reader):
+            self.reader = reader
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            b = next(self.reader)
+            walked[0] += 1
+            most[0] = max(most[0], walked[0] - taken[0])
+            return b
+
+        def release_before(self, batch):
+            self.reader.release_before(batch)
+
+    monkeypatch.setattr(streams._DecodeAhead, "next", next_)
+    ms = MirrorStreams([(name, Counted(r)) for name, r in _sources("ll_r2_noise_faults", 8)[:1]], ahead=1)
+    assert sum(1 for _ in ms) >= 3 and taken[0] > 3
+    assert 1 <= most[0] <= streams.DECODE_AHEAD
+
+
 def test_a_capture_damaged_part_way_ends_the_same_decoded_ahead(tmp_path):
     """A capture cut off mid-frame: the sends before the damage and the damage itself, as without
     reading ahead."""
@@ -155,6 +194,29 @@ def test_reading_ahead_leaves_simple_payload_copies_to_the_reader_of_the_sends(n
     here = sum(n for main, n in filled if main)
     assert (here > 1 << 20) if deferred else not here
     assert all(main for main, _ in filled)
+
+
+def test_a_deferred_run_begun_in_held_packets_takes_a_buffer_for_those_only(simple_job, monkeypatch):
+    """Batches cut messages: a run's first messages begun in the batch before are copied at once,
+    into a buffer of their size, not one of the whole run (most of a Simple replay's memory when it
+    was); the run's other sends read the same bytes."""
+    from mirrorckpt.parser import reassembly
+
+    want = _walk(simple_job, 0, 1024)[0]
+    heads = []
+    real = reassembly.Reassembler._bulk
+
+    def bulk(self, *a):
+        out = real(self, *a)
+        for r in out if self.runs else []:
+            if r.pending is not None and r.buf is not None:
+                heads.append((len(r.buf), int(r.base[-1])))
+        return out
+
+    monkeypatch.setattr(reassembly.Reassembler, "_bulk", bulk)
+    assert _walk(simple_job, 1, 1024)[0] == want
+    assert heads and all(n < whole for n, whole in heads)
+    assert sum(n for n, _ in heads) < sum(whole for _, whole in heads) // 4
 
 
 def test_a_replay_places_the_sends_it_reads_from_the_capture_and_copies_no_others(simple_job, monkeypatch):
