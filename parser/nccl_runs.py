@@ -118,9 +118,8 @@ class RunLane:
         for k, fields, conns, *_ in plan:  # CTS posts first, in arrival order
             if fields is None:
                 continue
-            rkeys = fields["rkey"].tolist()
-            for rkey, post in zip(rkeys, zip(*[fields[f].tolist() for f in _CTS_FIELDS])):
-                self._post(conns[rkey], post)
+            for post in zip(*[fields[f].tolist() for f in _CTS_FIELDS]):
+                self._post(conns[post[3]], post)  # post[3]: its rkey
             self.cts_posts += len(k)
         # The sends, by time and QP number (stable: arrival order breaks ties), as feed sorts them.
         which = [(i, p[3]) for i, p in enumerate(plan) if len(p[3])]

@@ -587,8 +587,10 @@ class Reassembler:
         # messages copied at once, its whole buffer only if one of the others is read
         # (MessageRun._own_buf): most runs of a batch begin in held packets, and whole buffers
         # taken for them were most of a Simple replay's memory.
-        head = int(base[kx]) if kx < len(heads) else int(base[-1])
-        buf = self._buffers.empty(head if self.defer else int(base[-1])) if rx or not self.defer else None
+        if not self.defer:
+            buf = self._buffers.empty(int(base[-1]))
+        else:
+            buf = self._buffers.empty(int(base[kx]) if kx < len(heads) else int(base[-1])) if rx else None
         for from_new in (True, False):
             m = new[:rx] == from_new
             if m.any():

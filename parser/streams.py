@@ -36,7 +36,7 @@ the copies, and a page read after it stays mapped. A live source's batches are r
 back after the next: there the copy stays on the packet path.
 
 Those sources are also walked and decoded (frame walk, header decode, ICRC: compiled, without the
-GIL) on a thread per source, ``DECODE_AHEAD`` batches before the packet path (``_DecodeAhead``),
+GIL) on a thread per source, ``DECODE_AHEAD`` batches before the packet path (``_Ahead``),
 so that what stays on the packet path's thread is the reassembly and the NCCL decoding, and the
 walk's and the ICRC's time runs beside the caller's placement on the other core.
 """
@@ -109,7 +109,7 @@ class MirrorStreams:
         self._iters = [iter(b) for _, b in sources]
         self.ahead = ahead
         self._fed: dict[int, FrameBatch] = {}  # per stream, the last part fed since the last list
-        self._decoded: list[_DecodeAhead] = []  # per stream, when decoded ahead (see _read_ahead)
+        self._decoded: list[_Ahead] = []  # per stream, its batches decoded ahead (see _read_ahead)
 
     def __iter__(self) -> Iterator[list[NcclSend]]:
         if self.ahead <= 0:
@@ -118,9 +118,7 @@ class MirrorStreams:
 
     def _read_ahead(self) -> Iterator[list[NcclSend]]:
         """``_merge`` on a thread, ``ahead`` lists in front of the caller (see the module doc)."""
-        q: queue.Queue = queue.Queue(self.ahead)
         stop = threading.Event()
-        done = object()
         # Simple sends stay in their batch until the caller reads them (LazySend), on its thread,
         # where placement leaves room (the packet path's thread is the slower side): only when
         # every source's batches stay valid after the next (a capture file's mapping). Their pages
@@ -130,47 +128,33 @@ class MirrorStreams:
             for p, it in zip(self.paths, self._iters):
                 p.defer_copies()
                 it.consumer_releases = True
-            self._decoded = [_DecodeAhead(it, p, stop) for it, p in zip(self._iters, self.paths)]
+            self._decoded = [_Ahead(_decoded(it, p), DECODE_AHEAD, stop, "mirror-decode")
+                             for it, p in zip(self._iters, self.paths)]
+        ended: set[int] = set()
 
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
+        def lists():
+            for sends in self._merge(ended):
+                fed, self._fed = self._fed, {}
+                yield sends, fed, frozenset(ended)
 
-        def run() -> None:
-            ended: set[int] = set()
-            try:
-                for sends in self._merge(ended):
-                    fed, self._fed = self._fed, {}
-                    if not put((sends, fed, frozenset(ended))):
-                        return
-                put((done, {}, frozenset(ended)))
-            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-                put((e, {}, frozenset(ended)))
-
-        t = threading.Thread(target=run, name="mirror-read", daemon=True)
-        t.start()
+        # ``ahead`` lists wait for the caller while the thread makes the next one
+        reader = _Ahead(lists(), self.ahead + 1, stop, "mirror-read")
         try:
             while True:
-                item, fed, ended = q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self.ended = set(ended)
-                if item is done:
+                try:
+                    sends, fed, now = reader.next()
+                except StopIteration:
+                    self.ended = set(ended)  # the thread is done with it
                     return
+                self.ended = set(now)
                 if defer:  # the lists before this one are done with, and their batches' pages
                     for k, part in fed.items():
                         self._iters[k].release_before(part)
-                yield item
+                yield sends
         finally:
             stop.set()  # the caller stopped early (an error, a closed generator): let the threads end
-            t.join()
-            for d in self._decoded:
-                d.join()
+            for t in [reader, *self._decoded]:
+                t.join()
             self._decoded = []
 
     def _merge(self, ended: set[int]) -> Iterator[list[NcclSend]]:
@@ -248,46 +232,55 @@ def _split_decoded(b: FrameBatch, pk: roce.RocePackets | None, cut: int):
     return (first, pk.take(slice(0, j))), (rest, later)
 
 
-class _DecodeAhead:
-    """One source's batches walked and decoded (``PacketPath.decode``) on a thread of its own, at
-    most ``DECODE_AHEAD`` walked before the packet path takes them (the next is walked only once
-    one is taken: each batch walked early keeps its capture pages mapped); only for sources whose
-    batches stay valid after the next (capture files). ``next`` raises what the source raised,
-    in its place."""
+def _decoded(batches, path: PacketPath) -> Iterator[tuple[FrameBatch, roce.RocePackets]]:
+    for b in batches:
+        yield b, path.decode(b)
+
+
+class _Ahead:
+    """The items of ``source`` (an iterator) made on a thread of its own, at most ``depth`` made
+    before the caller takes them (the next is made only once one is taken: a capture batch walked
+    early keeps its pages mapped, a list of sends made early its buffers). ``next`` raises what
+    ``source`` raised, in its place, and StopIteration at its end."""
 
     _END = object()
 
-    def __init__(self, it, path: PacketPath, stop: threading.Event):
+    def __init__(self, source, depth: int, stop: threading.Event, name: str):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._room = threading.Semaphore(DECODE_AHEAD)
+        self._room = threading.Semaphore(depth)
         self._stop = stop
-        self._t = threading.Thread(target=self._run, args=(it, path), name="mirror-decode", daemon=True)
+        self._t = threading.Thread(target=self._run, args=(source,), name=name, daemon=True)
         self._t.start()
 
-    def _run(self, it, path: PacketPath) -> None:
+    def _run(self, source) -> None:
         try:
             while True:
                 while not self._room.acquire(timeout=0.1):
                     if self._stop.is_set():
                         return
-                b = next(it, None)
-                if b is None:
-                    break
-                self._q.put((b, path.decode(b)))
-            self._q.put(self._END)
-        except BaseException as e:  # noqa: BLE001 - raised again where the batch was asked for
-            self._q.put(e)
+                item = next(source, self._END)
+                self._q.put(item)
+                if item is self._END:
+                    return
+        except BaseException as e:  # noqa: BLE001 - raised again where the item was asked for
+            self._q.put(_Raised(e))
 
-    def next(self) -> tuple[FrameBatch, roce.RocePackets]:
+    def next(self):
         item = self._q.get()
-        if item is self._END:
-            self._q.put(item)  # asked again after the end: the end again
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._q.put(self._END)
-            raise item
+        if item is self._END or isinstance(item, _Raised):
+            self._q.put(self._END)  # asked again after the end: the end again
+            if item is self._END:
+                raise StopIteration
+            raise item.error
         self._room.release()
         return item
 
     def join(self) -> None:
         self._t.join()
+
+
+class _Raised:
+    """What the source of an ``_Ahead`` raised (an item may itself be an exception)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
