@@ -9,7 +9,8 @@ set above the capture size: a file source offered faster than the daemon decodes
 drop at the capture edge (what a live port does), and a run with drops measures less work. Every
 run must apply every iteration with none incomplete. Variants: the sends' bytes pickled through
 the queue (``transfer_bytes = 0``, the old path), through the shared-memory ring, and the port
-split over two workers (``[[mirror]] workers = 2``).
+split over two workers (``[[mirror]] workers = 2``). Each run also gives the CPU time of every stage's
+thread (the daemon's "stage CPU seconds" line): its slope says which stage a variant's rate is bound by.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ from mirrorckpt.benchmarks.bench_e2e import build, memcpy_GBps, slope
 VARIANTS = {"pickled, 1 worker": {"transfer_bytes": 0, "workers": 1},
             "shared ring, 1 worker": {"workers": 1},
             "shared ring, 2 workers": {"workers": 2}}
+
+
+# The daemon's "stage CPU seconds" line: per capture worker (capture, decode), then the parser and
+# updater threads of the daemon's process.
+STAGES = ("capture", "decode", "parser", "updater")
+
+
+def stage_slopes(short: dict, long: dict, nbytes: int) -> dict:
+    """CPU seconds per GB of capture of each stage between two runs (the busiest worker's, for
+    the capture and decode threads a port's workers share out)."""
+    def busiest(run, k):
+        v = run[k]
+        return max(v.values(), default=0.0) if isinstance(v, dict) else v
+    return {k: (busiest(long, k) - busiest(short, k)) / (nbytes / 1e9) for k in STAGES}
 
 
 def config(job_dir: Path, variant: dict) -> Path:
@@ -52,10 +67,13 @@ def serve_once(cfg: Path) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         raise RuntimeError(f"serve {cfg} exited {p.returncode}: {p.stderr[-2000:]}")
-    stopped = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{") and "appliance stopped" in x][-1]
+    lines = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{")]
+    stopped = [x for x in lines if x.get("msg") == "appliance stopped"][-1]
+    stages = [x for x in lines if x.get("msg") == "stage CPU seconds"][-1]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"seconds": wall, "cpu_seconds": cpu, "applied": stopped["iterations_applied"],
-            "incomplete": stopped["iterations_incomplete"]}
+            "incomplete": stopped["iterations_incomplete"],
+            "stage_cpu": {k: stages[k] for k in STAGES}}
 
 
 def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: Path) -> dict:
@@ -81,6 +99,7 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
         nbytes = res["bytes"][str(long)] - res["bytes"][str(short)]
         res["variants"][name] = {"runs": runs, "slope_GBps": slope(nbytes, b["seconds"] - a["seconds"]),
                                  "GB_per_cpu_second": slope(nbytes, b["cpu_seconds"] - a["cpu_seconds"]),
+                                 "stage_cpu_s_per_GB": stage_slopes(a["stage_cpu"], b["stage_cpu"], nbytes),
                                  "every_iteration": a["every_iteration"] and b["every_iteration"]}
     return res
 

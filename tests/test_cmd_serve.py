@@ -109,6 +109,24 @@ def test_serve_without_persist_says_it_commits_nothing(tmp_path):
     assert any("no [persist] table" in w and "no checkpoint is ever committed" in w for w in warned), warned
 
 
+def test_serve_says_each_stages_cpu_time(tmp_path):
+    """At the end, the CPU seconds of every stage's thread: what tells an operator which stage
+    limits a port (and whether more workers would help)."""
+    cfg = demo_config(tmp_path)
+    t = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - t
+    assert res.returncode == 0, res.stderr[-2000:]
+    cpu = [x for x in logs(res.stderr) if x["msg"] == "stage CPU seconds"][-1]
+    ports = [str(k) for k in range(len(load_job(cfg).mirrors))]
+    assert sorted(cpu["capture"]) == sorted(cpu["decode"]) == ports
+    for v in [cpu["capture"][k] for k in ports] + [cpu["decode"][k] for k in ports] + [cpu["parser"], cpu["updater"]]:
+        assert 0 < v < wall
+    # the daemon's threads are part of its process (which also loaded torch and the job)
+    assert cpu["parser"] + cpu["updater"] < cpu["daemon_process"]
+
+
 def test_serve_sets_the_updaters_torch_threads(tmp_path):
     """[updater] threads reaches torch in the serve process (the default is covered in test_jobfile)."""
     cfg = demo_config(tmp_path, "\n[updater]\nthreads = 3\n")

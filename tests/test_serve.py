@@ -110,6 +110,11 @@ def test_drop_counters_move_while_the_sends_queue_is_full(monkeypatch):
         stop.set()
     c = streams.counters[0]
     assert c["dropped_capture"] > 0 and c["frames"] > c["dropped_capture"]
+    # the worker's two threads say their CPU time, and the metrics follow
+    assert c["cpu_capture_ns"] > 0 and c["cpu_decode_ns"] > 0
+    cpu = {s.labels["stage"]: s.value for fam in streams.metrics.registry.collect() for s in fam.samples
+           if s.name == "mirrorckpt_stage_cpu_seconds_total" and s.labels.get("port") == "0"}
+    assert cpu == {"capture": c["cpu_capture_ns"] / 1e9, "decode": c["cpu_decode_ns"] / 1e9}
     dropped = sum(s.value for fam in streams.metrics.registry.collect() for s in fam.samples
                   if s.name == "mirrorckpt_frames_dropped_total" and s.labels.get("where") == "capture")
     assert dropped == c["dropped_capture"]

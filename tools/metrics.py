@@ -42,6 +42,10 @@ class Metrics:
                                     "checkpoint", registry=r)
         self.queue_depth = Gauge("mirrorckpt_queue_depth", "Items waiting between pipeline stages", ["queue"],
                                  registry=r)
+        self.stage_cpu = Counter("mirrorckpt_stage_cpu_seconds", "CPU time of each pipeline stage's thread: a capture "
+                                 "worker's capture and decode threads (per port), the parser and the updater; "
+                                 "the stage near a core's worth per second is the one that limits the rate",
+                                 ["stage", "port"], registry=r)
         self.memory = Gauge("mirrorckpt_resident_bytes", "Resident memory of the appliance process", registry=r)
         self.memory.set_function(_rss)
 

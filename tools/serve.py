@@ -100,8 +100,10 @@ def split_connection(decoder) -> str | None:
 # A worker's counters, in the shared array the main process reads: they must not wait behind
 # the sends in the bounded queue, or the drop counters freeze exactly while the pipeline backs up.
 # "capturing": 1 once the source is open (and a port's fanout group whole): frames sent before
-# then are not seen, so a port is reported only from then on.
-COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc", "capturing")
+# then are not seen, so a port is reported only from then on. "cpu_*_ns": the CPU time of the
+# worker's capture thread and decode thread so far (which of its stages limits the port).
+COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc", "capturing", "cpu_capture_ns",
+            "cpu_decode_ns")
 
 
 def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ring=None) -> None:
@@ -150,6 +152,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
                     held["bytes"] -= b.nbytes
                 _, sends = pp.feed(b)
                 counters["icrc"] = pp.counters.icrc_failed
+                counters["cpu_decode_ns"] = time.thread_time_ns()
                 publish()
                 if spec.share[1] > 1 and not warned:
                     warned = split_connection(pp.nccl)
@@ -160,6 +163,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
             _, sends = pp.flush()
             if sends:
                 put(sends)
+            counters["cpu_decode_ns"] = time.thread_time_ns()
         except VersionMismatch as e:  # the stated release (or the port's own earlier traffic) is contradicted
             out.put(("fatal", spec.port, str(e)))
             stop.set()
@@ -203,6 +207,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
             kstats = getattr(src, "kernel_drops", None)
             if kstats is not None:
                 counters["dropped_kernel"] = int(kstats() if callable(kstats) else kstats)
+            counters["cpu_capture_ns"] = time.thread_time_ns()
             publish()
             if stop.is_set():
                 break
@@ -213,6 +218,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     except Exception as e:  # noqa: BLE001  (any other failure must not look like a clean end of the source)
         damage = f"{type(e).__name__}: {e}"
     finally:
+        counters["cpu_capture_ns"] = time.thread_time_ns()
         local.put(None)
         t.join()
         publish()
@@ -283,6 +289,7 @@ class QueueStreams:
         # What each port's decoder saw of the NCCL release (CTS tags stay in the workers: serve
         # takes ranks from the config)
         self.decoders = [WireSeen() for _ in range(nports)]
+        self.parser_cpu_ns = 0  # CPU time of the thread that iterates this stream (the parser)
 
     @property
     def ended(self) -> set[int]:
@@ -347,6 +354,7 @@ class QueueStreams:
             if unsettled is not None and time.monotonic() - unsettled >= self.idle_seconds:
                 unsettled = None
                 yield WIRE_IDLE
+            self.parser_cpu_ns = time.thread_time_ns()  # the parser thread's work until this item
             try:
                 kind, port, payload = self.q.get(timeout=0.2)
             except queue.Empty:
@@ -412,6 +420,9 @@ class QueueStreams:
         m.dropped.labels(lp, "capture").inc(max(0, c["dropped_capture"] - old.get("dropped_capture", 0)))
         m.dropped.labels(lp, "kernel").inc(max(0, c["dropped_kernel"] - old.get("dropped_kernel", 0)))
         m.icrc.labels(lp).inc(max(0, c["icrc"] - old.get("icrc", 0)))
+        for stage in ("capture", "decode"):
+            k = f"cpu_{stage}_ns"
+            m.stage_cpu.labels(stage, lp).inc(max(0, c[k] - old.get(k, 0)) / 1e9)
         self.counters[port] = c
         self.stats[port].frames, self.stats[port].bytes = c["frames"], c["bytes"]
 
@@ -504,6 +515,8 @@ class Daemon:
         self._wire_ts: dict[int, int] = {}  # checkpoint step -> its iteration's last capture timestamp
         self._lat_lock = threading.Lock()
         self.latencies: collections.deque = collections.deque(maxlen=4096)  # (what, seconds, wire ts), newest last
+        self.updater_cpu_ns = 0
+        self._cpu_seen = {"parser": 0, "updater": 0}
         self._appliance = None
         self.streams = None
         self.error: BaseException | None = None
@@ -573,6 +586,7 @@ class Daemon:
             self.error = e
             log.exception("parser stopped")
         finally:
+            streams.parser_cpu_ns = time.thread_time_ns()
             self.iters_q.put(None)
 
     def _from_wire(self, streams, model, ring, window: int = 2000):
@@ -620,6 +634,7 @@ class Daemon:
         drive(iter(self._next_update, None), sink, self._updated)  # metrics after each step
 
     def _next_update(self):
+        self.updater_cpu_ns = time.thread_time_ns()  # the updater thread's work until this item
         item = self.iters_q.get()
         self.metrics.queue_depth.labels("iterations").set(self.iters_q.qsize())
         if item is not None and self.updater_delay:
@@ -664,10 +679,34 @@ class Daemon:
 
     def _sync_counters(self, done: threading.Event) -> None:
         while not done.wait(0.2):
-            if self.streams is not None:
-                self.streams.sync_counters()
+            self._sync_once()
+        self._sync_once()
+
+    def _sync_once(self) -> None:
         if self.streams is not None:
             self.streams.sync_counters()
+        for stage, ns in self._main_cpu().items():
+            self.metrics.stage_cpu.labels(stage, "").inc(max(0, ns - self._cpu_seen[stage]) / 1e9)
+            self._cpu_seen[stage] = max(ns, self._cpu_seen[stage])
+
+    def _main_cpu(self) -> dict[str, int]:
+        return {"parser": self.streams.parser_cpu_ns if self.streams is not None else 0,
+                "updater": self.updater_cpu_ns}
+
+    def stage_cpu(self) -> dict:
+        """CPU seconds of each stage's thread so far: capture and decode per capture stream, the
+        parser, the updater (its own thread; torch's pool threads, when it has more than one, are
+        in ``daemon_process``), and this process's whole CPU time (start-up included)."""
+        import resource
+
+        per = {"capture": {}, "decode": {}}
+        if self.streams is not None:
+            for port, c in sorted(self.streams.counters.items()):
+                for stage in per:
+                    per[stage][self.streams.labels[port]] = round(c.get(f"cpu_{stage}_ns", 0) / 1e9, 4)
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return {**per, **{k: round(v / 1e9, 4) for k, v in self._main_cpu().items()},
+                "daemon_process": round(ru.ru_utime + ru.ru_stime, 4)}
 
     def _on_stale(self, exc) -> None:
         self.metrics.fallbacks.inc()
@@ -719,6 +758,7 @@ class Daemon:
             w.join(timeout=10)
         done.set()
         counters.join()
+        log.info("stage CPU seconds", extra=self.stage_cpu())
         if self.control is not None:
             self.control.server.stop()
         if self.appliance is not None:
