@@ -105,17 +105,20 @@ def test_fused_trainer_and_for_loop_replica_2000_steps_within_tolerance_and_corr
     assert st.fallbacks_requested == 1 and st.fallbacks_done == 1 and st.fallbacks_failed == 0
     assert plane.app.summary.stale_events == 0 and st.applied_without_meta == 0
     assert job.link.stats.fallbacks and r.decisions_overridden == 0
-    # the arithmetic differs: no fingerprint was bit-exact, all but the corrupted one within tolerance
-    assert st.fingerprints_exact == 0 and st.fingerprints_checked >= 95
+    # the arithmetic differs: the fingerprints are within tolerance, not bit-exact (on an Intel Xeon
+    # the two kernels agreed bit for bit for some steps after the resync; never on an AMD EPYC)
+    assert st.fingerprints_checked >= 95 and st.fingerprints_exact <= st.fingerprints_checked // 10
     assert 0 < st.max_distance
     marks = verified(tmp_path)  # every 100 steps up to the drift, then the resync's own checkpoint
     assert set(range(100, 1201, 100)) <= set(marks) and 1220 not in marks
     resync = [d for k, d in st.events if k == "resynced"][0]["step"]
     assert marks[resync]["source"] == "gockpt" and marks[resync]["steps_since_exact"] == 3
-    for step, v in marks.items():
-        assert v["match"] == "tolerance" and 0 < v["distance"] <= v["tolerance"], (step, v)
-        assert v["tolerance"] == pytest.approx(numeric.COEFFICIENTS["adamw"] * 2 ** -24
-                                               * math.sqrt(v["steps_since_exact"] + 1))
+    for step, v in marks.items():  # exact only where the two kernels happened to agree (see above)
+        assert (v["match"], v["distance"] > 0) in (("tolerance", True), ("exact", False)), (step, v)
+        if v["match"] == "tolerance":
+            assert v["distance"] <= v["tolerance"] == pytest.approx(numeric.COEFFICIENTS["adamw"] * 2 ** -24
+                                                                    * math.sqrt(v["steps_since_exact"] + 1))
+    assert sum(v["match"] == "tolerance" for v in marks.values()) > len(marks) // 2
 
 
 def corrupt_once(step: int):
