@@ -428,23 +428,18 @@ def _render_serve(name, r) -> list[str]:
                          f"{_f(y['slope_GBps'])} | {_f(ratio)} | {_f(y['GB_per_cpu_second'])} | "
                          f"{'yes' if y['every_iteration'] else 'NO'} |")
             first = False
-    if any("stage_cpu_s_per_GB" in y for p in protos for y in r[p]["variants"].values()):
+    stages = [(p, v, y["stage_cpu_s_per_GB"]) for p in protos for v, y in r[p]["variants"].items()
+              if "stage_cpu_s_per_GB" in y]
+    if stages:  # bench_serve.STAGES, in its order
         lines += ["", "CPU seconds per GB of capture of each stage's thread in the same runs (slope; the capture "
                   "and decode threads of the busiest worker; the updater's own thread). With a core for each "
                   "thread, a variant's rate would be bound by its largest entry; on this machine the threads "
                   "share the cores, and a thread's CPU time grows when others compete with it for them and for "
                   "memory bandwidth.", "",
-                  "| protocol | variant | capture | decode | parser | updater |", "|---|---|---|---|---|---|"]
-        for p in protos:
-            first = True
-            for v, y in r[p]["variants"].items():
-                st = y.get("stage_cpu_s_per_GB")
-                if st is None:
-                    continue
-                lines.append(f"| {p if first else ''} | {v} | " + " | ".join(f"{st[k]:.2f}" for k in
-                                                                            ("capture", "decode", "parser", "updater"))
-                             + " |")
-                first = False
+                  "| protocol | variant | " + " | ".join(stages[0][2]) + " |", "|---|---|" + "---|" * len(stages[0][2])]
+        for i, (p, v, st) in enumerate(stages):
+            shown = p if i == 0 or stages[i - 1][0] != p else ""
+            lines.append(f"| {shown} | {v} | " + " | ".join(f"{x:.2f}" for x in st.values()) + " |")
     if r.get("load_average_after"):
         load = ", ".join(f"{x:.1f}" for x in r["load_average_after"])
         lines += ["", f"Load average at the end of the section: {load}."]
