@@ -12,6 +12,8 @@ crc32_gzip_refl computes it with carry-less multiplies and is used when setup.py
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
+include "_ll.pxi"
+
 cdef extern from * nogil:
     """
     #include <stdint.h>
@@ -237,9 +239,19 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
                   uint8_t[::1] ackreq, uint64_t[::1] va, int64_t[::1] rkey, int64_t[::1] dlen,
                   uint8_t[::1] has_reth, uint8_t[::1] has_imm, int64_t[::1] imm, int64_t[::1] syndrome,
                   int64_t[::1] msn, int64_t[::1] pay_off, int64_t[::1] pay_len, uint8_t[::1] icrc_ok,
-                  int64_t[::1] classes, int64_t[::1] other_etype):
-    """Decodes every frame; writes one row per RoCEv2 packet. Returns (packets, other ethertypes)."""
+                  int64_t[::1] classes, int64_t[::1] other_etype, const uint8_t[::1] is_write,
+                  uint8_t[::1] llu, uint32_t[::1] llf, int ll_line, int ll_lo, int ll_f1, int ll_hi, int ll_f2):
+    """Decodes every frame; writes one row per RoCEv2 packet. Returns (packets, other ethertypes).
+
+    With ``llu`` (not empty: at least half the batch's bytes), each RDMA WRITE payload of whole LL
+    lines is read as LL right after its ICRC, while it is in cache: llf[row] its flag (0: not
+    intact LL, or not read), its data words at llu[pay_off // 2] on (8 bytes a line), so that
+    reassembly need not copy the wire bytes of an intact LL message to read it."""
     cdef Py_ssize_t n = offset.shape[0], f
+    cdef bint want_ll = llu.shape[0] > 0
+    if want_ll and (llf.shape[0] < n or llu.shape[0] < data.shape[0] // 2 or is_write.shape[0] < 256
+                    or ll_line < 16 or ll_line % 16):
+        raise ValueError("decode_frames: LL outputs too small")
     cdef int64_t r = 0, no = 0, nbytes = data.shape[0]
     cdef int64_t base, end, l3, l4, hl, ip_end, etype, proto, ulen, udp_end, bth, h, icrc_at, po, pl, k
     cdef int64_t dport, op
@@ -391,5 +403,8 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
                 icrc_ok[r] = got == want
             else:
                 icrc_ok[r] = 1
+            if want_ll:
+                llf[r] = _ll_one(p + po, pl, &llu[po // 2], ll_line, ll_lo, ll_f1, ll_hi, ll_f2) \
+                    if is_write[op] and pl >= ll_line and pl % ll_line == 0 else 0
             r += 1
     return r, no

@@ -119,20 +119,35 @@ class NcclSend:
     def sha256(self) -> str | None:
         return hashlib.sha256(self.data.tobytes()).hexdigest() if self.complete else None
 
+    def copy_into(self, dst: np.ndarray) -> None:
+        """Its bytes into ``dst`` (``nbytes`` of uint8), from where they lie."""
+        dst[:] = np.ravel(self.data).view(np.uint8)
+
+    def carrying(self, data) -> NcclSend:
+        """A plain send with these fields and ``data`` in place of its bytes: what goes to another
+        process (a LazySend's batch and run stay behind)."""
+        out = NcclSend.__new__(NcclSend)
+        out.__dict__.update(self.__dict__)
+        out.__dict__.pop("_source", None)
+        out.__dict__.pop("_data", None)
+        out.data = data
+        return out
+
 
 class LazySend(NcclSend):
-    """A Simple send whose bytes are still in the capture batch (``MessageRun.pending``): its run's
-    buffer is filled for its message's range when ``data`` is first read. Most sends of a ring
+    """A send whose bytes are still in the capture batch: a Simple send's wire bytes
+    (``MessageRun.pending``), or an LL send's words as the decode read them (``ll_pending``). Its
+    run's buffer is filled for its message's range when ``data`` is first read. Most sends of a ring
     all-reduce are never read (the reduce-scatter half: the concatenator keeps final values
-    only), so their copy is never made."""
+    only), so their copy is never made. ``_source``: (run, start, end, LL words or not, message)."""
 
     @property
     def data(self) -> np.ndarray:
         src = self.__dict__.get("_source")
         if src is not None:
-            run, a, b = src
-            run.fill_range(a, b)
-            self._data = run.buf[a:b]
+            run, a, b, ll, k = src
+            run.fill_range(k, ll)
+            self._data = run.ll_user[a:b] if ll else run.buf[a:b]
             self._source = None
         return self._data
 
@@ -145,10 +160,17 @@ class LazySend(NcclSend):
         src = self.__dict__.get("_source")
         return src[2] - src[1] if src is not None else len(self._data)
 
+    def copy_into(self, dst: np.ndarray) -> None:
+        """Straight from the capture (its run is not filled)."""
+        src = self.__dict__.get("_source")
+        if src is None:
+            return super().copy_into(dst)
+        src[0].copy_range(src[4], dst, src[3])
+
     def place_agreeing(self, dst, covered, start: int, n: int, es: int) -> int | None:
         """Straight from the capture; None once ``data`` was read."""
         src = self.__dict__.get("_source")
-        return src[0].place_range(src[1], src[2], dst, covered, start, n, es) if src is not None else None
+        return src[0].place_range(src[4], dst, covered, start, n, es, src[3]) if src is not None else None
 
 
 @dataclass

@@ -146,13 +146,16 @@ class RunLane:
                                                                    ts[order].tolist()):
             r, c, _, (qi, nq) = per_run[i]
             if flag and want_ll:
-                fast = (protocols.LL, r.ll_user[o:o + n], flag)
+                # LL words still in the batch (ll_pending): gathered if and when they are read
+                fast = (protocols.LL, None if r.ll_pending is not None else r.ll_user[o:o + n], flag)
             else:
-                if r.pending is not None and b > a:
+                if r.pending is not None and r.ll_pending is None and b > a:
                     # still in the batch, none of its messages opens like LL or LL128: Simple, and
                     # its bytes are the send's (LazySend reads them when they are wanted)
                     fast = (protocols.SIMPLE, None, None)
                 else:
+                    if r.ll_pending is not None:
+                        r.fill_range(m)  # a message of an LL run read from the decode's LL words
                     fast = protocols.decode_intact(r.buf[a:b], self.protocol) if b > a else None
             if fast is None:  # lines to read the careful way, or an empty step: as the per-message path
                 msg = r.message(m)
@@ -162,11 +165,12 @@ class RunLane:
             proto, user, flag = fast
             c.protocol = proto
             cts = self._match_cts(c, va)
-            lazy = r.pending is not None  # still in the batch: copied if and when it is read
+            # still in the batch: copied if and when it is read
+            lazy = user is None and (r.ll_pending is not None if proto == protocols.LL else r.pending is not None)
             s = (LazySend if lazy else NcclSend)(c.key, r.qp, proto, user, [], b - a, size, va, "normal", flag,
                                                  cts.idx if cts else None, cts, t, True, stream, psn, npkts,
                                                  pmtu.get(r.qp, 0), qi if nq > 1 else 0, nq)
             if lazy:
-                s._source = (r, a, b)
+                s._source = (r, o, o + n, True, m) if proto == protocols.LL else (r, a, b, False, m)
             out.append(s)
         return out

@@ -22,7 +22,9 @@ class PacketPath:
     def decode(self, batch: FrameBatch) -> roce.RocePackets:
         """The frame decode and ICRC check alone: compiled, so it may run ahead on another thread
         (``streams.MirrorStreams``), which then hands its packets to ``feed``."""
-        return roce.decode(batch, icrc=self.icrc, into=self.counters)[0]
+        # With deferred copies an intact LL message is read from what the decode read of its
+        # packets (RocePackets.llu), not copied from the batch first
+        return roce.decode(batch, icrc=self.icrc, into=self.counters, ll=self.reassembler.defer)[0]
 
     def feed(self, batch: FrameBatch, pk: roce.RocePackets | None = None) -> tuple[list[RdmaMessage], list[NcclSend]]:
         if pk is None:

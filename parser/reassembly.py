@@ -17,7 +17,11 @@ Payloads are copied once into the message buffer when their message is decided w
 batch; only packets still waiting at the end of a batch are copied into a per-QP holding slab.
 With ``defer`` (batches that stay valid, read on another thread) a run of messages that cannot be
 LL or LL128 is not copied at all: its payload stays in the batch until its sends are read
-(``MessageRun.pending``, ``nccl.LazySend``).
+(``MessageRun.pending``, ``nccl.LazySend``). Nor is a run of LL messages whose packets the decode
+already read as LL (``roce.decode(ll=True)``: each packet's flag and data words, read while its
+ICRC had it in cache): a message whose packets all carry one flag is that flag's LL message, its
+words still in the batch's word buffer (``MessageRun.ll_pending``); the others are read from their
+wire bytes as before.
 """
 
 from __future__ import annotations
@@ -136,6 +140,13 @@ class MessageRun:
     # pinned); ``fill`` copies it, and whatever reads ``buf`` fills first. ``buf`` is None until then
     # when none of the run was copied at once.
     pending: tuple | None = None
+    # The same for LL messages read as the decode read their packets (RocePackets.llu): ``pending``
+    # holds their wire bytes (read only by a reader of ``buf``: the careful path) and ``ll_pending``
+    # their LL words, gathered into ``ll_user`` (ll_off/ll_n) only when read (``nccl.LazySend``
+    # places them straight from the batch's words, and never copies the reduce-scatter half)
+    ll_pending: tuple | None = None
+    pend_from: int = 0  # the first message in the pending pieces (those before were copied at once)
+    _prow: list | None = None  # per pending message, its first piece (MessageRun._pieces)
 
     def __len__(self) -> int:
         return len(self.psn)
@@ -146,38 +157,83 @@ class MessageRun:
         self.buf = grown(memory.buffers(), self.buf, int(self.base[-1]))
         return self.buf
 
+    def _own_user(self) -> np.ndarray:
+        if self.ll_user is None:
+            self.ll_user = memory.buffers().empty(int(self.ll_off[-1] + self.ll_n[-1]))
+        return self.ll_user
+
+    def _lazy(self, ll: bool) -> tuple:
+        """(pieces still in the batch, the run's buffer of them, the one who makes it whole)."""
+        return (self.ll_pending, self.ll_user, self._own_user) if ll else (self.pending, self.buf, self._own_buf)
+
     def fill(self) -> None:
-        """Copies the payload ``Reassembler.defer`` left for the reader of the run's sends."""
-        if self.pending is not None:
-            src, src_off, dst_off, length = self.pending
-            copy_ranges(src, src_off, self._own_buf(), dst_off, length)
-            self.pending = None
+        """Copies the payload (and LL words) ``Reassembler.defer`` left for the readers of the run's sends."""
+        for ll in (False, True):
+            pend, _, own = self._lazy(ll)
+            if pend is not None:
+                copy_ranges(pend[0], pend[1], own(), pend[2], pend[3])
+        self.pending = self.ll_pending = None
 
-    def fill_range(self, a: int, b: int) -> None:
-        """``fill`` for the messages in ``buf[a:b]`` only (a ``LazySend``'s; one copied at once
-        needs nothing)."""
-        if self.pending is not None:
-            src, src_off, dst_off, length = self.pending
-            i, j = np.searchsorted(dst_off, (a, b)).tolist()
-            if i < j:
-                copy_ranges(src, src_off[i:j], self._own_buf(), dst_off[i:j], length[i:j])
+    def bounds(self, k: int, ll: bool = False) -> tuple[int, int]:
+        """Message ``k``'s bytes in ``buf`` (``ll``: its LL words in ``ll_user``)."""
+        if ll:
+            a = int(self.ll_off[k])
+            return a, a + int(self.ll_n[k])
+        return int(self.base[k]), int(self.base[k + 1])
 
-    def place_range(self, a: int, b: int, dst, covered, start: int, n: int, es: int) -> int | None:
-        """``_place.place_agreeing_gather`` of the message in ``buf[a:b]`` straight from the batch
-        (its first ``n`` elements); None once the run is filled (``buf`` holds the bytes)."""
-        if self.pending is None or a < self.pending[2][0]:
-            return None  # copied already (a message that began in held packets: copied at once)
-        src, src_off, dst_off, length = self.pending
-        i, j = np.searchsorted(dst_off, (a, b)).tolist()
-        return _place.place_agreeing_gather(dst, covered, start, src, src_off[i:j], dst_off[i:j] - a, length[i:j],
-                                            n, es)
+    def _pieces(self, pend: tuple, k: int, shift: bool = False) -> tuple | None:
+        """Message ``k``'s pieces still in the batch (source, its offsets, offsets in the run's
+        buffer or, ``shift``, in the message, lengths); None when it was copied at once. Both
+        pending tuples list the same packets, a message's ``npkts`` of them in turn."""
+        k -= self.pend_from
+        if k < 0:
+            return None
+        if self._prow is None:
+            self._prow = np.concatenate([[0], np.cumsum(self.npkts[self.pend_from:])]).tolist()
+        i, j = self._prow[k], self._prow[k + 1]
+        src, src_off, dst_off, length = pend
+        d = dst_off[i:j]
+        return src, src_off[i:j], (d - d[0] if shift and j > i else d), length[i:j]
+
+    def fill_range(self, k: int, ll: bool = False) -> None:
+        """``fill`` for message ``k`` only (a ``LazySend``'s; one copied at once needs nothing)."""
+        pend, _, own = self._lazy(ll)
+        p = self._pieces(pend, k) if pend is not None else None
+        if p is not None:
+            copy_ranges(p[0], p[1], own(), p[2], p[3])
+
+    def copy_range(self, k: int, dst: np.ndarray, ll: bool = False) -> None:
+        """Message ``k``'s bytes (``ll``: its LL words) copied into ``dst``, from the batch where
+        they are still pending: neither filled into the run's buffer nor pool memory taken."""
+        pend, have, _ = self._lazy(ll)
+        p = self._pieces(pend, k, True) if pend is not None else None
+        if p is None:  # filled already, or copied at once (begun in held packets)
+            a, b = self.bounds(k, ll)
+            dst[:] = have[a:b]
+        else:
+            copy_ranges(p[0], p[1], dst, p[2], p[3])
+
+    def place_range(self, k: int, dst, covered, start: int, n: int, es: int, ll: bool = False) -> int | None:
+        """``_place.place_agreeing_gather`` of message ``k`` (``ll``: its LL words) straight from the
+        batch (its first ``n`` elements); None once the run is filled, or it was copied at once."""
+        pend = self.ll_pending if ll else self.pending
+        p = self._pieces(pend, k, True) if pend is not None else None
+        return None if p is None else _place.place_agreeing_gather(dst, covered, start, *p, n, es)
 
     def message(self, k: int) -> RdmaMessage:
-        return self.messages(slice(k, k + 1))[0]
+        """Message ``k`` alone (its bytes filled, not the run's)."""
+        self.fill_range(k)
+        self.fill_range(k, True)
+        return self._messages(slice(k, k + 1))[0]
 
     def messages(self, which: slice = slice(None)) -> list[RdmaMessage]:
         self.fill()
+        return self._messages(which)
+
+    def _messages(self, which: slice) -> list[RdmaMessage]:
         key, sport, buf, user = self.qp, self.sport, self.buf, self.ll_user
+        if buf is None:  # nothing filled: empty messages only
+            buf = np.zeros(0, np.uint8)
         a, b = self.base[:-1][which].tolist(), self.base[1:][which].tolist()
         cols = zip(self.psn[which].tolist(), self.npkts[which].tolist(), a, b, self.va[which].tolist(),
                    self.rkey[which].tolist(), self.dlen[which].tolist(), self.imm[which].tolist(),
@@ -471,6 +527,11 @@ class Reassembler:
             qp.pmtu = max(qp.pmtu, full)
             st.pmtu = qp.pmtu
         out: list[RdmaMessage] = []
+        ll = None  # the new rows' LL flags (the table's rows) and the batch's LL words, as decoded
+        if self.defer and b.llu is not None:
+            llf = np.zeros(n, np.uint32)
+            llf[npend:] = b.llf[rows]
+            ll = (llf, b.llu)
         if k:
             heads, npks = heads[:k], npks[:k]
             hd = tab["dlen"][heads]
@@ -479,7 +540,7 @@ class Reassembler:
             k0 = 0
             while k0 < k:  # runs of at most RUN_BYTES, cut where _walk cuts them
                 k1 = min(k, k0 + max(1, int(np.searchsorted(g.cum_dlen[k0 + 1:], g.cum_dlen[k0] + RUN_BYTES)) + 1))
-                out += self._bulk(qp, tab, src_is_new, data, g, k0, k1)
+                out += self._bulk(qp, tab, src_is_new, data, g, k0, k1, ll)
                 k0 = k1
         rest = {c: v[used:] for c, v in tab.items()}
         qp.pend, qp.slab = self._hold(rest, src_is_new[used:], data, qp.slab)
@@ -559,9 +620,10 @@ class Reassembler:
         cum = np.concatenate([[0], np.cumsum(np.where(good, hd, 0))])
         return _Intact(heads, npk, pm, hd, end_row, good, run_end, head_at, cum)
 
-    def _bulk(self, qp, tab, src_is_new, data, g: _Intact, k0: int, k1: int) -> list:
+    def _bulk(self, qp, tab, src_is_new, data, g: _Intact, k0: int, k1: int, ll: tuple | None = None) -> list:
         """Places intact messages k0..k1-1 (consecutive rows) with one copy for all of them: one
-        ``MessageRun`` (``runs``), else its messages."""
+        ``MessageRun`` (``runs``), else its messages. ``ll``: the table's LL flags and the batch's LL
+        words as the decode read them (``_fast``, with ``defer``)."""
         st = qp.stats
         heads = g.heads[k0:k1]
         r0, r1 = int(heads[0]), int(g.end_row[k1 - 1])
@@ -598,7 +660,7 @@ class Reassembler:
                             np.ascontiguousarray(dst[:rx][m]), np.ascontiguousarray(plen[:rx][m]))
         n = k1 - k0
         ll_flag, ll_off, ll_n, user = np.zeros(n, np.uint32), np.zeros(n, np.int64), np.zeros(n, np.int64), None
-        pending = None
+        pending = ll_pending = None
         if kx < len(heads) and not _looks_ll(data, src[heads[kx:] - r0], plen[heads[kx:] - r0]):
             # No new message opens like LL (Simple, LL128): no LL reading to keep, a plain copy.
             # Deferred (see ``defer``) only when none could be LL128 either: the decoder then knows
@@ -610,22 +672,44 @@ class Reassembler:
                 buf = grown(self._buffers, buf, int(base[-1]))
                 copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
         elif kx < len(heads):
-            buf = grown(self._buffers, buf, int(base[-1]))
             sz = sizes[kx:]
             nb = ll_n[kx:] = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
             out_off = ll_off[kx:]
             np.cumsum(nb[:-1], out=out_off[1:])
-            user = self._buffers.empty(int(out_off[-1] + nb[-1]))
-            _place.gather_ll(data, src[rx:], plen[rx:], np.concatenate([heads[kx:] - r0 - rx, [r1 - r0 - rx]]),
-                             base[kx:] - base[kx], buf[base[kx]:], out_off, user, ll_flag[kx:], *_LL_ARGS)
+            flags = self._ll_read(ll, r0 + rx, r1, heads[kx:] - r0 - rx, g.end_row[k0:k1] - 1, tab["opcode"])
+            if flags is not None and flags.any():
+                # The new messages as the decode read their packets: LL words and wire bytes both
+                # stay in the batch until a send is read (MessageRun.ll_pending, pending)
+                ll_flag[kx:] = flags
+                ll_pending = (ll[1], src[rx:] // 2, (dst[rx:] - dst[rx]) // 2, plen[rx:] // 2)
+                pending = (data, src[rx:], dst[rx:], plen[rx:])
+            else:
+                buf = grown(self._buffers, buf, int(base[-1]))
+                user = self._buffers.empty(int(out_off[-1] + nb[-1]))
+                _place.gather_ll(data, src[rx:], plen[rx:], np.concatenate([heads[kx:] - r0 - rx, [r1 - r0 - rx]]),
+                                 base[kx:] - base[kx], buf[base[kx]:], out_off, user, ll_flag[kx:], *_LL_ARGS)
         last = g.end_row[k0:k1] - 1
         imm = tab["imm"][last]
         run = MessageRun(qp.key, st.sport, tab["psn"][heads], g.npk[k0:k1], base, tab["va"][heads], tab["rkey"][heads],
                          sizes, np.where(opcodes.HAS_IMMDT[tab["opcode"][last]], imm, -1),
-                         np.minimum.reduceat(tab["ts"][rows], heads - r0), buf, user, ll_off, ll_n, ll_flag, pending)
+                         np.minimum.reduceat(tab["ts"][rows], heads - r0), buf, user, ll_off, ll_n, ll_flag, pending,
+                         ll_pending, kx)
         st.messages += int(n)
         qp.cursor = int(run.psn[-1] + run.npkts[-1])
         return [run] if self.runs else run.messages()
+
+    def _ll_read(self, ll, a: int, b: int, starts: np.ndarray, closing: np.ndarray, opcode) -> np.ndarray | None:
+        """Each message's LL flag as the decode read its packets (table rows ``a:b``, messages from
+        ``starts`` on, relative to ``a``), when none is a CTS post (``closing``: the rows of the
+        run's closing packets all carry an immediate); else None. A packet's flag is 0 unless it
+        holds whole LL lines that all carry it, so a message whose packets all carry one flag reads
+        as ``_place.gather_ll`` reads it whole; any other is 0, read from its wire bytes later."""
+        if ll is None or not self.defer or not opcodes.HAS_IMMDT[opcode[closing]].all():
+            return None
+        f = ll[0][a:b]
+        first = f[starts]
+        same = np.maximum.reduceat(f, starts) == np.minimum.reduceat(f, starts)
+        return np.where(same, first, 0)
 
     @staticmethod
     def _plain(data, src, plen, rows, sizes, kx, buf, base) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mirrorckpt.capture.batch import FrameBatch
-from mirrorckpt.parser import _fast, opcodes
+from mirrorckpt.parser import _fast, memory, opcodes
 from mirrorckpt.parser.headers import (
     AETH,
     BTH,
@@ -34,6 +34,7 @@ from mirrorckpt.parser.headers import (
     UDP,
     VLAN,
 )
+from mirrorckpt.parser.protocols import LL_INTACT_ARGS
 
 
 @dataclass
@@ -88,16 +89,21 @@ class RocePackets:
     pay_off: np.ndarray  # absolute offset of the payload in batch.data
     pay_len: np.ndarray
     icrc_ok: np.ndarray
+    # decode(ll=True): each WRITE payload's LL flag (0: not intact LL) and, for the whole batch,
+    # the LL data words of those payloads at llu[pay_off // 2] (see _fast.decode_frames)
+    llf: np.ndarray | None = None
+    llu: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.frame.shape[0])
 
     def take(self, idx: np.ndarray) -> RocePackets:
-        return RocePackets(**{k: v[idx] for k, v in self.__dict__.items()})
+        return RocePackets(**{k: v[idx] if k != "llu" and v is not None else v for k, v in self.__dict__.items()})
 
     @staticmethod
     def concat(parts: list[RocePackets]) -> RocePackets:
-        keys = RocePackets.__dataclass_fields__
+        keys = [k for k in RocePackets.__dataclass_fields__ if k not in ("llf", "llu")]
+        # the parts' LL readings index their own batches: not carried over
         return RocePackets(**{k: np.concatenate([getattr(p, k) for p in parts]) for k in keys})
 
 
@@ -125,9 +131,11 @@ _fast.configure(
     opcodes.HAS_AETH.astype(np.uint8), opcodes.HAS_DETH.astype(np.uint8))
 
 
-def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None) -> tuple[RocePackets, Counters]:
+def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None,
+           ll: bool = False) -> tuple[RocePackets, Counters]:
     """Decodes the RoCEv2 packets of ``batch``; returns them with the batch's counters (added to
-    ``into`` and returned as it, when given: a stream's running counts, without a merge per batch)."""
+    ``into`` and returned as it, when given: a stream's running counts, without a merge per batch).
+    ``ll``: each WRITE payload is also read as LL while the ICRC has it in cache (``llf``, ``llu``)."""
     n = len(batch)
     c = into if into is not None else Counters()
     c.frames += n
@@ -141,10 +149,12 @@ def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None) -
     classes = np.zeros(len(_fast.CLASSES), np.int64)
     other = np.empty(n, np.int64)
     data = batch.data if batch.data.flags.c_contiguous else np.ascontiguousarray(batch.data)
+    llf = np.empty(n if ll else 0, np.uint32)
+    llu = _LL_WORDS.empty(len(data) // 2) if ll else np.empty(0, np.uint8)
     r, no = _fast.decode_frames(
         data, np.ascontiguousarray(batch.offset, np.int64), np.ascontiguousarray(batch.caplen, np.int64),
         np.ascontiguousarray(batch.wirelen, np.int64), batch.ethernet_mask().view(np.uint8), icrc,
-        *cols.values(), classes, other)
+        *cols.values(), classes, other, _IS_WRITE, llu, llf, *LL_INTACT_ARGS)
     for name, k in zip(_fast.CLASSES, classes.tolist()):
         if not k or name in ("roce", "ethertype_other"):
             continue
@@ -159,7 +169,8 @@ def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None) -
             c.classes[f"ethertype_0x{v:04x}"] += k
     for k in ("ackreq", "has_reth", "has_imm", "icrc_ok"):
         cols[k] = cols[k].view(bool)
-    pk = RocePackets(ts_ns=batch.ts_ns[cols["frame"][:r]], **{k: v[:r] for k, v in cols.items()})
+    pk = RocePackets(ts_ns=batch.ts_ns[cols["frame"][:r]], **{k: v[:r] for k, v in cols.items()},
+                     llf=llf[:r] if ll else None, llu=llu if ll else None)
     _count_roce(c, pk.opcode, pk.icrc_ok, icrc)
     return pk, c
 
@@ -174,5 +185,10 @@ def _count_roce(c: Counters, op: np.ndarray, icrc_ok: np.ndarray, checked: bool)
 
 
 # Counter keys per opcode x ICRC verdict (the index _count_roce counts), made once
+_IS_WRITE = opcodes.IS_WRITE.view(np.uint8)  # whose payloads decode(ll=True) reads as LL
+# decode(ll=True)'s words: a pool of their own. Taken from the one of run and result buffers, they
+# held its free mappings (untouched where the traffic is not LL), and those buffers were mapped
+# and faulted in anew (a Simple replay's system time and RSS grew).
+_LL_WORDS = memory.Buffers()
 _ROCE_CLASS = [f"roce:{opcodes.name(v // 2)}" for v in range(512)]
 _ICRC_CLASS = [f"{opcodes.name(v // 2)}:{'ok' if v % 2 else 'BAD'}" for v in range(512)]

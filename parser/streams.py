@@ -27,18 +27,20 @@ when the list it just got was made, never later (a stream counted ended early wo
 concatenator finalize collectives before that stream's last sends).
 
 That thread stayed the slower side, so where every source's batches stay valid after the next
-(capture files: views of their mapping) a Simple send's payload is copied from its batch when the
-caller reads it (``nccl.LazySend``, ``MessageRun.pending``): the concatenator reads the final
-values only, so the reduce-scatter half of a ring all-reduce is never copied, and what is copied is
-copied on the caller's thread. The caller then gives the capture's pages back, up to the parts of
+(capture files: views of their mapping) a Simple send's payload, or an LL send's words as the
+decode read them, is copied from its batch when the caller reads it (``nccl.LazySend``,
+``MessageRun.pending``, ``MessageRun.ll_pending``): the concatenator reads the final values only,
+so the reduce-scatter half of a ring all-reduce is never copied, and what is copied is copied on
+the caller's thread. The caller then gives the capture's pages back, up to the parts of
 the list it takes (``CaptureReader.release_before``): the walk's own release would run ahead of
 the copies, and a page read after it stays mapped. A live source's batches are ring slots, given
 back after the next: there the copy stays on the packet path.
 
-Those sources are also walked and decoded (frame walk, header decode, ICRC: compiled, without the
-GIL) on a thread per source, ``DECODE_AHEAD`` batches before the packet path (``_Ahead``),
-so that what stays on the packet path's thread is the reassembly and the NCCL decoding, and the
-walk's and the ICRC's time runs beside the caller's placement on the other core.
+Those sources are also walked and decoded (frame walk, header decode, ICRC and, while each
+payload is in cache, its LL reading: compiled, without the GIL) on a thread per source,
+``DECODE_AHEAD`` batches before the packet path (``_Ahead``), so that what stays on the packet
+path's thread is the reassembly and the NCCL decoding, and the walk's and the ICRC's time runs
+beside the caller's placement on the other core.
 """
 
 from __future__ import annotations

@@ -279,3 +279,31 @@ def test_replay_and_serve_say_when_the_icrc_is_slow(monkeypatch, tmp_path):
     monkeypatch.setattr(log, "propagate", log.propagate)
     res = CliRunner().invoke(main, ["serve", "--config", str(bad)])
     assert res.exit_code == 2 and '"the ICRC is slow here"' in res.stderr
+
+
+@pytest.mark.parametrize("name", ["demo", "ll_r2_noise_faults", "simple_r3_both", "ll128_bf16_v229"])
+def test_ll_read_by_the_decode_is_the_ll_kernels_reading(name):
+    """decode(ll=True) reads every WRITE payload of whole LL lines as protocols.ll_intact reads it:
+    its flag (0: not intact LL) and its data words at llu[pay_off // 2]; any other packet's flag is
+    0, and every other column is what decode gives without it."""
+    from common import PCAPS
+    from mirrorckpt.parser import protocols
+
+    read = 0
+    for path in sorted((PCAPS / name).glob("*.pcap*")):
+        b = read_all(path)
+        pk, plain = roce.decode(b, ll=True)[0], roce.decode(b)[0]
+        for k in plain.__dataclass_fields__:
+            if k not in ("llf", "llu"):
+                assert np.array_equal(getattr(pk, k), getattr(plain, k)), k
+        assert plain.llf is None and len(pk.llf) == len(pk)
+        for r in range(len(pk)):
+            po, pl = int(pk.pay_off[r]), int(pk.pay_len[r])
+            want = None
+            if opcodes.IS_WRITE[pk.opcode[r]] and pl and pl % 16 == 0:
+                want = protocols.ll_intact(b.data[po:po + pl])
+            assert int(pk.llf[r]) == (want[1] if want else 0)
+            if want:
+                assert np.array_equal(pk.llu[po // 2:po // 2 + pl // 2], want[0])
+                read += 1
+    assert (read > 100) == name.startswith(("demo", "ll_"))

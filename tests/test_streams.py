@@ -157,24 +157,34 @@ def test_ll_read_while_reassembling_gives_the_sends_of_reading_it_after(name, mo
     assert _walk(name, ahead=0)[0] == want
 
 
-@pytest.fixture(scope="module")
-def simple_job(tmp_path_factory):
-    """A generated 2-rank Simple job, the egress of both ranks (the e2e benchmark's shape, small)."""
+def _job(tmp_path_factory, protocol: str, pmtu: int):
+    """A generated 2-rank job, the egress of both ranks (the e2e benchmark's shape, small)."""
     from mirrorckpt.tools.generator.gen import GenConfig, generate
     from mirrorckpt.tools.generator.wire import WireOptions
 
-    out = tmp_path_factory.mktemp("simple2")
-    generate(GenConfig(ranks=2, channels=2, protocol="Simple", model="linear:300000", steps=3, seed=1,
-                       mirrors="0:egress,1:egress", wire=WireOptions(pmtu=4096), send_truth=False), out)
+    out = tmp_path_factory.mktemp(protocol)
+    generate(GenConfig(ranks=2, channels=2, protocol=protocol, model="linear:300000", steps=3, seed=1,
+                       mirrors="0:egress,1:egress", wire=WireOptions(pmtu=pmtu), send_truth=False), out)
     return out
 
 
-@pytest.mark.parametrize("name,deferred", [("simple", True), ("ll128_bf16_v229", False), ("ll_r2_noise_faults", False)])
+@pytest.fixture(scope="module")
+def simple_job(tmp_path_factory):
+    return _job(tmp_path_factory, "Simple", 4096)
+
+
+@pytest.fixture(scope="module")
+def ll_job(tmp_path_factory):
+    return _job(tmp_path_factory, "LL", 1024)
+
+
+@pytest.mark.parametrize("name,deferred", [("simple", True), ("demo", True), ("ll128_bf16_v229", False)])
 def test_reading_ahead_leaves_simple_payload_copies_to_the_reader_of_the_sends(name, deferred, simple_job,
                                                                                 monkeypatch):
-    """Read ahead from capture files, a Simple send's payload is copied from the batch when the
-    caller reads its bytes (the same bytes as copied at once); runs of LL or LL128 messages are read
-    on the packet path's thread and copied there."""
+    """Read ahead from capture files, a Simple send's payload, or an LL send's words as the decode
+    read them, are copied from the batch when the caller reads its bytes (the same bytes as copied
+    at once); runs of LL128 messages, and an LL message that does not read as intact LL, are read on
+    the packet path's thread and copied there."""
     from mirrorckpt.parser import reassembly
 
     def walk(ahead):
@@ -184,17 +194,19 @@ def test_reading_ahead_leaves_simple_payload_copies_to_the_reader_of_the_sends(n
     filled = []
     real = reassembly.MessageRun.fill_range
 
-    def fill_range(self, a, b):
-        if self.pending is not None:
-            filled.append((threading.current_thread() is threading.main_thread(), b - a))
-        real(self, a, b)
+    def fill_range(self, k, ll=False):
+        if (self.ll_pending if ll else self.pending) is not None:
+            a, b = self.bounds(k, ll)
+            filled.append((threading.current_thread() is threading.main_thread(), b - a, ll))
+        real(self, k, ll)
 
     monkeypatch.setattr(reassembly.MessageRun, "fill_range", fill_range)
     got = walk(1)
     assert got == want
-    here = sum(n for main, n in filled if main)
-    assert (here > 1 << 20) if deferred else not here
-    assert all(main for main, _ in filled)
+    here = sum(n for main, n, _ in filled if main)
+    assert (here > (1 << 20 if name == "simple" else 0)) if deferred else not here
+    # an LL message that does not read as intact LL is read from its wire bytes by the decoder
+    assert all(main for main, _, ll in filled if ll or name == "simple")
 
 
 def test_a_deferred_run_begun_in_held_packets_takes_a_buffer_for_those_only(simple_job, monkeypatch):
@@ -220,47 +232,56 @@ def test_a_deferred_run_begun_in_held_packets_takes_a_buffer_for_those_only(simp
     assert sum(n for n, _ in heads) < sum(whole for _, whole in heads) // 4
 
 
-def test_a_replay_places_the_sends_it_reads_from_the_capture_and_copies_no_others(simple_job, monkeypatch):
+@pytest.mark.parametrize("protocol", ["Simple", "LL"])
+def test_a_replay_places_the_sends_it_reads_from_the_capture_and_copies_no_others(protocol, simple_job, ll_job,
+                                                                                  monkeypatch):
     """The concatenator reads the final values only: the reduce-scatter half of a ring all-reduce's
-    sends stays in the capture, and every all-reduce is still exact."""
+    sends stays in the capture (Simple: its wire bytes; LL: its words as the decode read them), and
+    every all-reduce is still exact."""
     import json
 
     from mirrorckpt.config.jobfile import load_job
     from mirrorckpt.parser import reassembly
     from mirrorckpt.tools.cmd_replay import run
 
+    job_dir, ll = (simple_job, False) if protocol == "Simple" else (ll_job, True)
     copied = {"lazy": 0, "whole": 0, "deferred": 0, "placed": 0}
     real_range, real_fill, real_bulk = reassembly.MessageRun.fill_range, reassembly.MessageRun.fill, \
         reassembly.Reassembler._bulk
     real_place = reassembly.MessageRun.place_range
 
-    def place_range(self, a, b, *rest):
-        if self.pending is not None:
+    def pend(r):
+        return getattr(r, "ll_pending" if ll else "pending", None)
+
+    def place_range(self, k, *rest):
+        if pend(self) is not None and rest[-1] == ll:
+            a, b = self.bounds(k, ll)
             copied["placed"] += b - a
-        return real_place(self, a, b, *rest)
+        return real_place(self, k, *rest)
 
     def bulk(self, *a):
         out = real_bulk(self, *a)
-        copied["deferred"] += sum(int(r.pending[3].sum()) for r in out if getattr(r, "pending", None) is not None)
+        copied["deferred"] += sum(int(pend(r)[3].sum()) for r in out if pend(r) is not None)
         return out
 
-    def fill_range(self, a, b):
-        if self.pending is not None:
+    def fill_range(self, k, which=False):
+        if which == ll and pend(self) is not None and k >= self.pend_from:
+            a, b = self.bounds(k, ll)
             copied["lazy"] += b - a
-        real_range(self, a, b)
+        real_range(self, k, which)
 
     def fill(self):
-        if self.pending is not None:
-            copied["whole"] += int(self.pending[3].sum())
+        if pend(self) is not None:
+            copied["whole"] += int(pend(self)[3].sum())
         real_fill(self)
 
     monkeypatch.setattr(reassembly.MessageRun, "fill_range", fill_range)
     monkeypatch.setattr(reassembly.MessageRun, "fill", fill)
     monkeypatch.setattr(reassembly.Reassembler, "_bulk", bulk)
     monkeypatch.setattr(reassembly.MessageRun, "place_range", place_range)
-    job = load_job(simple_job / "job.toml")
-    js, results, _, _ = run([str(simple_job / m.source) for m in job.mirrors], job, nccl_version=job.ring.nccl_version)
-    truth = json.loads((simple_job / "truth.json").read_text())
+    job = load_job(job_dir / "job.toml")
+    js, results, _, _ = run([str(job_dir / m.source) for m in job.mirrors], job, nccl_version=job.ring.nccl_version)
+    truth = json.loads((job_dir / "truth.json").read_text())
     want = [h for it in truth["iterations"] for h in it["buckets_sha256"]]
     got = [r.sha256() for r in results if r.spec.kind == "allreduce" and r.spec.iteration is not None]
     assert got == want
