@@ -85,3 +85,37 @@ def test_a_spawned_worker_hands_its_sends_through_the_ring():
     assert [g.va for g in got] == list(range(60))
     for g in got:
         assert np.array_equal(g.data, send(1000 * (g.va % 13), g.va).data)
+
+
+def _lazy_sends(name: str) -> list:
+    """Sends of a bundled capture as read ahead from its files: Simple and LL ones still in their
+    batches (nccl.LazySend), their bytes not read yet."""
+    from common import PCAPS
+    from mirrorckpt.capture.pcapfile import open_capture
+    from mirrorckpt.parser.streams import MirrorStreams
+
+    files = sorted((PCAPS / name).glob("*.pcap*"))
+    return [s for sends in MirrorStreams([(str(p), open_capture(p, batch_frames=64)) for p in files], ahead=1)
+            for s in sends]
+
+
+def test_sends_still_in_their_batches_go_through_the_ring_with_their_bytes():
+    """A send whose bytes are still in its capture batch (Simple wire bytes, LL words as the decode
+    read them) is copied from there into the ring and arrives as a plain send with the bytes its
+    ``data`` reads; pickled whole (``own``) it takes its bytes, not its batch and run."""
+    from mirrorckpt.parser.nccl import LazySend
+    from mirrorckpt.tools.sendring import own
+
+    for name, proto in (("simple_r3_both", "Simple"), ("demo", "LL")):
+        sends = _lazy_sends(name)
+        lazy = [s for s in sends if isinstance(s, LazySend) and s.__dict__.get("_source") is not None]
+        assert len(lazy) > 10 and {s.protocol for s in lazy} == {proto}
+        ring = SendRing(CTX, 1 << 22)
+        got = through(ring, ring, lazy)
+        alone = [pickle.loads(pickle.dumps(own(s))) for s in lazy[:5]]
+        assert all(s.__dict__.get("_source") is not None for s in lazy)  # none was filled by that
+        for g, s in zip(got, lazy):
+            assert type(g) is NcclSend and (g.flag, g.va, g.nbytes) == (s.flag, s.va, s.nbytes)
+            assert np.array_equal(g.data, s.data.view(np.uint8))
+        for a, s in zip(alone, lazy):
+            assert type(a) is NcclSend and np.array_equal(a.data, s.data.view(np.uint8))

@@ -3,19 +3,30 @@
 Pickled through the multiprocessing queue, a send's bytes were copied four times (pickle, pipe
 write, pipe read, unpickle): 0.42 GB/s for 1 MB sends measured here, a fraction of what the
 packet path decodes, so `serve` ran at the queue's rate while its parser waited. Now each worker
-owns a ring of shared memory. It copies a chunk of sends' bytes into the ring and puts only their
-metadata on the queue (``pack``); the parser copies the chunk out into a buffer of its own in one
-memcpy and gives the ring space back (``unpack``). The ring is bounded: a worker whose ring is
-full waits for the parser, its queue backs up and the capture edge drops, as before.
+owns a ring of shared memory. It copies a chunk of sends' bytes into the ring (a send still in its
+capture batch, ``nccl.LazySend``, straight from there) and puts only their metadata on the queue
+(``pack``); the parser copies the chunk out into a buffer of its own in one memcpy and gives the
+ring space back (``unpack``). The ring is bounded: a worker whose ring is full waits for the
+parser, its queue backs up and the capture edge drops, as before.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterator
 
 import numpy as np
+from mirrorckpt.parser.nccl import LazySend
+
+
+def own(s):
+    """``s`` as it can be pickled whole: a send still in its capture batch (``nccl.LazySend``)
+    would take its batch and run with it, so it goes with a copy of its own bytes."""
+    if not isinstance(s, LazySend):
+        return s
+    d = np.empty(s.nbytes, np.uint8)
+    s.copy_into(d)
+    return s.carrying(d)
 
 
 class SendRing:
@@ -57,12 +68,12 @@ class SendRing:
         sends the chunk pickled."""
         chunk, size = [], 0
         for s in sends:
-            n = s.data.nbytes
+            n = s.nbytes
             if chunk and size + n > self.chunk_bytes:
                 yield self._chunk(chunk, size, waiting)
                 chunk, size = [], 0
             if n > self.chunk_bytes:
-                yield [s], None
+                yield [own(s)], None
                 continue
             chunk.append(s)
             size += n
@@ -76,16 +87,14 @@ class SendRing:
         end = start + size
         while end - self.done[0] > self.nbytes:  # the parser has not copied out what this reuses
             if waiting is not None and waiting():
-                return sends, None
+                return [own(s) for s in sends], None
             time.sleep(0.0005)
         view, pos, bare = self.view, start % self.nbytes, []
         for s in sends:
-            n = s.data.nbytes
-            view[pos:pos + n] = np.ravel(s.data).view(np.uint8)
+            n = s.nbytes
+            s.copy_into(view[pos:pos + n])  # a send still in its capture batch: straight from there
             pos += n
-            b = copy.copy(s)  # the decoder may still hold the send: its bytes stay
-            b.data = n  # the length stands in for the bytes
-            bare.append(b)
+            bare.append(s.carrying(n))  # the length stands in for the bytes
         self.written = end
         return bare, (start, end)
 

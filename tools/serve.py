@@ -127,6 +127,11 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         if shared is not None:
             shared[:] = [int(counters[k]) for k in COUNTERS]
     pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port, messages=False)
+    if ring is not None:
+        # Every batch the decode thread gets stays valid (a file's mapping, or a live batch's own
+        # copy): a Simple send's bytes, or an LL send's words as the decode read them, go from the
+        # batch straight into the ring (SendRing.pack), not through its run's buffer first.
+        pp.defer_copies()
     damage = None
 
     def given_up() -> bool:  # while the ring is full
