@@ -9,6 +9,10 @@ from libc.stdint cimport int64_t, uint8_t
 from libc.string cimport memcpy, memset
 
 
+# The bytes from which a copy lets go of the GIL (see parser/_place.pyx)
+cdef int64_t GIL_FREE_BYTES = 1 << 18
+
+
 def pack_records(const uint8_t[:, ::1] head, const uint8_t[::1] src, const int64_t[::1] src_off,
                  const int64_t[::1] length, int64_t align, const uint8_t[:, ::1] tail,
                  uint8_t[::1] out):
@@ -52,12 +56,24 @@ def copy_ranges(const uint8_t[::1] src, const int64_t[::1] src_off, uint8_t[::1]
                 const int64_t[::1] dst_off, const int64_t[::1] length):
     """dst[dst_off[k] : +length[k]] = src[src_off[k] : +length[k]] for every k (bounds checked)."""
     cdef Py_ssize_t n = src_off.shape[0], k
-    cdef int64_t ns = src.shape[0], nd = dst.shape[0]
+    cdef int64_t ns = src.shape[0], nd = dst.shape[0], total = 0
     for k in range(n):
         if length[k] < 0 or src_off[k] < 0 or dst_off[k] < 0 or \
                 src_off[k] + length[k] > ns or dst_off[k] + length[k] > nd:
             raise IndexError(f"range {k}: src {src_off[k]}+{length[k]} of {ns}, dst {dst_off[k]} of {nd}")
-    with nogil:
-        for k in range(n):
-            if length[k] > 0:
-                memcpy(&dst[dst_off[k]], &src[src_off[k]], length[k])
+        total += length[k]
+    if total == 0:
+        return
+    if total >= GIL_FREE_BYTES:  # a short copy keeps the GIL: its hand-over would cost more (_place.pyx)
+        with nogil:
+            _copy(&src[0], &src_off[0], &dst[0], &dst_off[0], &length[0], n)
+    else:
+        _copy(&src[0], &src_off[0], &dst[0], &dst_off[0], &length[0], n)
+
+
+cdef void _copy(const uint8_t *src, const int64_t *src_off, uint8_t *dst, const int64_t *dst_off,
+                const int64_t *length, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in range(n):
+        if length[k] > 0:
+            memcpy(dst + dst_off[k], src + src_off[k], length[k])

@@ -13,6 +13,13 @@ from libc.string cimport memcmp, memcpy, memset
 
 include "_ll.pxi"
 
+# A kernel lets go of the GIL only for this many bytes or more. Below, the hand-over costs more
+# than it frees: a 22-step LL replay places 5,000 sends of 35 KB from the consumer's thread, and
+# each release let the packet path's thread take the GIL first. Warm passes, interleaved, best of
+# 8: LL 0.49-0.53 s vs 0.50-0.55 always released, LL128 0.18-0.19 vs 0.19-0.20, Simple (its
+# sends larger) the same, 0.115-0.12; never released, Simple was 15 % slower.
+cdef Py_ssize_t GIL_FREE_BYTES = 1 << 18
+
 
 def ll_intact(const uint8_t[::1] wire, uint8_t[::1] out, int line, int lo, int f1, int hi, int f2):
     """LL: when every ``line``-byte line carries the same non-zero flag in both flag words, writes
@@ -118,11 +125,10 @@ def place_agreeing(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, con
     covered the bytes must agree, elsewhere they are copied and marked covered. Returns how many
     elements it newly covered, or -1, having written nothing, when a covered element differs (the
     caller reports the conflict)."""
-    cdef Py_ssize_t i, j, added = 0
+    cdef Py_ssize_t added
     cdef uint8_t *d
     cdef const uint8_t *s
     cdef uint8_t *c
-    cdef bint ok = True
     if start < 0 or n < 0 or (start + n) > covered.shape[0] or (start + n) * es > dst.shape[0] \
             or src.shape[0] < n * es:
         raise ValueError("place_agreeing: range outside the buffers")
@@ -131,25 +137,31 @@ def place_agreeing(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, con
     d = &dst[start * es]
     s = &src[0]
     c = &covered[start]
-    with nogil:
-        i = 0
-        while i < n:  # runs of covered elements: compare
-            j = _run_end(c, i, n, 1)
-            if j > i and memcmp(d + i * es, s + i * es, (j - i) * es) != 0:
-                ok = False
-                break
-            i = _run_end(c, j, n, 0)
-        if ok:
-            i = 0
-            while i < n:  # runs of uncovered elements: copy
-                i = _run_end(c, i, n, 1)
-                j = _run_end(c, i, n, 0)
-                if j > i:
-                    memcpy(d + i * es, s + i * es, (j - i) * es)
-                    memset(c + i, 1, j - i)
-                    added += j - i
-                i = j
-    return added if ok else -1
+    if n * es >= GIL_FREE_BYTES:
+        with nogil:
+            added = _place(d, c, s, n, es)
+    else:
+        added = _place(d, c, s, n, es)
+    return added
+
+
+cdef Py_ssize_t _place(uint8_t *d, uint8_t *c, const uint8_t *s, Py_ssize_t n, Py_ssize_t es) noexcept nogil:
+    cdef Py_ssize_t i = 0, j, added = 0
+    while i < n:  # runs of covered elements: compare
+        j = _run_end(c, i, n, 1)
+        if j > i and memcmp(d + i * es, s + i * es, (j - i) * es) != 0:
+            return -1
+        i = _run_end(c, j, n, 0)
+    i = 0
+    while i < n:  # runs of uncovered elements: copy
+        i = _run_end(c, i, n, 1)
+        j = _run_end(c, i, n, 0)
+        if j > i:
+            memcpy(d + i * es, s + i * es, (j - i) * es)
+            memset(c + i, 1, j - i)
+            added += j - i
+        i = j
+    return added
 
 
 cdef inline bint _gathered(uint8_t *d, const uint8_t *src, const int64_t *soff, const int64_t *moff,
@@ -184,10 +196,9 @@ def place_agreeing_gather(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t sta
     """``place_agreeing`` from a message still in its packets: packet r carries the message's bytes
     [msg_off[r], msg_off[r] + length[r]) at src[src_off[r]:], the packets tiling the message from
     byte 0 in order. One pass from the capture to the collective's buffer."""
-    cdef Py_ssize_t i, j, r, k, nr = src_off.shape[0], added = 0
+    cdef Py_ssize_t r, nr = src_off.shape[0], added
     cdef uint8_t *d
     cdef uint8_t *c
-    cdef bint ok = True
     if start < 0 or n < 0 or (start + n) > covered.shape[0] or (start + n) * es > dst.shape[0] \
             or msg_off.shape[0] != nr or length.shape[0] != nr:
         raise ValueError("place_agreeing_gather: range outside the buffers")
@@ -201,24 +212,31 @@ def place_agreeing_gather(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t sta
         return 0
     d = &dst[start * es]
     c = &covered[start]
-    with nogil:
-        i = 0
-        k = 0
-        while i < n:  # runs of covered elements: compare
-            j = _run_end(c, i, n, 1)
-            if j > i and not _gathered(d, &src[0], &src_off[0], &msg_off[0], &length[0], nr, &k, i * es, j * es, True):
-                ok = False
-                break
-            i = _run_end(c, j, n, 0)
-        if ok:
-            i = 0
-            k = 0
-            while i < n:  # runs of uncovered elements: copy
-                i = _run_end(c, i, n, 1)
-                j = _run_end(c, i, n, 0)
-                if j > i:
-                    _gathered(d, &src[0], &src_off[0], &msg_off[0], &length[0], nr, &k, i * es, j * es, False)
-                    memset(c + i, 1, j - i)
-                    added += j - i
-                i = j
-    return added if ok else -1
+    if n * es >= GIL_FREE_BYTES:
+        with nogil:
+            added = _gather_place(d, c, &src[0], &src_off[0], &msg_off[0], &length[0], nr, n, es)
+    else:
+        added = _gather_place(d, c, &src[0], &src_off[0], &msg_off[0], &length[0], nr, n, es)
+    return added
+
+
+cdef Py_ssize_t _gather_place(uint8_t *d, uint8_t *c, const uint8_t *src, const int64_t *src_off,
+                              const int64_t *msg_off, const int64_t *length, Py_ssize_t nr, Py_ssize_t n,
+                              Py_ssize_t es) noexcept nogil:
+    cdef Py_ssize_t i = 0, j, k = 0, added = 0
+    while i < n:  # runs of covered elements: compare
+        j = _run_end(c, i, n, 1)
+        if j > i and not _gathered(d, src, src_off, msg_off, length, nr, &k, i * es, j * es, True):
+            return -1
+        i = _run_end(c, j, n, 0)
+    i = 0
+    k = 0
+    while i < n:  # runs of uncovered elements: copy
+        i = _run_end(c, i, n, 1)
+        j = _run_end(c, i, n, 0)
+        if j > i:
+            _gathered(d, src, src_off, msg_off, length, nr, &k, i * es, j * es, False)
+            memset(c + i, 1, j - i)
+            added += j - i
+        i = j
+    return added
