@@ -154,7 +154,7 @@ class RunLane:
                     # its bytes are the send's (LazySend reads them when they are wanted)
                     fast = (protocols.SIMPLE, None, None)
                 else:
-                    if r.ll_pending is not None:
+                    if r.ll_pending is not None and b > a:
                         r.fill_range(m)  # a message of an LL run read from the decode's LL words
                     fast = protocols.decode_intact(r.buf[a:b], self.protocol) if b > a else None
             if fast is None:  # lines to read the careful way, or an empty step: as the per-message path

@@ -196,10 +196,11 @@ class MessageRun:
         return src, src_off[i:j], (d - d[0] if shift and j > i else d), length[i:j]
 
     def fill_range(self, k: int, ll: bool = False) -> None:
-        """``fill`` for message ``k`` only (a ``LazySend``'s; one copied at once needs nothing)."""
+        """``fill`` for message ``k`` only (a ``LazySend``'s; one copied at once, or an empty one,
+        needs nothing: no buffer is taken for it)."""
         pend, _, own = self._lazy(ll)
         p = self._pieces(pend, k) if pend is not None else None
-        if p is not None:
+        if p is not None and p[3].any():
             copy_ranges(p[0], p[1], own(), p[2], p[3])
 
     def copy_range(self, k: int, dst: np.ndarray, ll: bool = False) -> None:
