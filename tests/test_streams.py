@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from common import PCAPS
+from common import FLOWCHECK, PCAPS, flowcheck_captures
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser.streams import MirrorStreams
 
@@ -26,6 +26,21 @@ def _walk(name, ahead: int, batch_frames: int = 8) -> tuple[list, MirrorStreams]
         seen.append(([(s.stream, s.connection, s.seq, s.flag, s.ts_ns, s.psn, s.form, s.data.tobytes(), s.holes)
                       for s in sends], set(ms.ended)))
     return seen, ms
+
+
+@pytest.mark.parametrize("name", flowcheck_captures())
+@pytest.mark.parametrize("batch_frames", [64, 4096])
+def test_the_real_captures_read_ahead_give_the_same_sends(name, batch_frames):
+    """Read ahead (copies deferred, LL read by the decode) each real capture gives the sends it
+    gives read in place, bytes, flags, protocols and holes alike."""
+    def walk(ahead):
+        ms = MirrorStreams([(name, open_capture(FLOWCHECK / name, batch_frames=batch_frames))], ahead=ahead)
+        return [[(s.connection, s.seq, s.flag, s.protocol, s.ts_ns, s.psn, s.form, s.data.tobytes(), s.holes)
+                 for s in sends] for sends in ms]
+
+    want = walk(0)
+    assert sum(map(len, want)) >= 8
+    assert walk(2) == want
 
 
 @pytest.mark.parametrize("name", ["demo", "simple_r3_both", "ll_r2_noise_faults", "ll128_bf16_v229"])
