@@ -24,6 +24,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -75,6 +76,9 @@ class Buffers:
         self.spare = spare
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):  # a child forked while another thread held the lock gets its own
+            me = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _relock(me()))
 
     def empty(self, n: int) -> np.ndarray:
         """``n`` uninitialised bytes."""
@@ -129,9 +133,12 @@ class Buffers:
         self._maps = [m for m in maps if not m.closed]
 
 
+def _relock(pool: Buffers | None) -> None:
+    if pool is not None:
+        pool._lock = threading.Lock()
+
+
 _buffers = Buffers()
-if hasattr(os, "register_at_fork"):  # a child forked while another thread held the lock gets its own
-    os.register_at_fork(after_in_child=lambda: setattr(_buffers, "_lock", threading.Lock()))
 
 
 def buffers() -> Buffers:

@@ -133,3 +133,32 @@ def test_a_buffer_dropped_on_another_thread_is_used_again():
     t.start()
     t.join()
     assert pool.empty(2 << 20).ctypes.data == at
+
+
+def test_a_pool_locked_by_another_thread_at_a_fork_serves_the_child():
+    """A process forked while another thread holds a pool's lock (any pool: the decode's LL words
+    have one of their own) gets the pool unlocked, not a lock nobody will release."""
+    import os
+    import threading
+
+    pool = memory.Buffers()
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with pool._lock:
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the lock must be free
+        ok = pool._lock.acquire(timeout=2)
+        if ok:
+            pool._lock.release()
+        os._exit(0 if ok and len(pool.empty(4 << 20)) == 4 << 20 else 1)
+    done.set()
+    t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
