@@ -335,8 +335,9 @@ def _render_e2e(name, r) -> list[str]:
              "same slope of the CPU seconds (every thread of the process) is the rate per CPU second. "
              "The same captures replayed with `--json` (which adds every all-reduce's sha256, on a thread of its "
              "own) check every all-reduce against the generator's truth, and have a slope of their own. "
-             "The packet path runs on a thread of its own; from capture files a Simple send's final values are "
-             "placed straight from the capture by the consumer (`nccl.LazySend`), the reduce-scatter half never "
+             "The packet path runs on a thread of its own; from capture files a Simple send's final values, and "
+             "an LL send's words as the decode thread read them (right after each packet's ICRC), are placed "
+             "straight from the capture by the consumer (`nccl.LazySend`), the reduce-scatter half never "
              "copied. "
              f"One-core memcpy in the same run: {r['memcpy_GBps']:.1f} GB/s (numpy copyto of 256 MiB, best of 5; "
              f"{r['memcpy_GBps_before']:.1f} before, {r['memcpy_GBps_after']:.1f} after).", "",
