@@ -170,12 +170,15 @@ def test_status_while_running_and_clean_sigterm(long_job_dir, tmp_path):
     assert replica_sha(tmp_path / "ck", load_job(cfg)) == (want["params_sha256"], want["optim_sha256"])
 
 
-def test_slow_updater_drops_at_the_capture_edge_never_corrupts(job_dir, tmp_path):
+def test_slow_updater_drops_at_the_capture_edge_never_corrupts(long_job_dir, tmp_path):
+    # The 40-step job: the 8-step one (0.7 MB of capture) could be read whole before the parser
+    # blocked behind the updater, and then nothing was dropped (seen once on a fresh clone).
+    job_dir = long_job_dir
     cfg = config(job_dir, tmp_path, capture={"queue_bytes": 150_000, "batch_frames": 64})
     job = load_job(cfg)
     metrics = Metrics()
     d = Daemon(job, TrainingSpec.from_dict(job.training), PersistSpec.from_dict(job.persist), metrics,
-               iteration_queue=1, sends_queue=1, updater_delay=0.5)
+               iteration_queue=1, sends_queue=1, updater_delay=0.2)
     assert d.run() == 0
     s = d.appliance.summary
     dropped = sum(v for k, v in _samples(metrics, "mirrorckpt_frames_dropped_total").items()
