@@ -165,8 +165,7 @@ class RunLane:
             proto, user, flag = fast
             c.protocol = proto
             cts = self._match_cts(c, va)
-            # still in the batch: copied if and when it is read
-            lazy = user is None and (r.ll_pending is not None if proto == protocols.LL else r.pending is not None)
+            lazy = user is None  # still in the batch (Simple bytes, LL words): copied if and when it is read
             s = (LazySend if lazy else NcclSend)(c.key, r.qp, proto, user, [], b - a, size, va, "normal", flag,
                                                  cts.idx if cts else None, cts, t, True, stream, psn, npkts,
                                                  pmtu.get(r.qp, 0), qi if nq > 1 else 0, nq)

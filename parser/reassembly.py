@@ -528,11 +528,8 @@ class Reassembler:
             qp.pmtu = max(qp.pmtu, full)
             st.pmtu = qp.pmtu
         out: list[RdmaMessage] = []
-        ll = None  # the new rows' LL flags (the table's rows) and the batch's LL words, as decoded
-        if self.defer and b.llu is not None:
-            llf = np.zeros(n, np.uint32)
-            llf[npend:] = b.llf[rows]
-            ll = (llf, b.llu)
+        # the decode's LL flags of the batch's rows (table row npend + i is rows[i]) and its words
+        ll = (b.llf, rows, npend, b.llu) if self.defer and b.llu is not None else None
         if k:
             heads, npks = heads[:k], npks[:k]
             hd = tab["dlen"][heads]
@@ -623,8 +620,8 @@ class Reassembler:
 
     def _bulk(self, qp, tab, src_is_new, data, g: _Intact, k0: int, k1: int, ll: tuple | None = None) -> list:
         """Places intact messages k0..k1-1 (consecutive rows) with one copy for all of them: one
-        ``MessageRun`` (``runs``), else its messages. ``ll``: the table's LL flags and the batch's LL
-        words as the decode read them (``_fast``, with ``defer``)."""
+        ``MessageRun`` (``runs``), else its messages. ``ll``: the decode's LL reading of the batch
+        (``_fast``, with ``defer``)."""
         st = qp.stats
         heads = g.heads[k0:k1]
         r0, r1 = int(heads[0]), int(g.end_row[k1 - 1])
@@ -682,7 +679,7 @@ class Reassembler:
                 # The new messages as the decode read their packets: LL words and wire bytes both
                 # stay in the batch until a send is read (MessageRun.ll_pending, pending)
                 ll_flag[kx:] = flags
-                ll_pending = (ll[1], src[rx:] // 2, (dst[rx:] - dst[rx]) // 2, plen[rx:] // 2)
+                ll_pending = (ll[3], src[rx:] // 2, (dst[rx:] - dst[rx]) // 2, plen[rx:] // 2)
                 pending = (data, src[rx:], dst[rx:], plen[rx:])
             else:
                 buf = grown(self._buffers, buf, int(base[-1]))
@@ -699,15 +696,20 @@ class Reassembler:
         qp.cursor = int(run.psn[-1] + run.npkts[-1])
         return [run] if self.runs else run.messages()
 
-    def _ll_read(self, ll, a: int, b: int, starts: np.ndarray, closing: np.ndarray, opcode) -> np.ndarray | None:
-        """Each message's LL flag as the decode read its packets (table rows ``a:b``, messages from
-        ``starts`` on, relative to ``a``), when none is a CTS post (``closing``: the rows of the
-        run's closing packets all carry an immediate); else None. A packet's flag is 0 unless it
-        holds whole LL lines that all carry it, so a message whose packets all carry one flag reads
-        as ``_place.gather_ll`` reads it whole; any other is 0, read from its wire bytes later."""
-        if ll is None or not self.defer or not opcodes.HAS_IMMDT[opcode[closing]].all():
+    @staticmethod
+    def _ll_read(ll, a: int, b: int, starts: np.ndarray, closing: np.ndarray, opcode) -> np.ndarray | None:
+        """Each message's LL flag as the decode read its packets (table rows ``a:b``, all of this
+        batch; messages from ``starts`` on, relative to ``a``), when none is a CTS post
+        (``closing``: the rows of the run's closing packets all carry an immediate); else None. A
+        packet's flag is 0 unless it holds whole LL lines that all carry it, so a message whose
+        packets all carry one flag reads as ``_place.gather_ll`` reads it whole; any other is 0,
+        read from its wire bytes later."""
+        if ll is None or not opcodes.HAS_IMMDT[opcode[closing]].all():
             return None
-        f = ll[0][a:b]
+        llf, rows, npend, _ = ll
+        if a < npend:
+            return None  # held rows: read in an earlier batch
+        f = llf[rows[a - npend:b - npend]]
         first = f[starts]
         same = np.maximum.reduceat(f, starts) == np.minimum.reduceat(f, starts)
         return np.where(same, first, 0)
