@@ -91,7 +91,9 @@ class ChannelResolver:
     CTS in a capture that starts with the job, in their order). When several channels fit every
     send (symmetric chunks), the receive-buffer addresses decide: NCCL allocates a pair's
     connections in channel order. When those are unknown too, nothing is guessed: the connection
-    is not placed, and its collectives come out incomplete rather than wrong."""
+    is not placed, and its collectives come out incomplete rather than wrong. While sends are held,
+    the concatenator closes no collective incomplete behind them; a stream a whole collective
+    window past its first held send has its connections decided on what they have (``flush``)."""
 
     def __init__(self, model: JobModel, ranks: dict[bytes, int], mapped: dict[ConnKey, int] | None = None,
                  hold: int = 64):
@@ -129,10 +131,11 @@ class ChannelResolver:
         self.held.setdefault((s.stream, conn), []).append(s)
         return self._decide((s.stream, conn), final=False)
 
-    def flush(self) -> list[NcclSend]:
+    def flush(self, streams: set[int] | None = None) -> list[NcclSend]:
+        """Decides every held connection (of ``streams`` only, if given) on what it has."""
         out = []
         for key in list(self.held):
-            if key in self.held:
+            if key in self.held and (streams is None or key[0] in streams):
                 out += self._decide(key, final=True)
         return out
 

@@ -123,6 +123,10 @@ class Concatenator:
         self.streams: dict[int, int] = {}
         self.ended: set[int] = set()
         self.expected: set[int] = set()  # streams known to exist: silent ones hold collectives back
+        # Streams with sends held back before placement (a connection whose channel is not yet
+        # known), each at the collective it had reached when the first was held: no collective
+        # from there on is closed incomplete, since the held sends may complete it.
+        self.holding: dict[int, int] = {}
         self.p2p: list[NcclSend] = []  # candidate extra sends for holes (point-to-point traffic)
         self.p2p_seen: list[tuple[int, int]] = []  # fill off: (bytes, time) of those sends, for the hint
         self.span: dict[int, list[int]] = {}  # per collective, [first, last] send time
@@ -250,10 +254,25 @@ class Concatenator:
         self._put(r, a, n, s.data, [], f"point-to-point send on {s.connection}")
         r.filled_by_p2p.append((a, n))
 
-    def settled(self) -> int:
-        """The collective every running stream has reached (the global one when all ended)."""
+    def settled(self, held: bool = False) -> int:
+        """The collective every running stream has reached (the global one when all ended); with
+        ``held``, a stream with sends held back counts as where it was when the first was held."""
         running = [self.streams.get(k, -1) for k in self.expected | set(self.streams) if k not in self.ended]
+        if held and self.holding:
+            running += [c for k, c in self.holding.items() if k not in self.ended]
         return min(running) if running else self.frontier
+
+    def hold_from(self, stream: int) -> None:
+        """A send of ``stream`` is held back before placement, here in the stream's order."""
+        if stream not in self.holding:
+            self.holding[stream] = self.streams.get(stream, -1)
+
+    def hold(self, streams: set[int]) -> set[int]:
+        """Only ``streams`` still have sends held back (see ``holding``); returns those that have
+        moved a collective window past where their hold began: their held sends must be placed
+        now, as they are, or the collectives behind them could never close."""
+        self.holding = {k: c for k, c in self.holding.items() if k in streams}
+        return {k for k, c in self.holding.items() if self.streams.get(k, -1) >= c + self.collective_window}
 
     def settle(self) -> list[CollectiveResult]:
         """Collectives already complete that the traffic has not yet moved the window past, handed
@@ -285,9 +304,9 @@ class Concatenator:
         copies of its final values travel within its own collective (ranks and channels are at most
         a collective apart), so waiting longer only delays the step."""
         out = []
-        settled = self.settled()
+        settled, closing = self.settled(), self.settled(held=True)
         while True:
-            if not (final and self.next_out <= self.frontier or self.next_out + self.collective_window <= settled):
+            if not (final and self.next_out <= self.frontier or self.next_out + self.collective_window <= closing):
                 r = self.open.get(self.next_out)
                 if r is None or self.next_out + self.settle_margin > settled or not self._complete_now(r):
                     break
