@@ -214,6 +214,17 @@ class ChannelResolver:
         ch = cands[0]
         if len(cands) > 1:
             pair = self._pair(conn)
+            if len([k for k in pair if k not in self.mapped]) < len(cands):
+                # The connections of the other candidate channels are not seen yet (a serve
+                # worker's streams run apart from another's): ordering this one among fewer
+                # would be a guess. Wait for them; at the end nothing is guessed.
+                if not final:
+                    return []
+                self.rejected.add(conn)
+                self.unplaced.add(conn)
+                self.notes.append(f"connection {conn}: channels {cands} fit its sizes and the connections of the "
+                                  "others were never seen: not placed (its collectives stay incomplete)")
+                return self._release(conn)
             bases = {k: self._base(k, cands) for k in pair}
             if any(v is None for v in bases.values()):
                 self.rejected.add(conn)

@@ -268,11 +268,12 @@ class Concatenator:
             self.holding[stream] = self.streams.get(stream, -1)
 
     def hold(self, streams: set[int]) -> set[int]:
-        """Only ``streams`` still have sends held back (see ``holding``); returns those that have
-        moved a collective window past where their hold began: their held sends must be placed
-        now, as they are, or the collectives behind them could never close."""
+        """Only ``streams`` still have sends held back (see ``holding``); returns those that every
+        running stream has moved a collective window past where their hold began: their held
+        sends must be decided now, as they are, or the collectives behind them could never close."""
         self.holding = {k: c for k, c in self.holding.items() if k in streams}
-        return {k for k, c in self.holding.items() if self.streams.get(k, -1) >= c + self.collective_window}
+        settled = self.settled()  # every stream: what another stream holds back may be seen late
+        return {k for k, c in self.holding.items() if settled >= c + self.collective_window}
 
     def settle(self) -> list[CollectiveResult]:
         """Collectives already complete that the traffic has not yet moved the window past, handed

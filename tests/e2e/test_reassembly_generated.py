@@ -390,3 +390,40 @@ def test_sends_held_a_window_long_are_decided_then(held_job, monkeypatch):
     monkeypatch.setattr(concat.Concatenator, "hold", lambda self, streams: due.append(hold(self, streams)) or due[-1])
     _exact_iterations(*held_job)
     assert any(due)
+
+
+def test_streams_delivered_far_apart_take_no_channel_by_guess(held_job):
+    """Serve's workers split a port by QP pair and deliver their streams apart in time: one
+    stream's connection can be held to the count that decides before the other connections of
+    its rank pair were ever seen. Ordering it by receive-buffer address among fewer connections
+    than its candidate channels is a guess (it swapped channels 1 and 2 of a pair in `serve`
+    with two workers, so copies landed in each other's place); the resolver waits for them.
+    Each port split in two streams by UDP source port, as two workers split it, every stream fed
+    whole, one after the other: every connection takes its true channel, every iteration exact."""
+    from mirrorckpt.capture.pcapfile import open_capture
+    from mirrorckpt.parser.collectives import JobModel
+    from mirrorckpt.parser.iteration import ReducedIteration
+    from mirrorckpt.parser.pipeline import CollectiveAssembler
+    from mirrorckpt.parser.streams import MirrorStreams
+
+    out, truth = held_job
+    job = load_job(out / "job.toml")
+    caps = [str(out / f) for f in HELD_FILES]
+    by_stream: dict[int, list] = {}
+    for sends in MirrorStreams([(c, open_capture(c)) for c in caps], nccl_version=job.ring.nccl_version):
+        for s in sends:
+            s.stream = 2 * s.stream + s.connection.sport % 2  # worker = source port mod 2
+            by_stream.setdefault(s.stream, []).append(s)
+    asm = CollectiveAssembler(JobModel.from_job(job), job.ring.ranks_by_address(), nstreams=2 * len(caps))
+    items = []
+    for k in sorted(by_stream, key=lambda k: (-(k % 2), k)):  # every port's odd worker first
+        for i in range(0, len(by_stream[k]), 256):
+            items += asm.add(by_stream[k][i:i + 256])[1]
+    items += asm.flush()[1]
+    want = {p["sport"]: p["channel"] for p in truth["wire"]["topology"]["ring"]}
+    assert {c.sport: ch for c, ch in asm.resolver.mapped.items()} == want
+    iterations = [x for x in items if isinstance(x, ReducedIteration)]
+    assert [it.index for it in iterations] == list(range(len(truth["iterations"])))
+    for it, w in zip(iterations, truth["iterations"]):
+        assert it.complete, (it.index, it.holes)
+        assert [sha(b) for b in it.buckets] == w["buckets_sha256"]
