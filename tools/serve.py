@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from mirrorckpt.parser import memory
+from mirrorckpt.parser.nccl_versions import AUTO
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.streams import WIRE_IDLE, StreamStats
 from mirrorckpt.tools.sendring import SendRing
@@ -572,7 +573,7 @@ class Daemon:
                     return
                 ring = self.control.ring if self.control is not None and self.control.ring else self.job.ring
                 source = streams
-                if model.ring.nccl_version is None:
+                if model.ring.nccl_version is None or model.ring.protocol == AUTO:
                     model, source = self._from_wire(streams, model, ring)
                     if model is None:
                         return
@@ -612,9 +613,10 @@ class Daemon:
                 break
         if not pending:
             return None, None
-        got = infer([s for b, _ in pending for s in b], streams.decoders, self.job.grad_dtype, None, model, ring)
-        log.info("NCCL release read from the wire", extra={"nccl_version": got.model.ring.nccl_version,
-                                                            "notes": got.notes})
+        got = infer([s for b, _ in pending for s in b], streams.decoders, self.job.grad_dtype, model.ring.nccl_version,
+                    model, ring)
+        log.info("NCCL release and protocols read from the wire", extra={"nccl_version": got.model.ring.nccl_version,
+                                                                          "notes": got.notes})
         return got.model, _Prefixed(streams, pending, it)  # the configured sequence, completed
 
     def _job_model(self):

@@ -226,7 +226,7 @@ def test_serve_reads_the_nccl_release_from_the_wire(job_dir_223, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     logs = [json.loads(line) for line in res.stderr.splitlines() if line.startswith("{")]
-    read = [x for x in logs if x["msg"] == "NCCL release read from the wire"]
+    read = [x for x in logs if x["msg"] == "NCCL release and protocols read from the wire"]
     assert read and read[0]["nccl_version"] in ("2.20", "2.21", "2.22", "2.23"), read  # the 2.20-2.23 CTS layout
     stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
     assert stopped["iterations_applied"] == STEPS and stopped["iterations_incomplete"] == 0
@@ -243,3 +243,27 @@ def test_serve_refuses_a_release_the_wire_contradicts(job_dir_223, tmp_path):
     stopped = [x for x in logs if x["msg"] == "parser stopped"]
     assert stopped and "contradicts the stated NCCL 2.18" in stopped[0]["exc"], res.stderr[-2000:]
     assert not any(x["msg"] == "checkpoint committed" for x in logs)
+
+
+def test_serve_reads_each_collectives_protocol_from_the_wire(tmp_path):
+    """A job file that pins the release but leaves the protocol to NCCL ([ring] protocol = "auto",
+    what a job sends when nothing is pinned): serve reads each collective shape's protocol from the
+    first sends, as replay does, instead of stopping at the first collective. Two workers a port."""
+    d = tmp_path / "gen"
+    generate(GenConfig(ranks=3, channels=2, protocol="auto", nccl_version="2.23", model="mlp:300,128,16", steps=STEPS,
+                       seed=7, training=TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2)),
+                       mirrors="0:egress,1:egress"), d)
+    cfg = config(d, tmp_path)
+    cfg.write_text(cfg.read_text().replace('direction = "egress"', 'direction = "egress"\nworkers = 2'))
+    job = load_job(cfg)
+    assert job.ring.protocol == "auto" and job.ring.nccl_version == "2.23"
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    logs = [json.loads(line) for line in res.stderr.splitlines() if line.startswith("{")]
+    read = [x for x in logs if x["msg"] == "NCCL release and protocols read from the wire"]
+    assert read and read[0]["nccl_version"] == "2.23", read
+    stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
+    assert stopped["iterations_applied"] == STEPS and stopped["iterations_incomplete"] == 0
+    want = truth(d)["iterations"][-1]
+    assert replica_sha(tmp_path / "ck", job) == (want["params_sha256"], want["optim_sha256"])
