@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 
 from mirrorckpt.parser import memory
-from mirrorckpt.parser.nccl_versions import AUTO
 from mirrorckpt.parser.iteration import ReducedIteration
+from mirrorckpt.parser.nccl_versions import AUTO
 from mirrorckpt.parser.streams import WIRE_IDLE, StreamStats
 from mirrorckpt.tools.sendring import SendRing
 
@@ -280,6 +280,9 @@ class QueueStreams:
         self.rearmed_ns = 0
         self.ring_connections = dict  # () -> the current pass's ring connections (a container)
         self.placement = lambda: None  # () -> the pass's placement counts (RingStateMachine.counts)
+        self.notes = list  # () -> the pass's channel notes so far (ChannelResolver.notes), logged as they come
+        self.split_ports = False  # some port has several workers
+        self._notes_logged = 0
         self.sends_seen = 0
         self._placement_checked = False
         self.replay_bytes = replay_bytes
@@ -376,6 +379,7 @@ class QueueStreams:
                 if payload:
                     yield payload
                     self._check_placed(len(payload))
+                    self._log_notes()
             elif kind == "fatal":
                 from mirrorckpt.parser.errors import VersionMismatch
 
@@ -406,6 +410,21 @@ class QueueStreams:
             log.warning(f"{self.sends_seen} sends captured and none placed in a collective (why: {why}): the "
                         "job file may not match the traffic, or a port's workers split connections that use "
                         "several QPs (`mirrorckpt doctor CAPTURE` tells both)")
+
+    def _log_notes(self) -> None:
+        """Says each channel decision as the parser makes it; a connection left unplaced is a
+        warning (its collectives stay incomplete), with the likely cause when workers split ports."""
+        notes = self.notes()
+        for n in notes[self._notes_logged:]:
+            if "not placed" not in n:
+                log.info("%s", n)
+            elif self.split_ports:
+                log.warning("%s; with [[mirror]] workers > 1 a port is split by QP pair, so the QPs of a connection "
+                            "that uses several (NCCL_IB_QPS_PER_CONNECTION > 1) land in different workers: use "
+                            "workers = 1 for this port if it persists", n)
+            else:
+                log.warning("%s", n)
+        self._notes_logged = len(notes)
 
     def sync_counters(self) -> None:
         """Brings the metrics up to the workers' shared counters (any thread; the daemon calls it
@@ -482,6 +501,12 @@ def _placement(js) -> dict | None:
     """The placement counts of a job stream's state machine so far (None before its set-up)."""
     a = js.assembler
     return dict(a.sm.counts) if a is not None else None
+
+
+def _channel_notes(js) -> list[str]:
+    """What the job stream's channel resolver noted so far (decisions, connections not placed)."""
+    a = js.assembler
+    return a.resolver.notes if a is not None and a.resolver is not None else []
 
 
 def _ring_connections(js) -> dict:
@@ -582,6 +607,8 @@ class Daemon:
                 self.jobstream = js
                 streams.ring_connections = functools.partial(_ring_connections, js)
                 streams.placement = functools.partial(_placement, js)
+                streams.notes = functools.partial(_channel_notes, js)
+                streams.split_ports, streams._notes_logged = any(w > 1 for _, _, w in self.stream_of), 0
                 drive(js, _UpdaterQueue(self.iters_q, self.metrics, run))
                 if not streams.restart.is_set():
                     return  # every capture source ended

@@ -131,6 +131,32 @@ def test_workers_on_a_port_whose_connections_cut_messages_over_qps_say_why_nothi
         assert stopped["iterations_applied"] == (3 if workers == 1 else 0)
 
 
+
+def test_workers_on_a_port_whose_connections_send_round_robin_over_qps_say_why(tmp_path):
+    """NCCL 2.20+ with 2 QPs per connection sends whole Simple messages round robin over them: split
+    by QP pair, each worker has every other message of a connection, which fits no channel's
+    plan. Serve says so as it decides (a warning naming the connection and the workers), instead
+    of a silent fallback. One worker follows the same job."""
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    d = tmp_path / "gen"
+    generate(GenConfig(ranks=3, channels=2, protocol="Simple", nccl_version="2.23", model="mlp:300,128,16", steps=3,
+                       seed=7, training=TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2)),
+                       mirrors="0:egress,1:egress", wire=WireOptions(qps_per_connection=2)), d)
+    for workers in (2, 1):
+        (tmp_path / f"w{workers}").mkdir()
+        cfg = config(d, tmp_path / f"w{workers}")
+        cfg.write_text(cfg.read_text().replace('direction = "egress"', f'direction = "egress"\nworkers = {workers}'))
+        res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        logs = [json.loads(x) for x in res.stderr.splitlines() if x.startswith("{")]
+        warned = [x for x in logs if x["level"] == "warning" and "not placed" in x["msg"]]
+        assert all("workers > 1" in x["msg"] for x in warned)
+        assert bool(warned) == (workers > 1), res.stderr[-2000:]
+        stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
+        assert stopped["iterations_applied"] == (3 if workers == 1 else 0)
+
 def test_status_while_running_and_clean_sigterm(long_job_dir, tmp_path):
     job_dir = long_job_dir
     port = free_port()
