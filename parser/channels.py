@@ -92,8 +92,9 @@ class ChannelResolver:
     send (symmetric chunks), the receive-buffer addresses decide: NCCL allocates a pair's
     connections in channel order. When those are unknown too, nothing is guessed: the connection
     is not placed, and its collectives come out incomplete rather than wrong. While sends are held,
-    the concatenator closes no collective incomplete behind them; a stream a whole collective
-    window past its first held send has its connections decided on what they have (``flush``)."""
+    the concatenator closes no collective incomplete behind them; once every stream is a whole
+    collective window past a stream's first held send, its connections are decided on what they
+    have (``flush``)."""
 
     def __init__(self, model: JobModel, ranks: dict[bytes, int], mapped: dict[ConnKey, int] | None = None,
                  hold: int = 64):
