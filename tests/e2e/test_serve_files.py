@@ -107,16 +107,27 @@ def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir,
     serve_every_iteration_bit_exact(job_dir, cfg, tmp_path / "ck")
 
 
-def test_workers_on_a_port_whose_connections_cut_messages_over_qps_say_why_nothing_is_applied(tmp_path):
-    """NCCL_IB_QPS_PER_CONNECTION = 2 (2.18: each message cut over both QPs): split by QP pair, a
-    message's pieces land in different workers and nothing can be reassembled (never wrong); serve
-    says why in a warning instead of running on silently. One worker follows the same job."""
+QP_SPLITS = {  # how a connection uses 2 QPs -> (job, what the warning says)
+    "cut": (dict(protocol="LL", nccl_version="2.18", model="mlp:600,64,8", seed=4), "cuts messages over several QPs"),
+    "round_robin": (dict(protocol="Simple", nccl_version="2.23", model="mlp:300,128,16", seed=7), "workers > 1"),
+}
+
+
+@pytest.mark.parametrize("split", list(QP_SPLITS))
+def test_workers_on_a_port_whose_connections_use_several_qps_say_why_nothing_is_applied(tmp_path, split):
+    """NCCL_IB_QPS_PER_CONNECTION = 2: split by QP pair, a port's workers each see part of a
+    connection. 2.18 cuts each message over both QPs, so its pieces land in different workers; 2.20+
+    sends whole messages round robin, so each worker has every other Simple message, which fits no
+    channel's plan. Nothing can be reassembled (never wrong), and serve says why in a warning (the
+    worker that sees cut messages; the parser for each connection it cannot place) instead of
+    running on silently. One worker follows the same job."""
     from mirrorckpt.tools.generator.wire import WireOptions
 
+    job, says = QP_SPLITS[split]
     d = tmp_path / "gen"
-    generate(GenConfig(ranks=3, channels=2, model="mlp:600,64,8", steps=3, nccl_version="2.18", seed=4,
-                       training=TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2)),
-                       mirrors="0:egress,1:egress", wire=WireOptions(qps_per_connection=2)), d)
+    adam = TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2))
+    generate(GenConfig(ranks=3, channels=2, steps=3, training=adam, mirrors="0:egress,1:egress",
+                       wire=WireOptions(qps_per_connection=2), **job), d)
     for workers in (2, 1):
         (tmp_path / f"w{workers}").mkdir()
         cfg = config(d, tmp_path / f"w{workers}")
@@ -125,37 +136,11 @@ def test_workers_on_a_port_whose_connections_cut_messages_over_qps_say_why_nothi
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         logs = [json.loads(x) for x in res.stderr.splitlines() if x.startswith("{")]
-        warned = [x for x in logs if x["level"] == "warning" and "cuts messages over several QPs" in x["msg"]]
+        warned = [x for x in logs if x["level"] == "warning" and says in x["msg"]]
         assert bool(warned) == (workers > 1), res.stderr[-2000:]
         stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
         assert stopped["iterations_applied"] == (3 if workers == 1 else 0)
 
-
-
-def test_workers_on_a_port_whose_connections_send_round_robin_over_qps_say_why(tmp_path):
-    """NCCL 2.20+ with 2 QPs per connection sends whole Simple messages round robin over them: split
-    by QP pair, each worker has every other message of a connection, which fits no channel's
-    plan. Serve says so as it decides (a warning naming the connection and the workers), instead
-    of a silent fallback. One worker follows the same job."""
-    from mirrorckpt.tools.generator.wire import WireOptions
-
-    d = tmp_path / "gen"
-    generate(GenConfig(ranks=3, channels=2, protocol="Simple", nccl_version="2.23", model="mlp:300,128,16", steps=3,
-                       seed=7, training=TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2)),
-                       mirrors="0:egress,1:egress", wire=WireOptions(qps_per_connection=2)), d)
-    for workers in (2, 1):
-        (tmp_path / f"w{workers}").mkdir()
-        cfg = config(d, tmp_path / f"w{workers}")
-        cfg.write_text(cfg.read_text().replace('direction = "egress"', f'direction = "egress"\nworkers = {workers}'))
-        res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
-                             capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-2000:]
-        logs = [json.loads(x) for x in res.stderr.splitlines() if x.startswith("{")]
-        warned = [x for x in logs if x["level"] == "warning" and "not placed" in x["msg"]]
-        assert all("workers > 1" in x["msg"] for x in warned)
-        assert bool(warned) == (workers > 1), res.stderr[-2000:]
-        stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
-        assert stopped["iterations_applied"] == (3 if workers == 1 else 0)
 
 def test_status_while_running_and_clean_sigterm(long_job_dir, tmp_path):
     job_dir = long_job_dir
