@@ -115,7 +115,7 @@ class ChannelResolver:
         # 4-channel LL replay spent 48 ms in `offer`, now 17.
         self._fit: dict[tuple[int, ConnKey], list[int]] = {}
         self._order_fit: dict[tuple[int, ConnKey], list[int]] = {}
-        self._numbered: dict[tuple[int, ConnKey], int] = {}
+        self._messages: dict[tuple[int, ConnKey], int] = {}
 
     def is_ring(self, conn: ConnKey) -> bool:
         a, b = self.ranks.get(conn.sender), self.ranks.get(conn.receiver)
@@ -148,8 +148,8 @@ class ChannelResolver:
         self._fit[key] = fit if prev is None else [c for c in prev if c in fit]
         if s.lone_piece or s.form == "malformed":
             return  # not a message of its own (see _numbered)
-        m = self._numbered.get(key, 0)
-        self._numbered[key] = m + 1
+        m = self._messages.get(key, 0)
+        self._messages[key] = m + 1
         fit = self._fits_in_order(conn, m, s)
         prev = self._order_fit.get(key)
         self._order_fit[key] = fit if prev is None else [c for c in prev if c in fit]
@@ -166,7 +166,7 @@ class ChannelResolver:
         out = []
         for key in [k for k in self.held if k[1] == conn]:
             out += self.held.pop(key)
-            for d in (self._fit, self._order_fit, self._numbered):
+            for d in (self._fit, self._order_fit, self._messages):
                 d.pop(key, None)
         return out
 
