@@ -137,7 +137,7 @@ class ChannelResolver:
             self.rejected.add(conn)
             return self._release(conn) + [s]
         key = (s.stream, conn)
-        self.held.setdefault(key, []).append(s)
+        self.held.setdefault(key, []).append(s.keep())  # held for many batches
         self._narrow(key, s)
         return self._decide(key, final=False)
 

@@ -227,7 +227,7 @@ class Concatenator:
         if not (s.complete and s.nbytes):
             return
         if self.p2p_fill:
-            self.p2p.append(s)
+            self.p2p.append(s.keep())  # kept for the next collectives
             del self.p2p[:-64]
         else:
             self.p2p_seen.append((s.nbytes, s.ts_ns))

@@ -123,6 +123,15 @@ class NcclSend:
         """Its bytes into ``dst`` (``nbytes`` of uint8), from where they lie."""
         dst[:] = np.ravel(self.data).view(np.uint8)
 
+    def keep(self) -> NcclSend:
+        """Itself, for keeping past the batch it came in (held for its channel, a fill candidate):
+        bytes that are a view of a larger buffer (a run's, a worker's shared-memory ring) are
+        copied into their own, so the send pins no more than it needs."""
+        d = self.data
+        if isinstance(d, np.ndarray) and d.base is not None:
+            self.data = d.copy()
+        return self
+
     def carrying(self, data) -> NcclSend:
         """A plain send with these fields and ``data`` in place of its bytes: what goes to another
         process (a LazySend's batch and run stay behind)."""
@@ -154,6 +163,10 @@ class LazySend(NcclSend):
     @data.setter
     def data(self, value: np.ndarray | None) -> None:
         self._data = value
+
+    def keep(self) -> NcclSend:
+        """Its batch stays valid as long as it is kept (a file's mapping): nothing to copy."""
+        return self if self.__dict__.get("_source") is not None else super().keep()
 
     @property
     def nbytes(self) -> int:

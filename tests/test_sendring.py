@@ -34,15 +34,41 @@ def test_sends_arrive_whole_in_order_across_many_wraps():
     sizes = [0, 1, 4096, 5000, 16384, 16385, 70000, 3, 12000] * 20  # empty, chunk-sized, larger than a chunk
     sends = [send(n, k) for k, n in enumerate(sizes)]
     want = [s.data.copy() for s in sends]
-    got = []
-    for k in range(0, len(sends), 7):
-        got += through(ring, parser, sends[k:k + 7])
-    assert [g.va for g in got] == [s.va for s in sends]
-    for g, w in zip(got, want):
-        assert g.data.dtype == np.uint8 and np.array_equal(g.data, w)
+    for k in range(0, len(sends), 3):
+        got = through(ring, parser, sends[k:k + 3])  # the parser places them and drops them
+        assert [g.va for g in got] == [s.va for s in sends[k:k + 3]]
+        for g, w in zip(got, want[k:k + 3]):
+            assert g.data.dtype == np.uint8 and np.array_equal(g.data, w)
     assert ring.written > 10 * ring.nbytes  # the ring was reused many times over
     for s, w in zip(sends, want):  # the worker's own sends keep their bytes (its decoder may hold them)
         assert np.array_equal(s.data, w)
+
+
+def test_a_send_still_held_keeps_its_chunk_and_kept_sends_let_go(monkeypatch):
+    """The parser's sends are views of the ring: a chunk is written again only once every send of
+    it is dropped, so their bytes never change under them. A ring that stays full behind a chunk
+    still in use sends the next chunk pickled after STUCK_S instead of waiting on; a send kept past
+    its batch (``keep``) takes its own copy and the chunk goes back."""
+    from mirrorckpt.tools import sendring
+
+    monkeypatch.setattr(sendring, "STUCK_S", 0.2)
+    ring = SendRing(CTX, 1 << 16)  # four 16 KiB chunks
+    (held,) = through(ring, ring, [send(16000, 1)])
+    want = held.data.copy()
+    for k in range(2, 5):  # the other three chunks, each dropped at once
+        through(ring, ring, [send(16000, k)])
+    t = time.monotonic()
+    ((bare, span),) = ring.pack([send(16000, 5)])  # it would reuse the held send's chunk
+    assert span is None and time.monotonic() - t >= 0.2
+    assert np.array_equal(bare[0].data, send(16000, 5).data)  # pickled with its bytes
+    assert np.array_equal(held.data, want)  # never written under it
+    assert held.keep() is held and held.data.base is None and np.array_equal(held.data, want)
+    t = time.monotonic()
+    for k in range(6, 30):  # its chunk went back: the ring turns again, nothing waits
+        (got,) = through(ring, ring, [send(16000, k)])
+        assert np.array_equal(got.data, send(16000, k).data)
+    assert time.monotonic() - t < 0.2 and ring.written > 4 * ring.nbytes
+    assert np.array_equal(held.data, want)
 
 
 def test_a_full_ring_waits_for_the_parser_and_gives_up_when_told():
@@ -55,7 +81,7 @@ def test_a_full_ring_waits_for_the_parser_and_gives_up_when_told():
     t.start()
     time.sleep(0.3)
     assert not done  # waiting for room
-    ring.unpack(*items[0])  # the parser copies one chunk out: room again
+    ring.unpack(*items.pop(0))  # the parser reads one chunk's sends and drops them: room again
     t.join(5)
     assert done and done[0][0][1] is not None
     full = SendRing(CTX, 1 << 16)
@@ -79,12 +105,12 @@ def test_a_spawned_worker_hands_its_sends_through_the_ring():
     p.start()
     got = []
     while (item := q.get(timeout=60)) is not None:
-        got += ring.unpack(*item)
+        for g in ring.unpack(*item):  # each checked, then dropped as the parser drops it
+            assert np.array_equal(g.data, send(1000 * (g.va % 13), g.va).data)
+            got.append(g.va)
     p.join(30)
     assert p.exitcode == 0
-    assert [g.va for g in got] == list(range(60))
-    for g in got:
-        assert np.array_equal(g.data, send(1000 * (g.va % 13), g.va).data)
+    assert got == list(range(60))
 
 
 def _lazy_sends(name: str) -> list:

@@ -5,18 +5,27 @@ write, pipe read, unpickle): 0.42 GB/s for 1 MB sends measured here, a fraction 
 packet path decodes, so `serve` ran at the queue's rate while its parser waited. Now each worker
 owns a ring of shared memory. It copies a chunk of sends' bytes into the ring (a send still in its
 capture batch, ``nccl.LazySend``, straight from there) and puts only their metadata on the queue
-(``pack``); the parser copies the chunk out into a buffer of its own in one memcpy and gives the
-ring space back (``unpack``). The ring is bounded: a worker whose ring is full waits for the
-parser, its queue backs up and the capture edge drops, as before.
+(``pack``); the parser's sends read their bytes in the ring where they lie (``unpack``), and a
+chunk's space goes back once the last of them is dropped (a copy out of every chunk was a third
+of the parser thread's time on Simple). A send kept past its batch takes its own copy
+(``NcclSend.keep``), so it does not pin its chunk. The ring is bounded: a worker whose ring is
+full waits for the parser, its queue backs up and the capture edge drops, as before; one whose
+ring stays full for ``STUCK_S`` (a chunk pinned by a send kept whole somewhere) sends that chunk
+pickled instead of waiting on.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
 from mirrorckpt.parser.nccl import LazySend
+
+STUCK_S = 1.0  # a worker's ring full this long: the chunk goes pickled (see the module doc)
 
 
 def own(s):
@@ -46,6 +55,12 @@ class SendRing:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _view=None)
+
+    def _parser_side(self) -> None:
+        if "_live" not in self.__dict__:
+            self._bytes = memoryview(self.buf).cast("B")
+            self._live: collections.deque = collections.deque()  # [end, dropped] of chunks in use, in order
+            self._lock = threading.Lock()  # a chunk's last send may be dropped on any thread
 
     @property
     def view(self) -> np.ndarray:
@@ -85,8 +100,9 @@ class SendRing:
         if start % self.nbytes + size > self.nbytes:  # no wrap inside a chunk: skip the ring's tail
             start += self.nbytes - start % self.nbytes
         end = start + size
-        while end - self.done[0] > self.nbytes:  # the parser has not copied out what this reuses
-            if waiting is not None and waiting():
+        since = time.monotonic()
+        while end - self.done[0] > self.nbytes:  # the parser still reads what this would reuse
+            if waiting is not None and waiting() or time.monotonic() - since > STUCK_S:
                 return [own(s) for s in sends], None
             time.sleep(0.0005)
         view, pos, bare = self.view, start % self.nbytes, []
@@ -101,19 +117,29 @@ class SendRing:
     # -- the parser's side ------------------------------------------------------------------
 
     def unpack(self, bare: list, span: tuple[int, int] | None) -> list:
-        """The sends with their bytes, copied out of the ring into one buffer of this process;
-        the ring space is given back at once."""
+        """The sends with their bytes, views of the chunk in the ring; its space is given back
+        once every view of it is dropped (chunks in order: one still in use holds back those after)."""
         if span is None:
             return bare
+        self._parser_side()
         start, end = span
         pos = start % self.nbytes
-        size = end - start
-        mine = np.empty(size, np.uint8)
-        mine[:] = self.view[pos:pos + size]
-        self.done[0] = end
+        # an array of its own over the chunk: every send's bytes are a view of it, so it lives
+        # exactly as long as the last of them (numpy's views keep their base array alive)
+        chunk = np.frombuffer(self._bytes[pos:pos + end - start], np.uint8)
+        entry = [end, False]
+        with self._lock:
+            self._live.append(entry)
+        weakref.finalize(chunk, self._dropped, entry)
         at = 0
         for s in bare:
             n = s.data
-            s.data = mine[at:at + n]
+            s.data = chunk[at:at + n]
             at += n
         return bare
+
+    def _dropped(self, entry: list) -> None:
+        with self._lock:
+            entry[1] = True
+            while self._live and self._live[0][1]:
+                self.done[0] = self._live.popleft()[0]

@@ -635,7 +635,7 @@ class Daemon:
                 if pending:
                     break
                 continue
-            pending.append((sends, set(streams.ended)))
+            pending.append(([s.keep() for s in sends], set(streams.ended)))  # held until inference ends
             if sum(len(b) for b, _ in pending) >= window:
                 break
         if not pending:
