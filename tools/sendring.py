@@ -60,7 +60,8 @@ class SendRing:
         if "_live" not in self.__dict__:
             self._bytes = memoryview(self.buf).cast("B")
             self._live: collections.deque = collections.deque()  # [end, dropped] of chunks in use, in order
-            self._lock = threading.Lock()  # a chunk's last send may be dropped on any thread
+            # a chunk's last send may be dropped on any thread, or by the collector inside this one
+            self._lock = threading.RLock()
 
     @property
     def view(self) -> np.ndarray:
