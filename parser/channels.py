@@ -116,6 +116,7 @@ class ChannelResolver:
         self._fit: dict[tuple[int, ConnKey], list[int]] = {}
         self._order_fit: dict[tuple[int, ConnKey], list[int]] = {}
         self._messages: dict[tuple[int, ConnKey], int] = {}
+        self._stepped: set[tuple[int, ConnKey]] = set()  # held ones with a send whose step is known
 
     def is_ring(self, conn: ConnKey) -> bool:
         a, b = self.ranks.get(conn.sender), self.ranks.get(conn.receiver)
@@ -146,6 +147,8 @@ class ChannelResolver:
         fit = channel_candidates(self.sm, conn, [s], self.model.ring, self.ranks)
         prev = self._fit.get(key)
         self._fit[key] = fit if prev is None else [c for c in prev if c in fit]
+        if s.step is not None and s.length_known:
+            self._stepped.add(key)
         if s.lone_piece or s.form == "malformed":
             return  # not a message of its own (see _numbered)
         m = self._messages.get(key, 0)
@@ -168,6 +171,7 @@ class ChannelResolver:
             out += self.held.pop(key)
             for d in (self._fit, self._order_fit, self._messages):
                 d.pop(key, None)
+            self._stepped.discard(key)
         return out
 
     def _fits_in_order(self, conn: ConnKey, m: int, s: NcclSend) -> list[int]:
@@ -212,7 +216,7 @@ class ChannelResolver:
     def _decide(self, key: tuple[int, ConnKey], final: bool) -> list[NcclSend]:
         conn = key[1]
         held = self.held[key]
-        stepped = any(s.step is not None and s.length_known for s in held)
+        stepped = key in self._stepped
         by_order = not stepped and self.model.from_start and len(held) >= min(self.hold, 8)
         if not (stepped or by_order or final):
             return []  # nothing identifying yet (empty steps, or flagless sends still few)

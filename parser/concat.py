@@ -305,7 +305,8 @@ class Concatenator:
         copies of its final values travel within its own collective (ranks and channels are at most
         a collective apart), so waiting longer only delays the step."""
         out = []
-        settled, closing = self.settled(), self.settled(held=True)
+        settled = self.settled()
+        closing = self.settled(held=True) if self.holding else settled
         while True:
             if not (final and self.next_out <= self.frontier or self.next_out + self.collective_window <= closing):
                 r = self.open.get(self.next_out)

@@ -40,7 +40,7 @@ def own(s):
 
 class SendRing:
     """One worker's ring: ``buf`` (shared bytes) and ``done`` (shared int64: ring bytes, counted
-    from the start, the parser has copied out). Created before the worker starts (spawn passes
+    from the start, the parser has given back). Created before the worker starts (spawn passes
     shared memory to a child only as a start argument)."""
 
     def __init__(self, ctx, nbytes: int):
@@ -49,19 +49,17 @@ class SendRing:
         self.done = ctx.RawArray("q", 1)
         self._view = None
         self.written = 0  # the writer's side: ring bytes handed out, counted from the start
+        # the parser's side: the ring as bytes, and [end, dropped] of the chunks in use, in order
+        self._bytes = memoryview(self.buf).cast("B")
+        self._live: collections.deque = collections.deque()
+        # a chunk's last send may be dropped on any thread, or by the collector inside this one
+        self._lock = threading.RLock()
 
     def __getstate__(self) -> dict:
         return {"nbytes": self.nbytes, "buf": self.buf, "done": self.done, "written": 0}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _view=None)
-
-    def _parser_side(self) -> None:
-        if "_live" not in self.__dict__:
-            self._bytes = memoryview(self.buf).cast("B")
-            self._live: collections.deque = collections.deque()  # [end, dropped] of chunks in use, in order
-            # a chunk's last send may be dropped on any thread, or by the collector inside this one
-            self._lock = threading.RLock()
 
     @property
     def view(self) -> np.ndarray:
@@ -122,7 +120,6 @@ class SendRing:
         once every view of it is dropped (chunks in order: one still in use holds back those after)."""
         if span is None:
             return bare
-        self._parser_side()
         start, end = span
         pos = start % self.nbytes
         # an array of its own over the chunk: every send's bytes are a view of it, so it lives

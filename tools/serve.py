@@ -342,8 +342,7 @@ class QueueStreams:
             self._outside_bytes = sum(x.data.nbytes for sends in self._outside for x in sends)
         outside = [x for x in sends if x.connection not in ring]
         for x in outside:  # kept: their own bytes, not a view that holds a whole ring chunk
-            if x.data.base is not None:
-                x.data = x.data.copy()
+            x.keep()
         if outside:
             self._outside.append(outside)
             self._outside_bytes += sum(x.data.nbytes for x in outside)
