@@ -38,6 +38,10 @@ from mirrorckpt.tools.sendring import SendRing
 
 log = logging.getLogger("mirrorckpt.serve")
 
+# A port that keeps dropping frames is warned about at most this often (the count goes on in the
+# metrics); the first drop is always said.
+DROP_WARN_S = 10.0
+
 
 class JsonLogFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message and any `extra` fields."""
@@ -256,9 +260,12 @@ class QueueStreams:
 
     def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0,
                  idle_seconds: float = 2.0, replay_bytes: int = 256 << 20, shared: list | None = None,
-                 rings: list | None = None, labels: list[str] | None = None):
+                 rings: list | None = None, labels: list[str] | None = None, drop_hints: list[str] | None = None):
         self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
         self.labels = labels or [str(k) for k in range(nports)]  # the metrics' port label per stream
+        # per stream: what to do about drops at its capture edge, said with the warning
+        self.drop_hints = drop_hints or [""] * nports
+        self._drop_warned: dict[int, tuple[float, int]] = {}  # stream -> (time, drops) of its last warning
         self.rings = rings  # per port: the worker's sendring.SendRing (None: bytes come pickled)
         self.shared = shared  # per port: the worker's counters (COUNTERS), read by sync_counters
         self.nstreams = nports
@@ -449,6 +456,25 @@ class QueueStreams:
             m.stage_cpu.labels(stage, lp).inc(max(0, c[k] - old.get(k, 0)) / 1e9)
         self.counters[port] = c
         self.stats[port].frames, self.stats[port].bytes = c["frames"], c["bytes"]
+        self._warn_drops(port, c)
+
+    def _warn_drops(self, port: int, c: dict) -> None:
+        """Drops make iterations incomplete (a fallback each): the log says so where it happens,
+        not only the metrics."""
+        n = c["dropped_capture"] + c["dropped_kernel"]
+        when, said = self._drop_warned.get(port, (0.0, 0))
+        now = time.monotonic()
+        if n > said and (not said or now - when >= DROP_WARN_S):
+            self._drop_warned[port] = (now, n)
+            log.warning("frames dropped: the iterations they carried are incomplete",
+                        extra={"port": self.labels[port], "dropped_capture": c["dropped_capture"],
+                               "dropped_kernel": c["dropped_kernel"], "frames": c["frames"],
+                               "hint": self.drop_hints[port]})
+
+    def drops(self) -> dict:
+        """Per stream with any: frames dropped at its capture edge and by the kernel (or NIC)."""
+        return {self.labels[p]: {"capture": c["dropped_capture"], "kernel": c["dropped_kernel"]}
+                for p, c in sorted(self.counters.items()) if c["dropped_capture"] or c["dropped_kernel"]}
 
 
 class _Prefixed:
@@ -581,13 +607,22 @@ class Daemon:
         if self.streams is not None:
             self.streams.rearm()
 
+    def _drop_hint(self, source: str) -> str:
+        live = str(source).startswith(("afpacket:", "dpdk:"))
+        if not live and self.pace is None:
+            return ("a capture file served without --pace is offered as fast as it can be read, as a port at "
+                    "line rate would be: raise [capture] queue_bytes above its size to process every frame")
+        return ("capture edge: a stage behind it is slower than the port ([capture] queue_bytes full; the "
+                "'stage CPU seconds' line at stop says which); kernel: the capture ring or NIC queue was full")
+
     def _parser(self) -> None:
         from mirrorckpt.parser.pipeline import JobStream
         from mirrorckpt.updater.drive import drive
 
         streams = QueueStreams(self.sends_q, len(self.stream_of), self.metrics, self.stopping,
                                replay_bytes=self.job.capture.get("queue_bytes", 256 << 20), shared=self.shared,
-                               rings=self.rings, labels=[stream_label(*x) for x in self.stream_of])
+                               rings=self.rings, labels=[stream_label(*x) for x in self.stream_of],
+                               drop_hints=[self._drop_hint(self.job.mirrors[i].source) for i, _, _ in self.stream_of])
         self.streams = streams
         try:
             while not self.stopping.is_set():
@@ -792,6 +827,9 @@ class Daemon:
         done.set()
         counters.join()
         log.info("stage CPU seconds", extra=self.stage_cpu())
+        drops = self.streams.drops() if self.streams is not None else {}
+        if drops:
+            log.warning("frames dropped while serving", extra={"ports": drops})
         if self.control is not None:
             self.control.server.stop()
         if self.appliance is not None:

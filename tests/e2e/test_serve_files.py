@@ -4,6 +4,7 @@ status while running, clean stop on SIGTERM, and back-pressure that drops instea
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -190,17 +191,36 @@ def test_slow_updater_drops_at_the_capture_edge_never_corrupts(long_job_dir, tmp
     metrics = Metrics()
     d = Daemon(job, TrainingSpec.from_dict(job.training), PersistSpec.from_dict(job.persist), metrics,
                iteration_queue=1, sends_queue=1, updater_delay=0.2)
-    assert d.run() == 0
+    said = _Records()
+    logging.getLogger("mirrorckpt.serve").addHandler(said)
+    try:
+        assert d.run() == 0
+    finally:
+        logging.getLogger("mirrorckpt.serve").removeHandler(said)
     s = d.appliance.summary
     dropped = sum(v for k, v in _samples(metrics, "mirrorckpt_frames_dropped_total").items()
                   if ("where", "capture") in k)
     assert dropped > 0
+    # the log says so, not only the metrics: where it happens (with what to do for a file) and at stop
+    first = [r for r in said.records if r.getMessage().startswith("frames dropped: ")]
+    assert first and first[0].dropped_capture > 0 and "queue_bytes" in first[0].hint, said.records
+    total = [r for r in said.records if r.getMessage() == "frames dropped while serving"]
+    assert len(total) == 1 and sum(v["capture"] for v in total[0].ports.values()) == dropped
     assert s.iterations_incomplete > 0 and s.stale_events >= 1
     # Whatever was applied is exactly the trainer's state at that iteration.
     r = d.appliance.replica
     if r is not None and r.iterations_done:
         want = truth(job_dir)["iterations"][r.iterations_done - 1]
         assert r.state_sha256() == (want["params_sha256"], want["optim_sha256"])
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
 
 
 def _samples(metrics, name):
