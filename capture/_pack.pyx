@@ -77,3 +77,50 @@ cdef void _copy(const uint8_t *src, const int64_t *src_off, uint8_t *dst, const 
     for k in range(n):
         if length[k] > 0:
             memcpy(dst + dst_off[k], src + src_off[k], length[k])
+
+
+cdef inline int64_t _be16(const uint8_t *p) noexcept nogil:
+    return (<int64_t>p[0] << 8) | p[1]
+
+
+def udp_source_ports(const uint8_t[::1] data, const int64_t[::1] offset, const int64_t[::1] caplen,
+                     int64_t[::1] out, int64_t vlan, int64_t qinq, int64_t ipv4, int64_t ipv6, int64_t udp):
+    """out[i]: frame i's UDP source port (Ethernet, up to two ``vlan``/``qinq`` tags, IPv4 with
+    any header length or IPv6 without extension headers; EtherTypes and the UDP protocol number
+    from capture.fanout), -1 where it has none."""
+    cdef Py_ssize_t n = offset.shape[0], i
+    cdef int64_t nd = data.shape[0], off, end, pos, etype, ip, ihl
+    cdef const uint8_t *p
+    if caplen.shape[0] != n or out.shape[0] != n:
+        raise ValueError(f"udp_source_ports: {n} offsets, {caplen.shape[0]} lengths, {out.shape[0]} outputs")
+    for i in range(n):
+        if offset[i] < 0 or caplen[i] < 0 or offset[i] + caplen[i] > nd:
+            raise IndexError(f"frame {i}: {offset[i]}+{caplen[i]} of {nd} bytes")
+    if n == 0:
+        return
+    p = &data[0]
+    with nogil:
+        for i in range(n):
+            out[i] = -1
+            off = offset[i]
+            end = off + caplen[i]
+            if caplen[i] < 14:
+                continue
+            pos = off + 12
+            etype = _be16(p + pos)
+            for _ in range(2):
+                if etype != vlan and etype != qinq:
+                    break
+                pos += 4
+                if pos + 2 > end:
+                    etype = -1
+                    break
+                etype = _be16(p + pos)
+            ip = pos + 2
+            if etype == ipv4 and ip + 20 <= end:
+                ihl = (p[ip] & 0x0F) * 4
+                if p[ip + 9] == udp and ihl >= 20 and ip + ihl + 2 <= end:
+                    out[i] = _be16(p + ip + ihl)
+            elif etype == ipv6 and ip + 42 <= end:
+                if p[ip + 6] == udp:
+                    out[i] = _be16(p + ip + 40)

@@ -18,6 +18,7 @@ its messages cut over the QPs then land in different workers and come out incomp
 from __future__ import annotations
 
 import numpy as np
+from mirrorckpt.capture import _pack
 from mirrorckpt.capture.batch import FrameBatch
 
 ETH_VLAN = (0x8100, 0x88A8)
@@ -25,45 +26,15 @@ ETH_IPV4, ETH_IPV6 = 0x0800, 0x86DD
 IPPROTO_UDP = 17
 
 
-def _u16(data: np.ndarray, at: np.ndarray, ok: np.ndarray) -> np.ndarray:
-    """Big-endian u16 at byte ``at`` of each frame where ``ok`` (0 elsewhere)."""
-    out = np.zeros(at.shape, np.int64)
-    i = at[ok]
-    out[ok] = data[i].astype(np.int64) << 8 | data[i + 1]
-    return out
-
-
 def udp_source_ports(b: FrameBatch) -> np.ndarray:
-    """Each Ethernet frame's UDP source port (IPv4 or IPv6, up to two VLAN tags), -1 where none."""
-    data, off, cap = b.data, b.offset.astype(np.int64), b.caplen.astype(np.int64)
-    n = len(b)
-    pos = off + 12
-    ok = cap >= 14
-    etype = _u16(data, pos, ok)
-    for _ in range(2):  # 802.1Q / 802.1ad tags
-        tagged = ok & np.isin(etype, ETH_VLAN)
-        pos = np.where(tagged, pos + 4, pos)
-        ok &= ~tagged | (pos + 2 <= off + cap)
-        etype = np.where(tagged, _u16(data, pos, ok & tagged), etype)
-    ip = pos + 2
-    end = off + cap
-    v4 = ok & (etype == ETH_IPV4) & (ip + 20 <= end)
-    v6 = ok & (etype == ETH_IPV6) & (ip + 40 <= end)
-    udp = np.full(n, -1, np.int64)
-    if v4.any():
-        ihl = np.zeros(n, np.int64)
-        ihl[v4] = (data[ip[v4]] & 0x0F).astype(np.int64) * 4
-        proto = np.zeros(n, np.int64)
-        proto[v4] = data[ip[v4] + 9]
-        v4 &= (proto == IPPROTO_UDP) & (ihl >= 20) & (ip + ihl + 2 <= end)
-        udp = np.where(v4, ip + ihl, udp)
-    if v6.any():
-        nxt = np.zeros(n, np.int64)
-        nxt[v6] = data[ip[v6] + 6]
-        v6 &= (nxt == IPPROTO_UDP) & (ip + 42 <= end)
-        udp = np.where(v6, ip + 40, udp)
-    has = udp >= 0
-    return np.where(has, _u16(data, np.where(has, udp, 0), has), -1)
+    """Each Ethernet frame's UDP source port (IPv4 or IPv6, up to two VLAN tags), -1 where none.
+    Compiled: in numpy this pass cost each worker of a capture file about 75 ns a frame, an eighth
+    of its decode thread on LL (every worker reads every frame of the file)."""
+    out = np.empty(len(b), np.int64)
+    _pack.udp_source_ports(np.ascontiguousarray(b.data), np.ascontiguousarray(b.offset, np.int64),
+                           np.ascontiguousarray(b.caplen, np.int64), out, *ETH_VLAN, ETH_IPV4, ETH_IPV6,
+                           IPPROTO_UDP)
+    return out
 
 
 def worker_of(b: FrameBatch, workers: int) -> np.ndarray:

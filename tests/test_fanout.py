@@ -82,3 +82,56 @@ def test_header_forms_and_foreign_frames():
     for eth, want in cases.items():
         assert fanout.udp_source_ports(frame(eth)).tolist() == [want], eth.hex()
         assert fanout.worker_of(frame(eth), 5).tolist() == [want % 5 if want >= 0 else 0]
+
+
+def _sport_by_hand(eth: bytes) -> int:
+    """The split's rule read field by field (the compiled pass and the BPF program must agree)."""
+    if len(eth) < 14:
+        return -1
+    pos, etype = 12, int.from_bytes(eth[12:14], "big")
+    for _ in range(2):
+        if etype not in fanout.ETH_VLAN:
+            break
+        pos += 4
+        if pos + 2 > len(eth):
+            return -1
+        etype = int.from_bytes(eth[pos:pos + 2], "big")
+    ip = pos + 2
+    if etype == fanout.ETH_IPV4 and ip + 20 <= len(eth):
+        ihl = (eth[ip] & 0x0F) * 4
+        if eth[ip + 9] == fanout.IPPROTO_UDP and ihl >= 20 and ip + ihl + 2 <= len(eth):
+            return int.from_bytes(eth[ip + ihl:ip + ihl + 2], "big")
+    elif etype == fanout.ETH_IPV6 and ip + 42 <= len(eth) and eth[ip + 6] == fanout.IPPROTO_UDP:
+        return int.from_bytes(eth[ip + 40:ip + 42], "big")
+    return -1
+
+
+def test_mutated_and_cut_frames_follow_the_rule_field_by_field():
+    rng = np.random.default_rng(3)
+    mac = b"\x02" * 12
+    tag = (0x8100).to_bytes(2, "big") + b"\x00\x05"
+    qinq = (0x88A8).to_bytes(2, "big") + b"\x00\x05"
+    v4 = b"\x45" + b"\x00" * 8 + b"\x11" + b"\x00" * 10
+    v6 = b"\x60" + b"\x00" * 5 + b"\x11" + b"\x00" * 33
+    udp = (0xC0DE).to_bytes(2, "big") + (4791).to_bytes(2, "big") + b"\x00" * 4
+    bases = [mac + b"\x08\x00" + v4 + udp, mac + tag + b"\x86\xdd" + v6 + udp,
+             mac + qinq + tag + b"\x08\x00" + v4 + udp, mac + b"\x86\xdd" + v6 + udp]
+    frames = []
+    for _ in range(4000):
+        f = bytearray(bases[rng.integers(len(bases))])
+        for _ in range(rng.integers(0, 3)):  # a byte of the headers changed (EtherType, IHL, protocol...)
+            f[rng.integers(12, len(f))] = rng.choice([0x00, 0x06, 0x08, 0x11, 0x45, 0x4F, 0x81, 0x86, 0x88,
+                                                      0xA8, 0xDD, int(rng.integers(256))])
+        frames.append(bytes(f[:rng.integers(0, len(f) + 1)]))  # cut anywhere, to nothing
+    data = np.frombuffer(b"".join(frames), np.uint8)
+    caplen = np.array([len(f) for f in frames], np.int64)
+    offset = np.concatenate([[0], np.cumsum(caplen)[:-1]]).astype(np.int64)
+    n = len(frames)
+    b = FrameBatch(data, offset, caplen, caplen, np.zeros(n, np.int64), np.zeros(n, np.int32))
+    want = [_sport_by_hand(f) for f in frames]
+    assert fanout.udp_source_ports(b).tolist() == want
+    assert 0 < sum(w >= 0 for w in want) < n  # both kinds were made
+    # a frame said to lie outside the buffer is an error, not a read past it
+    with pytest.raises(IndexError):
+        fanout.udp_source_ports(FrameBatch(data, offset + 1, caplen, caplen, np.zeros(n, np.int64),
+                                           np.zeros(n, np.int32)))
