@@ -28,8 +28,8 @@ IPPROTO_UDP = 17
 
 def udp_source_ports(b: FrameBatch) -> np.ndarray:
     """Each Ethernet frame's UDP source port (IPv4 or IPv6, up to two VLAN tags), -1 where none.
-    Compiled: in numpy this pass cost each worker of a capture file about 75 ns a frame, an eighth
-    of its decode thread on LL (every worker reads every frame of the file)."""
+    Compiled: every worker of a capture file runs it on every frame of the file, and in numpy it
+    cost each worker's capture thread about 75 ns a frame."""
     out = np.empty(len(b), np.int64)
     _pack.udp_source_ports(np.ascontiguousarray(b.data), np.ascontiguousarray(b.offset, np.int64),
                            np.ascontiguousarray(b.caplen, np.int64), out, *ETH_VLAN, ETH_IPV4, ETH_IPV6,
