@@ -383,7 +383,7 @@ def timing(t0: float, applied: list[float], t_parsed: float, t_end: float, nbyte
 def _print_timing(t: dict) -> None:
     if t.get("iterations_per_s"):
         click.echo(f"pipeline after start-up ({t['start_up_s']:.2f} s to the first iteration applied): "
-                   f"{t['steady_iterations']} iterations in {t['steady_s']:.2f} s, {t['iterations_per_s']:.0f} "
+                   f"{t['steady_iterations']} iterations in {t['steady_s']:.2f} s, {t['iterations_per_s']:.3g} "
                    f"iterations/s, about {t['steady_MBps_estimated']:.1f} MB/s of capture; checkpoint writes "
                    f"took {t['close_s']:.2f} s more at the end")
 
