@@ -10,7 +10,10 @@ every frame that is not UDP over IPv4/IPv6 goes to worker 0. The kernel's own fl
 depends on the kernel version, and together it splits a pair's two directions.
 
 ``worker_of`` is the split for capture files (every worker reads the whole file and keeps its
-share); AF_PACKET computes the same key in the kernel (a classic BPF fanout program, afpacket.py).
+share), there through a table (``plan``) that deals the QP pairs of the file's start out by their
+bytes, since a port's few pairs split by the port number alone often land unevenly; AF_PACKET
+computes port mod N in the kernel (a classic BPF fanout program, afpacket.py), where no pair's
+bytes are known before its frames must go somewhere.
 A connection spread over several QPs (NCCL_IB_QPS_PER_CONNECTION > 1) has a source port per QP:
 its messages cut over the QPs then land in different workers and come out incomplete, never wrong.
 """
@@ -37,12 +40,61 @@ def udp_source_ports(b: FrameBatch) -> np.ndarray:
     return out
 
 
-def worker_of(b: FrameBatch, workers: int) -> np.ndarray:
-    """The worker (0 .. workers-1) of each frame: UDP source port mod ``workers``, 0 for non-UDP."""
+# The start of a capture file whose bytes per QP pair set its split (``plan``): every ring
+# connection carries each all-reduce from the first one on, so the shares seen there hold.
+PLAN_BYTES = 64 << 20
+
+
+def plan(batches, workers: int, limit: int = PLAN_BYTES) -> np.ndarray:
+    """For a capture file: the worker of each UDP source port (an array of 65536), each QP pair
+    seen in its first ``limit`` bytes dealt out alone by its bytes (``deal``). A split that must
+    keep several pairs together (a connection's QPs) deals them as one (parser.split)."""
+    return deal(port_bytes(batches, limit), workers)
+
+
+def port_bytes(batches, limit: int = PLAN_BYTES) -> np.ndarray:
+    """Bytes per UDP source port (65536 of them) in the batches up to ``limit`` bytes (whole
+    batches: the one that reaches it is the last read)."""
+    weight = np.zeros(1 << 16, np.int64)
+    seen = 0
+    for b in batches:
+        sport = udp_source_ports(b)
+        ok = sport >= 0
+        weight += np.bincount(sport[ok], weights=b.caplen[ok], minlength=1 << 16).astype(np.int64)
+        seen += b.nbytes
+        if seen >= limit:
+            break
+    return weight
+
+
+def deal(weight: np.ndarray, workers: int, together: list[list[int]] = ()) -> np.ndarray:
+    """The worker of each UDP source port: units (a port, or the ports of one of ``together``)
+    dealt out by their bytes in ``weight``, largest first, each to the worker with the fewest so
+    far; ties go to the lower port and worker, so every worker computes the same table. Ports with
+    no bytes keep ``port mod workers``. A port's few QP pairs split by the port number alone often
+    land unevenly (two pairs in one worker half the time), which left a worker idle."""
+    lut = np.arange(1 << 16, dtype=np.int64) % workers
+    grouped = {p for g in together for p in g}
+    units = [sorted(set(g)) for g in together]
+    units += [[p] for p in np.flatnonzero(weight).tolist() if p not in grouped]
+    units = [(int(weight[u].sum()), u[0], u) for u in units if weight[u].sum() > 0]
+    load = [0] * workers
+    for nbytes, _, u in sorted(units, key=lambda x: (-x[0], x[1])):
+        w = min(range(workers), key=lambda k: (load[k], k))
+        lut[u] = w
+        load[w] += nbytes
+    return lut
+
+
+def worker_of(b: FrameBatch, workers: int, lut: np.ndarray | None = None) -> np.ndarray:
+    """The worker (0 .. workers-1) of each frame: by its UDP source port, through ``lut`` (``plan``)
+    or mod ``workers``; 0 for non-UDP."""
     sport = udp_source_ports(b)
+    if lut is not None:
+        return np.where(sport >= 0, lut[np.maximum(sport, 0)], 0)
     return np.where(sport >= 0, sport % workers, 0)
 
 
-def share(b: FrameBatch, worker: int, workers: int) -> FrameBatch:
+def share(b: FrameBatch, worker: int, workers: int, lut: np.ndarray | None = None) -> FrameBatch:
     """The frames of ``b`` that worker ``worker`` of ``workers`` decodes (sharing the buffer)."""
-    return b.select(np.flatnonzero(worker_of(b, workers) == worker))
+    return b.select(np.flatnonzero(worker_of(b, workers, lut) == worker))

@@ -108,7 +108,8 @@ SCHEMA = {
     "metrics": {"listen": (_str(), False)},
     "updater": {"pipelined": (_bool, False), "threads": (_int(1), False)},
     "capture": {"backend": (_str(("file", "afpacket", "dpdk")), False), "batch_frames": (_int(1), False),
-                "queue_bytes": (_int(1), False), "window": (_int(1), False), "transfer_bytes": (_int(0), False)},
+                "queue_bytes": (_int(1), False), "window": (_int(1), False), "transfer_bytes": (_int(0), False),
+                "file_split": (_str(("connection", "port")), False)},
 }
 TOP = {"ring": _table, "job": _table, "training": _table, "persist": _table, "mirror": list, "control": _table,
        "metrics": _table, "capture": _table, "updater": _table}

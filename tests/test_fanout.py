@@ -135,3 +135,47 @@ def test_mutated_and_cut_frames_follow_the_rule_field_by_field():
     with pytest.raises(IndexError):
         fanout.udp_source_ports(FrameBatch(data, offset + 1, caplen, caplen, np.zeros(n, np.int64),
                                            np.zeros(n, np.int32)))
+
+
+def _udp_frames(sports_sizes: list[tuple[int, int]]) -> FrameBatch:
+    mac = b"\x02" * 12
+    v4 = b"\x45" + b"\x00" * 8 + b"\x11" + b"\x00" * 10
+    frames = [mac + b"\x08\x00" + v4 + sp.to_bytes(2, "big") + (4791).to_bytes(2, "big") + b"\x00" * (4 + size)
+              for sp, size in sports_sizes]
+    data = np.frombuffer(b"".join(frames), np.uint8)
+    caplen = np.array([len(f) for f in frames], np.int64)
+    offset = np.concatenate([[0], np.cumsum(caplen)[:-1]]).astype(np.int64)
+    n = len(frames)
+    return FrameBatch(data, offset, caplen, caplen, np.zeros(n, np.int64), np.zeros(n, np.int32))
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_file_is_split_by_its_pairs_bytes_where_port_numbers_would_pile_up(workers):
+    """Four QP pairs whose ports are all multiples of 6: port mod N gives them all to worker 0;
+    the plan deals them out by bytes (the largest first, each to the least loaded worker), the same
+    table from every worker's read of the file, each pair whole in one worker."""
+    rng = np.random.default_rng(1)
+    sizes = {0xC000: 1000, 0xC006: 900, 0xC00C: 300, 0xC012: 250}
+    rows = [(int(sp), int(rng.integers(sizes[sp] - 40, sizes[sp]))) for sp in rng.choice(list(sizes), 4000)]
+    b = _udp_frames(rows)
+    assert set(fanout.worker_of(b, workers).tolist()) == {0}
+    halves = [b.select(slice(0, 2000)), b.select(slice(2000, 4000))]
+    lut = fanout.plan(iter(halves), workers)
+    assert np.array_equal(lut, fanout.plan(iter(halves), workers))
+    w = fanout.worker_of(b, workers, lut)
+    sport = fanout.udp_source_ports(b)
+    for sp in sizes:
+        assert len(set(w[sport == sp].tolist())) == 1  # a pair whole in one worker
+    pair_bytes = [b.caplen[sport == sp].sum() for sp in sizes]
+    load = np.bincount(w, weights=b.caplen, minlength=workers)
+    assert (load > 0).all()
+    assert load.max() <= b.caplen.sum() / workers + max(pair_bytes)  # dealt largest first
+    if workers == 2:
+        assert load.max() / load.min() < 1.2
+    parts = [fanout.share(b, k, workers, lut) for k in range(workers)]
+    assert sorted(np.concatenate([p.offset for p in parts]).tolist()) == b.offset.tolist()
+    # the plan reads batches until ``limit`` bytes: ports first seen after them keep port mod N
+    first = _udp_frames([(0xC000, 500), (0xC006, 400)])
+    part = fanout.plan(iter([first, b]), workers, limit=1)
+    assert part[0xC000] != part[0xC006]
+    assert part[0xC00C] == 0xC00C % workers and part[0xC012] == 0xC012 % workers

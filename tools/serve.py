@@ -82,6 +82,7 @@ class WorkerSpec:
     icrc: bool = True
     nccl_version: str | None = None  # None: the decoder reads the release's wire facts from the traffic
     pace: str | float | None = None  # file replay: None (as fast as possible), "recorded", Gbit/s
+    file_split: str = "connection"  # a file's share: parser.split's plan, or "port" (port mod N, as live)
     share: tuple[int, int] = (0, 1)  # worker k of N on this port: the frames of its QP pairs (capture.fanout)
 
 
@@ -93,8 +94,9 @@ def split_connection(decoder) -> str | None:
     """What to tell the operator when a connection seems to cut its messages over several QPs
     (NCCL_IB_QPS_PER_CONNECTION > 1): a port's workers are split by QP pair, so each message's
     pieces land in different workers and come out incomplete (never wrong). A message that lost a
-    whole piece looks the same, hence a warning, not a stop."""
-    cut = [c.key for c in decoder.conns.values() if c.qp_mode == "cut"]
+    whole piece looks the same, hence a warning, not a stop. A connection whose QPs are all in the
+    worker proves them with its first message's pieces (``nq``); one missing some never does."""
+    cut = [c.key for c in decoder.conns.values() if c.qp_mode == "cut" and not c.nq and len(c.cut) >= 2]
     if not cut:
         return None
     return (f"connection {cut[0]} cuts messages over several QPs (NCCL_IB_QPS_PER_CONNECTION > 1, or a "
@@ -118,6 +120,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     from mirrorckpt.capture import fanout
     from mirrorckpt.capture.batch import CaptureError
     from mirrorckpt.capture.source import open_source, paced
+    from mirrorckpt.parser import split
     from mirrorckpt.parser.packet_path import PacketPath
 
     memory.freeze_startup_heap()
@@ -197,7 +200,11 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         # read-only mapping that stays valid
         keep = getattr(src, "stable_batches", False)
         if n > 1 and keep:  # every worker reads the file and keeps the frames of its QP pairs
-            it = (fanout.share(b, k, n) for b in it)
+            lut = None  # "port": as a live port's kernel fanout splits it
+            if spec.file_split == "connection":  # a connection's QPs together, dealt by bytes
+                with open_source(spec.source, **opts) as start:
+                    lut = split.plan(start, n)  # the same in every worker
+            it = (fanout.share(b, k, n, lut) for b in it)
         elif n > 1 and not (hasattr(src, "wait_fanout") and src.wait_fanout(FANOUT_WAIT_S)):
             raise CaptureError(f"{spec.source}: worker {k} of {n}: not every worker joined the port's fanout "
                                f"group within {FANOUT_WAIT_S:g} s (their frames would be captured by nobody)")
@@ -583,7 +590,7 @@ class Daemon:
             m = self.job.mirrors[i]
             spec = WorkerSpec(port=s, source=m.source, batch_frames=cap.get("batch_frames", 65536),
                               local_bytes=cap.get("queue_bytes", 256 << 20), nccl_version=self.job.ring.nccl_version,
-                              pace=self.pace, share=(k, n))
+                              pace=self.pace, share=(k, n), file_split=cap.get("file_split", "connection"))
             ring = self.rings[s] if self.rings else None
             p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture, self.shared[s], ring),
                                  name=f"mirrorckpt-capture-{stream_label(i, k, n)}", daemon=True)

@@ -97,13 +97,16 @@ def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir,
     import numpy as np
     from mirrorckpt.capture import fanout
     from mirrorckpt.capture.pcapfile import read_all
+    from mirrorckpt.parser import split
 
     cfg = config(job_dir, tmp_path)
     cfg.write_text(cfg.read_text().replace('direction = "egress"', f'direction = "egress"\nworkers = {workers}'))
     job = load_job(cfg)
     assert [m.workers for m in job.mirrors] == [workers, workers]
-    # the generated QP pairs fall into more than one share: the split is real
-    shares = np.concatenate([fanout.worker_of(read_all(m.source), workers) for m in job.mirrors])
+    # the generated QP pairs fall into more than one share, as the workers deal them: the split is real
+    shares = np.concatenate([fanout.worker_of(read_all(m.source), workers, split.plan(iter([read_all(m.source)]),
+                                                                                         workers))
+                             for m in job.mirrors])
     assert len(np.unique(shares)) > 1
     serve_every_iteration_bit_exact(job_dir, cfg, tmp_path / "ck")
 
@@ -115,13 +118,17 @@ QP_SPLITS = {  # how a connection uses 2 QPs -> (job, what the warning says)
 
 
 @pytest.mark.parametrize("split", list(QP_SPLITS))
-def test_workers_on_a_port_whose_connections_use_several_qps_say_why_nothing_is_applied(tmp_path, split):
-    """NCCL_IB_QPS_PER_CONNECTION = 2: split by QP pair, a port's workers each see part of a
-    connection. 2.18 cuts each message over both QPs, so its pieces land in different workers; 2.20+
-    sends whole messages round robin, so each worker has every other Simple message, which fits no
-    channel's plan. Nothing can be reassembled (never wrong), and serve says why in a warning (the
-    worker that sees cut messages; the parser for each connection it cannot place) instead of
-    running on silently. One worker follows the same job."""
+def test_workers_on_a_port_whose_connections_use_several_qps(tmp_path, split):
+    """NCCL_IB_QPS_PER_CONNECTION = 2. Split by port, as a live port's kernel fanout does
+    (``file_split = "port"``), a port's workers each see part of a connection: 2.18 cuts each
+    message over both QPs, so its pieces land in different workers; 2.20+ sends whole messages
+    round robin, so each worker has every other Simple message, which fits no channel's plan.
+    Nothing can be reassembled (never wrong), and serve says why in a warning (the worker that sees
+    cut messages; the parser for each connection it cannot place) instead of running on silently.
+    A capture file's own split (the default) keeps each connection's QPs in one worker, found by
+    the receive buffer (rkey) they write: two workers then follow the job bit-exactly, as one does."""
+    from mirrorckpt.capture import fanout
+    from mirrorckpt.capture.pcapfile import read_all
     from mirrorckpt.tools.generator.wire import WireOptions
 
     job, says = QP_SPLITS[split]
@@ -129,18 +136,25 @@ def test_workers_on_a_port_whose_connections_use_several_qps_say_why_nothing_is_
     adam = TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2))
     generate(GenConfig(ranks=3, channels=2, steps=3, training=adam, mirrors="0:egress,1:egress",
                        wire=WireOptions(qps_per_connection=2), **job), d)
-    for workers in (2, 1):
-        (tmp_path / f"w{workers}").mkdir()
-        cfg = config(d, tmp_path / f"w{workers}")
+    for workers, file_split in ((2, "port"), (2, "connection"), (1, "connection")):
+        run = tmp_path / f"w{workers}_{file_split}"
+        run.mkdir()
+        cfg = config(d, run, capture={"file_split": file_split})
         cfg.write_text(cfg.read_text().replace('direction = "egress"', f'direction = "egress"\nworkers = {workers}'))
+        if workers > 1:  # the connections' QPs do fall into different shares by port
+            sport_of = [fanout.udp_source_ports(read_all(m.source)) for m in load_job(cfg).mirrors]
+            assert any(len(set((sp[sp >= 0] % workers).tolist())) > 1 for sp in sport_of)
         res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         logs = [json.loads(x) for x in res.stderr.splitlines() if x.startswith("{")]
         warned = [x for x in logs if x["level"] == "warning" and says in x["msg"]]
-        assert bool(warned) == (workers > 1), res.stderr[-2000:]
+        assert bool(warned) == (file_split == "port"), res.stderr[-2000:]
         stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
-        assert stopped["iterations_applied"] == (3 if workers == 1 else 0)
+        assert stopped["iterations_applied"] == (0 if file_split == "port" else 3)
+        if file_split == "connection":
+            want = truth(d)["iterations"][-1]
+            assert replica_sha(run / "ck", load_job(cfg)) == (want["params_sha256"], want["optim_sha256"])
 
 
 def test_status_while_running_and_clean_sigterm(long_job_dir, tmp_path):

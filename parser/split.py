@@ -1,0 +1,62 @@
+"""Which QP pairs of a capture file's port must stay in one worker when `serve` splits it.
+
+A connection with several QPs (NCCL_IB_QPS_PER_CONNECTION > 1) has a UDP source port per QP, and
+its messages need all of them in one decoder: cut over the QPs (<= 2.19), or whole in turn, where
+only the QP that carries the CTS posts numbers them (2.20+). Its QPs write the same receive
+buffers, so the same rkeys (a registration belongs to one receiver's buffer): the ports whose
+WRITEs name one (sender, receiver, rkey) are one unit. A capture file can be read ahead for this;
+a live port's kernel split (capture.fanout, AF_PACKET) cannot, and splits by port alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mirrorckpt.capture import fanout
+from mirrorckpt.parser import roce
+
+
+def connection_ports(batches, limit: int = fanout.PLAN_BYTES) -> tuple[np.ndarray, list[list[int]]]:
+    """Bytes per UDP source port of the batches up to ``limit`` bytes, and the groups of ports
+    whose RDMA WRITEs target one receive buffer (more than one port each)."""
+    weight = np.zeros(1 << 16, np.int64)
+    parent: dict[int, int] = {}
+    first: dict[tuple, int] = {}  # (sender, receiver, rkey) -> a port that wrote it
+    linked: set[int] = set()  # ports that wrote any
+
+    def root(p: int) -> int:
+        while parent.get(p, p) != p:
+            p = parent[p]
+        return p
+
+    seen = 0
+    for b in batches:
+        sport = fanout.udp_source_ports(b)
+        ok = sport >= 0
+        weight += np.bincount(sport[ok], weights=b.caplen[ok], minlength=1 << 16).astype(np.int64)
+        pk, _ = roce.decode(b, icrc=False)
+        rows = np.flatnonzero(pk.has_reth & (pk.rkey != 0))
+        if len(rows):
+            src, dst = pk.src[rows], pk.dst[rows]
+            cols = [src.view(np.uint64), dst.view(np.uint64), pk.rkey[rows].astype(np.uint64)[:, None],
+                    pk.sport[rows].astype(np.uint64)[:, None]]
+            keys = np.unique(np.column_stack(cols), axis=0)  # one row per (sender, receiver, rkey, port)
+            for *k, p in keys.tolist():
+                linked.add(p)
+                q = first.setdefault(tuple(k), p)
+                a, c = root(p), root(q)
+                if a != c:
+                    parent[max(a, c)] = min(a, c)
+        seen += b.nbytes
+        if seen >= limit:
+            break
+    groups: dict[int, list[int]] = {}
+    for p in linked:
+        groups.setdefault(root(p), []).append(p)
+    return weight, [sorted(g) for g in groups.values() if len(g) > 1]
+
+
+def plan(batches, workers: int, limit: int = fanout.PLAN_BYTES) -> np.ndarray:
+    """The worker of each UDP source port of a capture file (``fanout.deal``): a connection's QP
+    pairs together, units dealt out by their bytes in the file's first ``limit`` bytes."""
+    weight, together = connection_ports(batches, limit)
+    return fanout.deal(weight, workers, together)
