@@ -122,8 +122,9 @@ def doctor(captures, nccl_version, as_json):
             q = rep["qps_per_connection"]
             click.echo(f"QPs per connection: {', '.join(map(str, q))}" + (
                 " ([[mirror]] workers > 1 keeps every message in one worker)" if q == [1] else
-                " ([[mirror]] workers > 1 would split a connection's QPs: its messages cut over them come "
-                "out incomplete; use workers = 1)"))
+                " ([[mirror]] workers > 1: a capture file's split keeps a connection's QPs together; a "
+                "live port's kernel split would part them and their messages come out incomplete: use "
+                "workers = 1 there)"))
         for c in rep["connections"]:
             click.echo(f"connection {c['connection']}: {c['kind']}, {c['sends']} sends, {c['qps']} QP(s), "
                        f"protocols {', '.join(c['protocols']) or '-'}")

@@ -156,4 +156,4 @@ def test_doctor_counts_qps_per_connection(tmp_path, release):
     assert rep["qps_per_connection"] == [2]
     r1 = CliRunner().invoke(main, ["doctor"] + [str(tmp_path / f) for f in EGRESS])
     assert "QPs per connection: 2" in r1.output and "2 QP(s)" in r1.output
-    assert "workers > 1 would split a connection's QPs" in r1.output  # [[mirror]] workers: one QP pair per worker
+    assert "a live port's kernel split would part them" in r1.output  # [[mirror]] workers on a live port
