@@ -10,8 +10,9 @@ every frame that is not UDP over IPv4/IPv6 goes to worker 0. The kernel's own fl
 depends on the kernel version, and together it splits a pair's two directions.
 
 ``worker_of`` is the split for capture files (every worker reads the whole file and keeps its
-share), there through a table (``plan``) that deals the QP pairs of the file's start out by their
-bytes, since a port's few pairs split by the port number alone often land unevenly; AF_PACKET
+share), there through a table (``deal``, planned by parser.split) that deals the QP pairs of the
+file's start out by their bytes, since a port's few pairs split by the port number alone often
+land unevenly; AF_PACKET
 computes port mod N in the kernel (a classic BPF fanout program, afpacket.py), where no pair's
 bytes are known before its frames must go somewhere.
 A connection spread over several QPs (NCCL_IB_QPS_PER_CONNECTION > 1) has a source port per QP:
@@ -40,31 +41,16 @@ def udp_source_ports(b: FrameBatch) -> np.ndarray:
     return out
 
 
-# The start of a capture file whose bytes per QP pair set its split (``plan``): every ring
+# The start of a capture file whose bytes per QP pair set its split (parser.split): every ring
 # connection carries each all-reduce from the first one on, so the shares seen there hold.
 PLAN_BYTES = 64 << 20
 
 
-def plan(batches, workers: int, limit: int = PLAN_BYTES) -> np.ndarray:
-    """For a capture file: the worker of each UDP source port (an array of 65536), each QP pair
-    seen in its first ``limit`` bytes dealt out alone by its bytes (``deal``). A split that must
-    keep several pairs together (a connection's QPs) deals them as one (parser.split)."""
-    return deal(port_bytes(batches, limit), workers)
-
-
-def port_bytes(batches, limit: int = PLAN_BYTES) -> np.ndarray:
-    """Bytes per UDP source port (65536 of them) in the batches up to ``limit`` bytes (whole
-    batches: the one that reaches it is the last read)."""
-    weight = np.zeros(1 << 16, np.int64)
-    seen = 0
-    for b in batches:
-        sport = udp_source_ports(b)
-        ok = sport >= 0
-        weight += np.bincount(sport[ok], weights=b.caplen[ok], minlength=1 << 16).astype(np.int64)
-        seen += b.nbytes
-        if seen >= limit:
-            break
-    return weight
+def add_port_bytes(weight: np.ndarray, b: FrameBatch) -> None:
+    """Adds each frame's bytes to ``weight`` (65536 entries) at its UDP source port."""
+    sport = udp_source_ports(b)
+    ok = sport >= 0
+    weight += np.bincount(sport[ok], weights=b.caplen[ok], minlength=1 << 16).astype(np.int64)
 
 
 def deal(weight: np.ndarray, workers: int, together: list[list[int]] = ()) -> np.ndarray:
@@ -87,7 +73,7 @@ def deal(weight: np.ndarray, workers: int, together: list[list[int]] = ()) -> np
 
 
 def worker_of(b: FrameBatch, workers: int, lut: np.ndarray | None = None) -> np.ndarray:
-    """The worker (0 .. workers-1) of each frame: by its UDP source port, through ``lut`` (``plan``)
+    """The worker (0 .. workers-1) of each frame: by its UDP source port, through ``lut`` (``deal``)
     or mod ``workers``; 0 for non-UDP."""
     sport = udp_source_ports(b)
     if lut is not None:

@@ -30,9 +30,7 @@ def connection_ports(batches, limit: int = fanout.PLAN_BYTES) -> tuple[np.ndarra
 
     seen = 0
     for b in batches:
-        sport = fanout.udp_source_ports(b)
-        ok = sport >= 0
-        weight += np.bincount(sport[ok], weights=b.caplen[ok], minlength=1 << 16).astype(np.int64)
+        fanout.add_port_bytes(weight, b)
         pk, _ = roce.decode(b, icrc=False)
         rows = np.flatnonzero(pk.has_reth & (pk.rkey != 0))
         if len(rows):

@@ -11,7 +11,7 @@ from common import SHARED
 from mirrorckpt.capture import fanout
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
-from mirrorckpt.parser import roce
+from mirrorckpt.parser import roce, split
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 from mirrorckpt.tools.generator.noise import NoiseOptions
 
@@ -160,8 +160,8 @@ def test_a_file_is_split_by_its_pairs_bytes_where_port_numbers_would_pile_up(wor
     b = _udp_frames(rows)
     assert set(fanout.worker_of(b, workers).tolist()) == {0}
     halves = [b.select(slice(0, 2000)), b.select(slice(2000, 4000))]
-    lut = fanout.plan(iter(halves), workers)
-    assert np.array_equal(lut, fanout.plan(iter(halves), workers))
+    lut = split.plan(iter(halves), workers)
+    assert np.array_equal(lut, split.plan(iter(halves), workers))
     w = fanout.worker_of(b, workers, lut)
     sport = fanout.udp_source_ports(b)
     for sp in sizes:
@@ -176,6 +176,27 @@ def test_a_file_is_split_by_its_pairs_bytes_where_port_numbers_would_pile_up(wor
     assert sorted(np.concatenate([p.offset for p in parts]).tolist()) == b.offset.tolist()
     # the plan reads batches until ``limit`` bytes: ports first seen after them keep port mod N
     first = _udp_frames([(0xC000, 500), (0xC006, 400)])
-    part = fanout.plan(iter([first, b]), workers, limit=1)
+    part = split.plan(iter([first, b]), workers, limit=1)
     assert part[0xC000] != part[0xC006]
     assert part[0xC00C] == 0xC00C % workers and part[0xC012] == 0xC012 % workers
+
+
+def test_a_connections_qps_are_one_unit_by_the_buffer_they_write(tmp_path):
+    """NCCL_IB_QPS_PER_CONNECTION = 3 (2.23, whole messages in turn): every connection's three QP
+    pairs (truth: the generator's ring, its first QP's port and ``more_qps``) are one group, found
+    from the rkeys their WRITEs name, and the split keeps each group in one worker."""
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    generate(GenConfig(ranks=3, channels=2, model="mlp:64,96,8", steps=2, seed=9, nccl_version="2.23",
+                       protocol="Simple", mirrors="0:both", wire=WireOptions(qps_per_connection=3)), tmp_path)
+    ring = json.loads((tmp_path / "truth.json").read_text())["wire"]["topology"]["ring"]
+    want = {frozenset([c["sport"], *(q[2] for q in c["more_qps"])]) for c in ring}
+    b = read_all(next(tmp_path.glob("*.pcap*")))
+    weight, groups = split.connection_ports(iter([b]))
+    seen = {frozenset(g) for g in groups}
+    assert seen and seen <= want and all(len(g) == 3 for g in seen)
+    on_port = {g for g in want if g & set(np.flatnonzero(weight).tolist())}
+    assert seen == on_port  # every connection the port shows, each whole
+    lut = split.plan(iter([b]), 2)
+    assert all(len({int(lut[p]) for p in g}) == 1 for g in seen)
+    assert len({int(lut[p]) for g in seen for p in g}) == 2  # and the connections spread over both
