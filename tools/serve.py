@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from mirrorckpt.parser import memory
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.nccl_versions import AUTO
@@ -82,7 +83,9 @@ class WorkerSpec:
     icrc: bool = True
     nccl_version: str | None = None  # None: the decoder reads the release's wire facts from the traffic
     pace: str | float | None = None  # file replay: None (as fast as possible), "recorded", Gbit/s
-    file_split: str = "connection"  # a file's share: parser.split's plan, or "port" (port mod N, as live)
+    # a capture file's share: the worker of each UDP source port (parser.split's plan, made once by
+    # the daemon so every worker of the port holds the same); None: port mod N, as a live port's kernel
+    lut: object = None
     share: tuple[int, int] = (0, 1)  # worker k of N on this port: the frames of its QP pairs (capture.fanout)
 
 
@@ -120,7 +123,6 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     from mirrorckpt.capture import fanout
     from mirrorckpt.capture.batch import CaptureError
     from mirrorckpt.capture.source import open_source, paced
-    from mirrorckpt.parser import split
     from mirrorckpt.parser.packet_path import PacketPath
 
     memory.freeze_startup_heap()
@@ -200,11 +202,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         # read-only mapping that stays valid
         keep = getattr(src, "stable_batches", False)
         if n > 1 and keep:  # every worker reads the file and keeps the frames of its QP pairs
-            lut = None  # "port": as a live port's kernel fanout splits it
-            if spec.file_split == "connection":  # a connection's QPs together, dealt by bytes
-                with open_source(spec.source, **opts) as start:
-                    lut = split.plan(start, n)  # the same in every worker
-            it = (fanout.share(b, k, n, lut) for b in it)
+            it = (fanout.share(b, k, n, spec.lut) for b in it)
         elif n > 1 and not (hasattr(src, "wait_fanout") and src.wait_fanout(FANOUT_WAIT_S)):
             raise CaptureError(f"{spec.source}: worker {k} of {n}: not every worker joined the port's fanout "
                                f"group within {FANOUT_WAIT_S:g} s (their frames would be captured by nobody)")
@@ -584,13 +582,31 @@ class Daemon:
         self.streams = None
         self.error: BaseException | None = None
 
+    def _file_split(self, source: str, workers: int):
+        """The worker of each UDP source port of a capture file split over ``workers``: a
+        connection's QP pairs together, dealt out by bytes (parser.split), unless ``[capture]
+        file_split = "port"``; None for live sources (the kernel splits by port) and one worker."""
+        from mirrorckpt.capture.batch import CaptureError
+        from mirrorckpt.capture.source import open_source
+        from mirrorckpt.parser import split
+
+        if workers == 1 or str(source).startswith(("afpacket:", "dpdk:")) or \
+                self.job.capture.get("file_split", "connection") == "port":
+            return None
+        try:
+            with open_source(source, batch_frames=self.job.capture.get("batch_frames", 65536)) as start:
+                return split.plan(start, workers).astype(np.int32)
+        except (CaptureError, OSError):
+            return None  # each worker meets the same error opening it, and reports it as its port's
+
     def start_workers(self) -> None:
         cap = self.job.capture
+        luts = {i: self._file_split(m.source, m.workers) for i, m in enumerate(self.job.mirrors)}
         for s, (i, k, n) in enumerate(self.stream_of):
             m = self.job.mirrors[i]
             spec = WorkerSpec(port=s, source=m.source, batch_frames=cap.get("batch_frames", 65536),
                               local_bytes=cap.get("queue_bytes", 256 << 20), nccl_version=self.job.ring.nccl_version,
-                              pace=self.pace, share=(k, n), file_split=cap.get("file_split", "connection"))
+                              pace=self.pace, share=(k, n), lut=luts[i])
             ring = self.rings[s] if self.rings else None
             p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture, self.shared[s], ring),
                                  name=f"mirrorckpt-capture-{stream_label(i, k, n)}", daemon=True)
