@@ -160,8 +160,9 @@ def test_a_file_is_split_by_its_pairs_bytes_where_port_numbers_would_pile_up(wor
     b = _udp_frames(rows)
     assert set(fanout.worker_of(b, workers).tolist()) == {0}
     halves = [b.select(slice(0, 2000)), b.select(slice(2000, 4000))]
-    lut = split.plan(iter(halves), workers)
-    assert np.array_equal(lut, split.plan(iter(halves), workers))
+    lut, found = split.plan(iter(halves), workers)
+    assert np.array_equal(lut, split.plan(iter(halves), workers)[0])
+    assert found["qp_pairs"] == 4 and found["connections_of_several_qps"] == 0
     w = fanout.worker_of(b, workers, lut)
     sport = fanout.udp_source_ports(b)
     for sp in sizes:
@@ -176,7 +177,7 @@ def test_a_file_is_split_by_its_pairs_bytes_where_port_numbers_would_pile_up(wor
     assert sorted(np.concatenate([p.offset for p in parts]).tolist()) == b.offset.tolist()
     # the plan reads batches until ``limit`` bytes: ports first seen after them keep port mod N
     first = _udp_frames([(0xC000, 500), (0xC006, 400)])
-    part = split.plan(iter([first, b]), workers, limit=1)
+    part = split.plan(iter([first, b]), workers, limit=1)[0]
     assert part[0xC000] != part[0xC006]
     assert part[0xC00C] == 0xC00C % workers and part[0xC012] == 0xC012 % workers
 
@@ -197,6 +198,7 @@ def test_a_connections_qps_are_one_unit_by_the_buffer_they_write(tmp_path):
     assert seen and seen <= want and all(len(g) == 3 for g in seen)
     on_port = {g for g in want if g & set(np.flatnonzero(weight).tolist())}
     assert seen == on_port  # every connection the port shows, each whole
-    lut = split.plan(iter([b]), 2)
+    lut, found = split.plan(iter([b]), 2)
+    assert found["connections_of_several_qps"] == len(seen) and min(found["share_of_bytes"]) > 0.3
     assert all(len({int(lut[p]) for p in g}) == 1 for g in seen)
     assert len({int(lut[p]) for g in seen for p in g}) == 2  # and the connections spread over both

@@ -595,9 +595,11 @@ class Daemon:
             return None
         try:
             with open_source(source, batch_frames=self.job.capture.get("batch_frames", 65536)) as start:
-                return split.plan(start, workers).astype(np.int32)
+                lut, found = split.plan(start, workers)
         except (CaptureError, OSError):
             return None  # each worker meets the same error opening it, and reports it as its port's
+        log.info("capture file split over its workers", extra={"source": str(source), **found})
+        return lut.astype(np.int32)
 
     def start_workers(self) -> None:
         cap = self.job.capture

@@ -104,8 +104,8 @@ def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir,
     job = load_job(cfg)
     assert [m.workers for m in job.mirrors] == [workers, workers]
     # the generated QP pairs fall into more than one share, as the workers deal them: the split is real
-    shares = np.concatenate([fanout.worker_of(read_all(m.source), workers, split.plan(iter([read_all(m.source)]),
-                                                                                         workers))
+    shares = np.concatenate([fanout.worker_of(read_all(m.source), workers,
+                                              split.plan(iter([read_all(m.source)]), workers)[0])
                              for m in job.mirrors])
     assert len(np.unique(shares)) > 1
     serve_every_iteration_bit_exact(job_dir, cfg, tmp_path / "ck")
@@ -152,6 +152,9 @@ def test_workers_on_a_port_whose_connections_use_several_qps(tmp_path, split):
         assert bool(warned) == (file_split == "port"), res.stderr[-2000:]
         stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
         assert stopped["iterations_applied"] == (0 if file_split == "port" else 3)
+        planned = [x for x in logs if x["msg"] == "capture file split over its workers"]
+        assert len(planned) == (2 if (workers, file_split) == (2, "connection") else 0)
+        assert all(x["connections_of_several_qps"] >= 1 and min(x["share_of_bytes"]) > 0 for x in planned)
         if file_split == "connection":
             want = truth(d)["iterations"][-1]
             assert replica_sha(run / "ck", load_job(cfg)) == (want["params_sha256"], want["optim_sha256"])
