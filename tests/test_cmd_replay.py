@@ -79,3 +79,18 @@ def test_replay_without_a_replica_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "False"
     assert "10/10 iterations complete" in out
+
+
+def test_replay_says_that_workers_are_serves(tmp_path):
+    """A job file written for serve, with ``[[mirror]] workers``, replays as it is, and replay says
+    that it decodes each capture on one thread rather than ignoring the setting in silence."""
+    from common import PCAPS
+
+    demo = PCAPS / "demo"
+    text = (demo / "job.toml").read_text().replace('source = "', f'source = "{demo}/')
+    text = text.replace('direction = "egress"', 'direction = "egress"\nworkers = 2')
+    (tmp_path / "job.toml").write_text(text)
+    res = CliRunner().invoke(main, ["replay", "--config", str(tmp_path / "job.toml")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "note: [[mirror]] workers is serve's" in res.stderr
+    assert "10/10 iterations complete" in res.stdout

@@ -221,6 +221,9 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
         nccl_version = nccl_version or job.ring.nccl_version
+        if any(m.workers > 1 for m in job.mirrors) and not quiet:  # said, not silently ignored
+            click.echo("note: [[mirror]] workers is serve's: replay decodes each capture on one thread "
+                       "(use `mirrorckpt serve` to split a port over several processes)", err=True)
         if not captures:  # the job file lists its capture files as mirror sources
             captures = tuple(m.source for m in job.mirrors if not m.source.startswith(("afpacket:", "dpdk:")))
     if not captures:
