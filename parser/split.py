@@ -53,12 +53,13 @@ def connection_ports(batches, limit: int = fanout.PLAN_BYTES) -> tuple[np.ndarra
     return weight, [sorted(g) for g in groups.values() if len(g) > 1]
 
 
-def plan(batches, workers: int, limit: int = fanout.PLAN_BYTES) -> tuple[np.ndarray, dict]:
+def plan(batches, workers: int, limit: int = fanout.PLAN_BYTES, by_port: bool = False) -> tuple[np.ndarray, dict]:
     """The worker of each UDP source port of a capture file (``fanout.deal``): a connection's QP
-    pairs together, units dealt out by their bytes in the file's first ``limit`` bytes; and what it
-    found, for the log (pairs, connections of several QPs, each worker's share of the bytes)."""
+    pairs together, units dealt out by their bytes in the file's first ``limit`` bytes (``by_port``:
+    port mod N, as a live port's kernel splits); and what it found, for the log (pairs, connections
+    of several QPs, each worker's share of those bytes)."""
     weight, together = connection_ports(batches, limit)
-    lut = fanout.deal(weight, workers, together)
+    lut = np.arange(1 << 16) % workers if by_port else fanout.deal(weight, workers, together)
     ports = np.flatnonzero(weight)
     share = np.bincount(lut[ports], weights=weight[ports], minlength=workers)
     return lut, {"qp_pairs": len(ports), "connections_of_several_qps": len(together),

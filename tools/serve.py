@@ -42,6 +42,10 @@ log = logging.getLogger("mirrorckpt.serve")
 # A port that keeps dropping frames is warned about at most this often (the count goes on in the
 # metrics); the first drop is always said.
 DROP_WARN_S = 10.0
+# A live port split over workers has its shares of the bytes looked at once it has captured this
+# much (a file's, from its plan); a worker above UNEVEN_SHARE / N of them is said.
+SPLIT_CHECK_BYTES = 256 << 20
+UNEVEN_SHARE = 1.5
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -265,11 +269,14 @@ class QueueStreams:
 
     def __init__(self, q: mp.Queue, nports: int, metrics, stop: threading.Event, stall_seconds: float = 10.0,
                  idle_seconds: float = 2.0, replay_bytes: int = 256 << 20, shared: list | None = None,
-                 rings: list | None = None, labels: list[str] | None = None, drop_hints: list[str] | None = None):
+                 rings: list | None = None, labels: list[str] | None = None, drop_hints: list[str] | None = None,
+                 split_groups: list[list[int]] | None = None):
         self.q, self.nports, self.metrics, self.stop = q, nports, metrics, stop
         self.labels = labels or [str(k) for k in range(nports)]  # the metrics' port label per stream
         # per stream: what to do about drops at its capture edge, said with the warning
         self.drop_hints = drop_hints or [""] * nports
+        # the streams of each port split over several workers, until its shares were looked at
+        self.split_unchecked = [g for g in (split_groups or []) if len(g) > 1]
         self._drop_warned: dict[int, tuple[float, int]] = {}  # stream -> (time, drops) of its last warning
         self.rings = rings  # per port: the worker's sendring.SendRing (None: bytes come pickled)
         self.shared = shared  # per port: the worker's counters (COUNTERS), read by sync_counters
@@ -462,6 +469,17 @@ class QueueStreams:
         self.counters[port] = c
         self.stats[port].frames, self.stats[port].bytes = c["frames"], c["bytes"]
         self._warn_drops(port, c)
+        self._check_split()
+
+    def _check_split(self) -> None:
+        """Says once per live port when its workers' shares of the bytes are uneven (a capture
+        file's are known from its plan, and its workers read it at their own pace)."""
+        for g in list(self.split_unchecked):
+            got = [self.counters.get(p, {}).get("bytes", 0) for p in g]
+            if sum(got) < SPLIT_CHECK_BYTES:
+                continue
+            self.split_unchecked.remove(g)
+            warn_uneven([self.labels[p] for p in g], [round(x / sum(got), 3) for x in got])
 
     def _warn_drops(self, port: int, c: dict) -> None:
         """Drops make iterations incomplete (a fallback each): the log says so where it happens,
@@ -545,6 +563,16 @@ def _ring_connections(js) -> dict:
     return a.resolver.mapped if a is not None and a.resolver is not None else {}
 
 
+def warn_uneven(ports: list[str], share: list[float]) -> None:
+    """A port is split by whole QP pairs: a few pairs (or one carrying most bytes) leave the extra
+    workers idle, which the operator should hear of."""
+    if max(share) > UNEVEN_SHARE / len(share):
+        log.warning("a port's workers are unevenly loaded: it is split by whole QP pairs, and its pairs do not "
+                    "spread (few of them, or one carrying most bytes; a live port's kernel splits by UDP source "
+                    "port mod N): workers beyond the busiest add little",
+                    extra={"ports": ports, "share_of_bytes": share})
+
+
 def stream_label(mirror: int, worker: int, workers: int) -> str:
     """A capture stream's name in metrics and logs: the port, and the worker when it has several."""
     return str(mirror) if workers == 1 else f"{mirror}.{worker}"
@@ -590,16 +618,17 @@ class Daemon:
         from mirrorckpt.capture.source import open_source
         from mirrorckpt.parser import split
 
-        if workers == 1 or str(source).startswith(("afpacket:", "dpdk:")) or \
-                self.job.capture.get("file_split", "connection") == "port":
+        if workers == 1 or str(source).startswith(("afpacket:", "dpdk:")):
             return None
+        by_port = self.job.capture.get("file_split", "connection") == "port"
         try:
             with open_source(source, batch_frames=self.job.capture.get("batch_frames", 65536)) as start:
-                lut, found = split.plan(start, workers)
+                lut, found = split.plan(start, workers, by_port=by_port)
         except (CaptureError, OSError):
             return None  # each worker meets the same error opening it, and reports it as its port's
         log.info("capture file split over its workers", extra={"source": str(source), **found})
-        return lut.astype(np.int32)
+        warn_uneven([str(source)], found["share_of_bytes"])
+        return None if by_port else lut.astype(np.int32)
 
     def start_workers(self) -> None:
         cap = self.job.capture
@@ -647,7 +676,10 @@ class Daemon:
         streams = QueueStreams(self.sends_q, len(self.stream_of), self.metrics, self.stopping,
                                replay_bytes=self.job.capture.get("queue_bytes", 256 << 20), shared=self.shared,
                                rings=self.rings, labels=[stream_label(*x) for x in self.stream_of],
-                               drop_hints=[self._drop_hint(self.job.mirrors[i].source) for i, _, _ in self.stream_of])
+                               drop_hints=[self._drop_hint(self.job.mirrors[i].source) for i, _, _ in self.stream_of],
+                               split_groups=[[s for s, (j, _, _) in enumerate(self.stream_of) if j == i]
+                                             for i, m in enumerate(self.job.mirrors)
+                                             if str(m.source).startswith(("afpacket:", "dpdk:"))])
         self.streams = streams
         try:
             while not self.stopping.is_set():
