@@ -13,7 +13,17 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mirrorckpt.config.layout import AUTO, DTYPES, PROTOCOLS, BucketSpec, JobLayout, MirrorSpec, ParamSpec, RingSpec
+from mirrorckpt.config.layout import (
+    AUTO,
+    DTYPES,
+    PROTOCOLS,
+    BucketSpec,
+    JobLayout,
+    MirrorSpec,
+    ParamSpec,
+    RingSpec,
+    live_source,
+)
 
 
 class ConfigError(Exception):
@@ -178,7 +188,7 @@ def default_updater_threads(packet_path: int) -> int:
 
 def _source(spec: str, base: Path | None) -> str:
     """A capture-file source relative to the configuration file's folder; live specs unchanged."""
-    if not spec or base is None or spec.startswith(("afpacket:", "dpdk:")):
+    if not spec or base is None or live_source(spec):
         return spec
     path = Path(spec.removeprefix("file:"))
     return str(path if path.is_absolute() else base / path)

@@ -183,6 +183,14 @@ class RingSpec:
         return RingSpec(**d)
 
 
+LIVE_PREFIXES = ("afpacket:", "dpdk:")  # a source spec naming a live port, not a capture file
+
+
+def live_source(spec: str) -> bool:
+    """Whether a mirror source is a live port (AF_PACKET, DPDK) rather than a capture file."""
+    return str(spec).startswith(LIVE_PREFIXES)
+
+
 @dataclass(frozen=True)
 class MirrorSpec:
     """One mirrored port: which rank's NIC, and which directions the mirror copies."""
@@ -197,3 +205,7 @@ class MirrorSpec:
             raise ValueError(f"mirror direction must be egress, ingress or both, got {self.direction!r}")
         if self.workers < 1:
             raise ValueError(f"mirror workers must be at least 1, got {self.workers}")
+
+    @property
+    def live(self) -> bool:
+        return live_source(self.source)

@@ -55,10 +55,16 @@ def test_source_ports_agree_with_the_packet_decoder_on_every_real_capture():
         assert fanout.worker_of(b, 3).max() <= 2
 
 
+def batch(frames: list[bytes]) -> FrameBatch:
+    caplen = np.array([len(f) for f in frames], np.int64)
+    offset = np.concatenate([[0], np.cumsum(caplen)[:-1]]).astype(np.int64)
+    n = len(frames)
+    return FrameBatch(np.frombuffer(b"".join(frames), np.uint8), offset, caplen, caplen, np.zeros(n, np.int64),
+                      np.zeros(n, np.int32))
+
+
 def frame(eth: bytes) -> FrameBatch:
-    data = np.frombuffer(eth, np.uint8)
-    return FrameBatch(data, np.array([0]), np.array([len(eth)]), np.array([len(eth)]), np.array([0]),
-                      np.array([0], np.int32))
+    return batch([eth])
 
 
 def test_header_forms_and_foreign_frames():
@@ -123,30 +129,21 @@ def test_mutated_and_cut_frames_follow_the_rule_field_by_field():
             f[rng.integers(12, len(f))] = rng.choice([0x00, 0x06, 0x08, 0x11, 0x45, 0x4F, 0x81, 0x86, 0x88,
                                                       0xA8, 0xDD, int(rng.integers(256))])
         frames.append(bytes(f[:rng.integers(0, len(f) + 1)]))  # cut anywhere, to nothing
-    data = np.frombuffer(b"".join(frames), np.uint8)
-    caplen = np.array([len(f) for f in frames], np.int64)
-    offset = np.concatenate([[0], np.cumsum(caplen)[:-1]]).astype(np.int64)
+    b = batch(frames)
     n = len(frames)
-    b = FrameBatch(data, offset, caplen, caplen, np.zeros(n, np.int64), np.zeros(n, np.int32))
     want = [_sport_by_hand(f) for f in frames]
     assert fanout.udp_source_ports(b).tolist() == want
     assert 0 < sum(w >= 0 for w in want) < n  # both kinds were made
     # a frame said to lie outside the buffer is an error, not a read past it
     with pytest.raises(IndexError):
-        fanout.udp_source_ports(FrameBatch(data, offset + 1, caplen, caplen, np.zeros(n, np.int64),
-                                           np.zeros(n, np.int32)))
+        fanout.udp_source_ports(FrameBatch(b.data, b.offset + 1, b.caplen, b.caplen, b.ts_ns, b.iface))
 
 
 def _udp_frames(sports_sizes: list[tuple[int, int]]) -> FrameBatch:
     mac = b"\x02" * 12
     v4 = b"\x45" + b"\x00" * 8 + b"\x11" + b"\x00" * 10
-    frames = [mac + b"\x08\x00" + v4 + sp.to_bytes(2, "big") + (4791).to_bytes(2, "big") + b"\x00" * (4 + size)
-              for sp, size in sports_sizes]
-    data = np.frombuffer(b"".join(frames), np.uint8)
-    caplen = np.array([len(f) for f in frames], np.int64)
-    offset = np.concatenate([[0], np.cumsum(caplen)[:-1]]).astype(np.int64)
-    n = len(frames)
-    return FrameBatch(data, offset, caplen, caplen, np.zeros(n, np.int64), np.zeros(n, np.int32))
+    return batch([mac + b"\x08\x00" + v4 + sp.to_bytes(2, "big") + (4791).to_bytes(2, "big") + b"\x00" * (4 + size)
+                  for sp, size in sports_sizes])
 
 
 @pytest.mark.parametrize("workers", [2, 3])

@@ -225,7 +225,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
             click.echo("note: [[mirror]] workers is serve's: replay decodes each capture on one thread "
                        "(use `mirrorckpt serve` to split a port over several processes)", err=True)
         if not captures:  # the job file lists its capture files as mirror sources
-            captures = tuple(m.source for m in job.mirrors if not m.source.startswith(("afpacket:", "dpdk:")))
+            captures = tuple(m.source for m in job.mirrors if not m.live)
     if not captures:
         click.echo("error: no capture to replay: give CAPTURE files, or a --config whose [[mirror]] sources "
                    "are capture files", err=True)

@@ -600,7 +600,7 @@ class Daemon:
         ring_bytes = job.capture.get("transfer_bytes", 128 << 20)
         self.rings = [SendRing(self.ctx, ring_bytes) for _ in self.stream_of] if ring_bytes else None
         # capture timestamps are this host's clock: wire-to-step and wire-to-commit times are measured
-        self.live = bool(job.mirrors) and all(str(m.source).startswith(("afpacket:", "dpdk:")) for m in job.mirrors)
+        self.live = bool(job.mirrors) and all(m.live for m in job.mirrors)
         self._wire_ts: dict[int, int] = {}  # checkpoint step -> its iteration's last capture timestamp
         self._lat_lock = threading.Lock()
         self.latencies: collections.deque = collections.deque(maxlen=4096)  # (what, seconds, wire ts), newest last
@@ -610,15 +610,16 @@ class Daemon:
         self.streams = None
         self.error: BaseException | None = None
 
-    def _file_split(self, source: str, workers: int):
-        """The worker of each UDP source port of a capture file split over ``workers``: a
+    def _file_split(self, m):
+        """The worker of each UDP source port of mirror ``m``'s capture file split over its workers: a
         connection's QP pairs together, dealt out by bytes (parser.split), unless ``[capture]
         file_split = "port"``; None for live sources (the kernel splits by port) and one worker."""
         from mirrorckpt.capture.batch import CaptureError
         from mirrorckpt.capture.source import open_source
         from mirrorckpt.parser import split
 
-        if workers == 1 or str(source).startswith(("afpacket:", "dpdk:")):
+        source, workers = m.source, m.workers
+        if workers == 1 or m.live:
             return None
         by_port = self.job.capture.get("file_split", "connection") == "port"
         try:
@@ -632,7 +633,7 @@ class Daemon:
 
     def start_workers(self) -> None:
         cap = self.job.capture
-        luts = {i: self._file_split(m.source, m.workers) for i, m in enumerate(self.job.mirrors)}
+        luts = {i: self._file_split(m) for i, m in enumerate(self.job.mirrors)}
         for s, (i, k, n) in enumerate(self.stream_of):
             m = self.job.mirrors[i]
             spec = WorkerSpec(port=s, source=m.source, batch_frames=cap.get("batch_frames", 65536),
@@ -661,9 +662,8 @@ class Daemon:
         if self.streams is not None:
             self.streams.rearm()
 
-    def _drop_hint(self, source: str) -> str:
-        live = str(source).startswith(("afpacket:", "dpdk:"))
-        if not live and self.pace is None:
+    def _drop_hint(self, m) -> str:
+        if not m.live and self.pace is None:
             return ("a capture file served without --pace is offered as fast as it can be read, as a port at "
                     "line rate would be: raise [capture] queue_bytes above its size to process every frame")
         return ("capture edge: a stage behind it is slower than the port ([capture] queue_bytes full; the "
@@ -676,10 +676,9 @@ class Daemon:
         streams = QueueStreams(self.sends_q, len(self.stream_of), self.metrics, self.stopping,
                                replay_bytes=self.job.capture.get("queue_bytes", 256 << 20), shared=self.shared,
                                rings=self.rings, labels=[stream_label(*x) for x in self.stream_of],
-                               drop_hints=[self._drop_hint(self.job.mirrors[i].source) for i, _, _ in self.stream_of],
+                               drop_hints=[self._drop_hint(self.job.mirrors[i]) for i, _, _ in self.stream_of],
                                split_groups=[[s for s, (j, _, _) in enumerate(self.stream_of) if j == i]
-                                             for i, m in enumerate(self.job.mirrors)
-                                             if str(m.source).startswith(("afpacket:", "dpdk:"))])
+                                             for i, m in enumerate(self.job.mirrors) if m.live])
         self.streams = streams
         try:
             while not self.stopping.is_set():

@@ -47,9 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def config(job_dir: Path, tmp: Path, persist_every: int | None = None, **extra) -> Path:
+def config(job_dir: Path, tmp: Path, persist_every: int | None = None, workers: int = 1, **extra) -> Path:
     text = (job_dir / "job.toml").read_text()
     text = text.replace('source = "', f'source = "{job_dir}/')
+    if workers > 1:
+        text = text.replace('direction = "egress"', f'direction = "egress"\nworkers = {workers}')
     text += f'\n[persist]\ndirectory = "{tmp / "ck"}"\nkeep_last = 2\n'
     if persist_every is not None:
         text += f"every_iterations = {persist_every}\n"
@@ -99,8 +101,7 @@ def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir,
     from mirrorckpt.capture.pcapfile import read_all
     from mirrorckpt.parser import split
 
-    cfg = config(job_dir, tmp_path)
-    cfg.write_text(cfg.read_text().replace('direction = "egress"', f'direction = "egress"\nworkers = {workers}'))
+    cfg = config(job_dir, tmp_path, workers=workers)
     job = load_job(cfg)
     assert [m.workers for m in job.mirrors] == [workers, workers]
     # the generated QP pairs fall into more than one share, as the workers deal them: the split is real
@@ -139,8 +140,7 @@ def test_workers_on_a_port_whose_connections_use_several_qps(tmp_path, split):
     for workers, file_split in ((2, "port"), (2, "connection"), (1, "connection")):
         run = tmp_path / f"w{workers}_{file_split}"
         run.mkdir()
-        cfg = config(d, run, capture={"file_split": file_split})
-        cfg.write_text(cfg.read_text().replace('direction = "egress"', f'direction = "egress"\nworkers = {workers}'))
+        cfg = config(d, run, workers=workers, capture={"file_split": file_split})
         if workers > 1:  # the connections' QPs do fall into different shares by port
             sport_of = [fanout.udp_source_ports(read_all(m.source)) for m in load_job(cfg).mirrors]
             assert any(len(set((sp[sp >= 0] % workers).tolist())) > 1 for sp in sport_of)
@@ -301,8 +301,7 @@ def test_serve_reads_each_collectives_protocol_from_the_wire(tmp_path):
     generate(GenConfig(ranks=3, channels=2, protocol="auto", nccl_version="2.23", model="mlp:300,128,16", steps=STEPS,
                        seed=7, training=TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=1e-2)),
                        mirrors="0:egress,1:egress"), d)
-    cfg = config(d, tmp_path)
-    cfg.write_text(cfg.read_text().replace('direction = "egress"', 'direction = "egress"\nworkers = 2'))
+    cfg = config(d, tmp_path, workers=2)
     job = load_job(cfg)
     assert job.ring.protocol == "auto" and job.ring.nccl_version == "2.23"
     res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
@@ -326,8 +325,7 @@ def test_unevenly_loaded_workers_of_a_port_are_said(tmp_path):
     for file_split in ("port", "connection"):
         run = tmp_path / file_split
         run.mkdir()
-        cfg = config(d, run, capture={"file_split": file_split})
-        cfg.write_text(cfg.read_text().replace('direction = "egress"', 'direction = "egress"\nworkers = 2'))
+        cfg = config(d, run, workers=2, capture={"file_split": file_split})
         job = load_job(cfg)
         said = _Records()
         logging.getLogger("mirrorckpt.serve").addHandler(said)
