@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from mirrorckpt.config.layout import live_source
 from mirrorckpt.parser import memory
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.nccl_versions import AUTO
@@ -93,6 +94,10 @@ class WorkerSpec:
     share: tuple[int, int] = (0, 1)  # worker k of N on this port: the frames of its QP pairs (capture.fanout)
 
 
+# A file-fed worker's frames interleave with its siblings' in the file's pages: walking every other
+# ~1 KB frame costs the decode what walking them all does (the prefetchers pull the skipped lines in).
+# A third thread copies the worker's frames into a compact batch first, this many batches ahead.
+COMPACT_AHEAD = 2
 FANOUT_WAIT_S = 60.0  # for the other workers of a port to join its AF_PACKET fanout group
 UNPLACED_WARN_SENDS = 2000  # sends seen with none placed before the parser says so
 
@@ -115,7 +120,8 @@ def split_connection(decoder) -> str | None:
 # the sends in the bounded queue, or the drop counters freeze exactly while the pipeline backs up.
 # "capturing": 1 once the source is open (and a port's fanout group whole): frames sent before
 # then are not seen, so a port is reported only from then on. "cpu_*_ns": the CPU time of the
-# worker's capture thread and decode thread so far (which of its stages limits the port).
+# worker's capture thread (with its compact thread, when it has one) and decode thread so far (which of
+# its stages limits the port).
 COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc", "capturing", "cpu_capture_ns",
             "cpu_decode_ns")
 
@@ -158,17 +164,44 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         for bare, span in ring.pack(sends, given_up) if ring is not None else [(sends, None)]:
             out.put(("sends", spec.port, (bare, cts, fam.imm_order, span)))
 
+    k, n = spec.share
+    # a capture file's port split over workers: its frames reach decode through `compact`
+    compacting = n > 1 and not live_source(spec.source)
+    ready: queue.Queue = queue.Queue(COMPACT_AHEAD) if compacting else local
+    cpu_compact = {"ns": 0}
+
+    def taken(b):  # a batch leaves `local`: the capture edge may hold more
+        if b is not None:
+            with lock:
+                held["bytes"] -= b.nbytes
+        return b
+
+    def compact():
+        while True:
+            b = taken(local.get())
+            c = b.copy() if b is not None else None  # copy_ranges drops the GIL
+            cpu_compact["ns"] = time.thread_time_ns()
+            while threads[0].is_alive():  # a decode thread that died takes nothing more
+                try:
+                    ready.put(c, timeout=0.2)
+                    break
+                except queue.Full:
+                    pass
+            if b is None or not threads[0].is_alive():
+                return
+
+    def next_batch():
+        return ready.get() if compacting else taken(local.get())
+
     def decode():
         from mirrorckpt.parser.errors import VersionMismatch
 
         warned = None
         try:
             while True:
-                b = local.get()
+                b = next_batch()
                 if b is None:
                     break
-                with lock:
-                    held["bytes"] -= b.nbytes
                 _, sends = pp.feed(b)
                 counters["icrc"] = pp.counters.icrc_failed
                 counters["cpu_decode_ns"] = time.thread_time_ns()
@@ -186,16 +219,18 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         except VersionMismatch as e:  # the stated release (or the port's own earlier traffic) is contradicted
             out.put(("fatal", spec.port, str(e)))
             stop.set()
-            while local.get() is not None:  # let the capture thread finish
+            while next_batch() is not None:  # let the capture thread finish
                 pass
 
-    t = threading.Thread(target=decode, name="decode", daemon=True)
-    t.start()
+    threads = [threading.Thread(target=decode, name="decode", daemon=True)]
+    if compacting:
+        threads.append(threading.Thread(target=compact, name="compact", daemon=True))
+    for t in threads:
+        t.start()
     try:
         # AF_PACKET hands over whole ring blocks; files and DPDK take a frame count per batch
         # (DPDK's at most DPDK_MAX_BATCH: a batch must fit in the port's mbuf pool)
         opts = {} if spec.source.startswith("afpacket:") else {"batch_frames": spec.batch_frames}
-        k, n = spec.share
         if n > 1 and spec.source.startswith("afpacket:"):  # the kernel splits the port (capture.fanout)
             opts.update(fanout_workers=n, fanout_worker=k)
         if spec.source.startswith("dpdk:"):
@@ -226,7 +261,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
             kstats = getattr(src, "kernel_drops", None)
             if kstats is not None:
                 counters["dropped_kernel"] = int(kstats() if callable(kstats) else kstats)
-            counters["cpu_capture_ns"] = time.thread_time_ns()
+            counters["cpu_capture_ns"] = time.thread_time_ns() + cpu_compact["ns"]
             publish()
             if stop.is_set():
                 break
@@ -237,9 +272,11 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     except Exception as e:  # noqa: BLE001  (any other failure must not look like a clean end of the source)
         damage = f"{type(e).__name__}: {e}"
     finally:
-        counters["cpu_capture_ns"] = time.thread_time_ns()
+        cpu = time.thread_time_ns()
         local.put(None)
-        t.join()
+        for t in threads[::-1]:
+            t.join()
+        counters["cpu_capture_ns"] = cpu + cpu_compact["ns"]
         publish()
         out.put(("end", spec.port, damage))
 

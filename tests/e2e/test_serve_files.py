@@ -258,8 +258,8 @@ def job_dir_223(tmp_path_factory):
     return d
 
 
-def _with_release(job_dir: Path, tmp: Path, release: str | None) -> Path:
-    cfg = config(job_dir, tmp)
+def _with_release(job_dir: Path, tmp: Path, release: str | None, workers: int = 1) -> Path:
+    cfg = config(job_dir, tmp, workers=workers)
     lines = [x for x in cfg.read_text().splitlines() if not x.startswith("nccl_version")]
     if release is not None:
         lines.insert(lines.index("[ring]") + 1, f'nccl_version = "{release}"')
@@ -282,8 +282,11 @@ def test_serve_reads_the_nccl_release_from_the_wire(job_dir_223, tmp_path):
     assert replica_sha(tmp_path / "ck", load_job(cfg)) == (want["params_sha256"], want["optim_sha256"])
 
 
-def test_serve_refuses_a_release_the_wire_contradicts(job_dir_223, tmp_path):
-    cfg = _with_release(job_dir_223, tmp_path, "2.18")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_refuses_a_release_the_wire_contradicts(job_dir_223, tmp_path, workers):
+    """Also with the port's file split over two workers: each worker's decode thread stops behind
+    its compact thread, which must not keep the worker (and serve) from ending."""
+    cfg = _with_release(job_dir_223, tmp_path, "2.18", workers)
     res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 1, res.stderr[-2000:]
