@@ -65,6 +65,18 @@ class FrameBatch:
                           self.iface[rows], self.source, self.first_index if first_index is None else first_index,
                           self.linktypes)
 
+    def pieces(self, max_bytes: int) -> list[FrameBatch]:
+        """This batch's frames in order, cut into batches of at most ``max_bytes`` captured bytes each
+        (one frame larger than that is a piece alone), sharing this batch's buffer."""
+        ends = np.cumsum(self.caplen)
+        out, lo = [], 0
+        while lo < len(self):
+            start = int(ends[lo - 1]) if lo else 0
+            hi = max(lo + 1, int(np.searchsorted(ends, start + max_bytes, "right")))
+            out.append(self.select(slice(lo, hi), self.first_index + lo))
+            lo = hi
+        return out
+
     def frame(self, i: int) -> bytes:
         """One frame's captured bytes (tooling and tests only: not for the data path)."""
         o = int(self.offset[i])

@@ -199,3 +199,33 @@ def test_a_connections_qps_are_one_unit_by_the_buffer_they_write(tmp_path):
     assert found["connections_of_several_qps"] == len(seen) and min(found["share_of_bytes"]) > 0.3
     assert all(len({int(lut[p]) for p in g}) == 1 for g in seen)
     assert len({int(lut[p]) for g in seen for p in g}) == 2  # and the connections spread over both
+
+
+def test_a_workers_share_in_compact_pieces_decodes_to_the_same_sends(generated):
+    """What a file-fed worker's compact thread hands its decode (serve.COMPACT_BYTES): the share cut
+    into copies of at most the given bytes, frames in order; the packet path makes the same sends of
+    them as of the share itself, whose frames sit among the other workers' in the file's pages."""
+    from mirrorckpt.parser.packet_path import PacketPath
+
+    def sends(batches):
+        pp = PacketPath(icrc=True, nccl_version=None, stream=0, messages=False)
+        out = [s for b in batches for s in pp.feed(b)[1]] + pp.flush()[1]
+        return [(s.connection, s.qp, s.psn, s.size, s.holes, s.data.tobytes()) for s in out]
+
+    f = sorted(generated.glob("*.pcap*"))[0]
+    b = read_all(f)
+    for k in range(2):
+        share = fanout.share(b, k, 2)
+        for limit in (1, 3000, 1 << 16, 1 << 30):
+            pieces = share.pieces(limit)
+            assert sum(len(p) for p in pieces) == len(share)
+            assert np.array_equal(np.concatenate([p.offset for p in pieces]), share.offset)
+            assert all(p.nbytes <= limit or len(p) == 1 for p in pieces)
+            if limit >= share.nbytes:
+                assert len(pieces) == 1
+            if limit == 1:
+                assert len(pieces) == len(share)
+            compact = [p.copy() for p in pieces]
+            assert sends(compact) == sends([share]), (k, limit)
+    assert sends([fanout.share(b, 0, 2)]) != sends([fanout.share(b, 1, 2)])
+    assert FrameBatch.from_frames([]).pieces(100) == []

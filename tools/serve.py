@@ -96,7 +96,9 @@ class WorkerSpec:
 
 # A file-fed worker's frames interleave with its siblings' in the file's pages: walking every other
 # ~1 KB frame costs the decode what walking them all does (the prefetchers pull the skipped lines in).
-# A third thread copies the worker's frames into a compact batch first, this many batches ahead.
+# A third thread copies the worker's frames into compact pieces of about COMPACT_BYTES first, at most
+# COMPACT_AHEAD pieces ahead of the decode (the memory this costs stays small).
+COMPACT_BYTES = 16 << 20
 COMPACT_AHEAD = 2
 FANOUT_WAIT_S = 60.0  # for the other workers of a port to join its AF_PACKET fanout group
 UNPLACED_WARN_SENDS = 2000  # sends seen with none placed before the parser says so
@@ -176,19 +178,25 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
                 held["bytes"] -= b.nbytes
         return b
 
+    def hand_over(c) -> bool:
+        while threads[0].is_alive():  # a decode thread that died takes nothing more
+            try:
+                ready.put(c, timeout=0.2)
+                return True
+            except queue.Full:
+                pass
+        return False
+
     def compact():
         while True:
             b = taken(local.get())
-            c = b.copy() if b is not None else None  # copy_ranges drops the GIL
-            cpu_compact["ns"] = time.thread_time_ns()
-            while threads[0].is_alive():  # a decode thread that died takes nothing more
-                try:
-                    ready.put(c, timeout=0.2)
-                    break
-                except queue.Full:
-                    pass
-            if b is None or not threads[0].is_alive():
+            if b is None:
+                hand_over(None)
                 return
+            for piece in b.pieces(COMPACT_BYTES):
+                if not hand_over(piece.copy()):  # copy_ranges drops the GIL
+                    return
+                cpu_compact["ns"] = time.thread_time_ns()
 
     def next_batch():
         return ready.get() if compacting else taken(local.get())
