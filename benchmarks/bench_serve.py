@@ -76,7 +76,8 @@ def serve_once(cfg: Path) -> dict:
             "stage_cpu": {k: stages[k] for k in STAGES}}
 
 
-def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: Path) -> dict:
+def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: Path,
+            variants: tuple[str, ...] | None = None) -> dict:
     dirs = {}
     for steps in (short, long):
         dirs[steps] = tmp / f"{protocol}_{steps}"
@@ -84,8 +85,8 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
     res: dict = {"protocol": protocol, "model": model, "steps": [short, long],
                  "bytes": {str(s): sum(f.stat().st_size for f in d.glob("*.pcap*")) for s, d in dirs.items()},
                  "variants": {}}
-    for name, variant in VARIANTS.items():
-        runs = {}
+    for name in variants or VARIANTS:
+        variant, runs = VARIANTS[name], {}
         for steps, d in dirs.items():
             cfg = config(d, variant)
             best = None
@@ -113,13 +114,14 @@ def long_steps(cores: int) -> int:
 
 
 def run(protocols=("Simple", "LL"), model: str = "linear:2000000", short: int = 2, long: int | None = None,
-        repeat: int = 3) -> dict:
+        repeat: int = 3, variants: tuple[str, ...] | None = None) -> dict:
+    """``variants``: names in VARIANTS (all when None)."""
     cores = len(os.sched_getaffinity(0))
     long = long or long_steps(cores)
     out: dict = {"memcpy_GBps": memcpy_GBps(), "cores": cores, "repeat": repeat}
     with tempfile.TemporaryDirectory() as t:
         for p in protocols:
-            out[p] = measure(p, model, short, long, repeat, Path(t))
+            out[p] = measure(p, model, short, long, repeat, Path(t), variants)
             subprocess.run(["rm", "-rf", *map(str, Path(t).glob(p + "_*"))], check=True)
     out["load_average_after"] = os.getloadavg()
     return out

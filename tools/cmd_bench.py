@@ -21,6 +21,8 @@ from mirrorckpt.tools.progress import Progress
 
 REPO = Path(__file__).resolve().parents[1]
 
+SERVE_WORKERS = ("shared ring, 1 worker", "shared ring, 2 workers")  # bench_serve.VARIANTS
+
 # name -> (module, function, kwargs for a full run, kwargs for --quick)
 SECTIONS = {
     "packet_path": ("mirrorckpt.benchmarks.bench_packet_path", "run", {"target_bytes": 1 << 30},
@@ -34,6 +36,10 @@ SECTIONS = {
     "joint": ("mirrorckpt.benchmarks.bench_joint", "run", {"nparams": 16_000_000}, {"nparams": 4_000_000, "reps": 2}),
     "e2e": ("mirrorckpt.benchmarks.bench_e2e", "run", {}, {"repeat": 2, "memory_steps": None, "longer": None}),
     "serve": ("mirrorckpt.benchmarks.bench_serve", "run", {}, {"repeat": 1, "long": 12}),
+    # one port on one and two workers alone: for a machine with a core for each thread
+    "serve_workers": ("mirrorckpt.benchmarks.bench_serve", "run", {"protocols": ("LL", "Simple"), "repeat": 2,
+                                                                    "variants": SERVE_WORKERS},
+                      {"protocols": ("LL",), "repeat": 1, "long": 12, "variants": SERVE_WORKERS}),
     "latency": ("mirrorckpt.benchmarks.bench_latency", "run", {}, {"sizes": ("64,128,32", "512,1024,512"),
                                                                     "steps": 12}),
     "large": ("mirrorckpt.benchmarks.bench_large", "run_all", {},
@@ -412,8 +418,11 @@ def _render_serve(name, r) -> list[str]:
              "The replica steps "
              "every iteration (AdamW). `[capture] queue_bytes` is above the capture size, so a file offered faster "
              "than the daemon decodes does not drop at the capture edge (as a live port would) and every run "
-             f"applies every iteration. {r['cores']} cores, shared by the workers, the parser thread and the "
-             f"updater thread; one-core memcpy in the same run: {r['memcpy_GBps']:.1f} GB/s.", "",
+             f"applies every iteration. {r['cores']} cores, "
+             + ("shared by the workers, the parser thread and the updater thread" if r["cores"] < 8 else
+                "a core for each of the workers' threads, the parser thread and the updater thread")
+             + f"; one-core memcpy in the same run: {r['memcpy_GBps']:.1f} GB/s."
+             + (f" {r['note']}" if r.get("note") else ""), "",
              "| protocol | capture, short / long | variant | seconds, short / long | GB/s of capture (slope) | "
              "× one worker (ring) | GB per CPU second | every iteration applied |", "|---|---|---|---|---|---|---|---|"]
     for p in protos:
@@ -432,11 +441,11 @@ def _render_serve(name, r) -> list[str]:
     stages = [(p, v, y["stage_cpu_s_per_GB"]) for p in protos for v, y in r[p]["variants"].items()
               if "stage_cpu_s_per_GB" in y]
     if stages:  # bench_serve.STAGES, in its order
+        shared = ("; on this machine the threads share the cores, and a thread's CPU time grows when others "
+                  "compete with it for them and for memory bandwidth." if r["cores"] < 8 else ".")
         lines += ["", "CPU seconds per GB of capture of each stage's thread in the same runs (slope; the capture "
                   "and decode threads of the busiest worker; the updater's own thread). With a core for each "
-                  "thread, a variant's rate would be bound by its largest entry; on this machine the threads "
-                  "share the cores, and a thread's CPU time grows when others compete with it for them and for "
-                  "memory bandwidth.", "",
+                  "thread, a variant's rate would be bound by its largest entry" + shared, "",
                   "| protocol | variant | " + " | ".join(stages[0][2]) + " |", "|---|---|" + "---|" * len(stages[0][2])]
         for i, (p, v, st) in enumerate(stages):
             shown = p if i == 0 or stages[i - 1][0] != p else ""
@@ -444,6 +453,12 @@ def _render_serve(name, r) -> list[str]:
     if r.get("load_average_after"):
         load = ", ".join(f"{x:.1f}" for x in r["load_average_after"])
         lines += ["", f"Load average at the end of the section: {load}."]
+    return lines
+
+
+def _render_serve_workers(name, r) -> list[str]:
+    lines = _render_serve(name, r)
+    lines[0] = "## One port on one and on two workers, file-fed `serve` (issue 16)"
     return lines
 
 
