@@ -11,6 +11,8 @@ run must apply every iteration with none incomplete. Variants: the sends' bytes 
 the queue (``transfer_bytes = 0``, the old path), through the shared-memory ring, and the port
 split over two workers (``[[mirror]] workers = 2``). Each run also gives the CPU time of every stage's
 thread (the daemon's "stage CPU seconds" line): its slope says which stage a variant's rate is bound by.
+A second slope takes each run from its workers' start to its end (the log's timestamps), best of
+``repeat``: the start-up it leaves out varies by a second or more on some machines.
 """
 
 from __future__ import annotations
@@ -70,8 +72,12 @@ def serve_once(cfg: Path) -> dict:
     lines = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{")]
     stopped = [x for x in lines if x.get("msg") == "appliance stopped"][-1]
     stages = [x for x in lines if x.get("msg") == "stage CPU seconds"][-1]
+    started = [x for x in lines if x.get("msg") == "capture workers started"][-1]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"seconds": wall, "cpu_seconds": cpu, "applied": stopped["iterations_applied"],
+    # from the workers' start to the end: without the interpreter's and torch's imports, whose
+    # spread (a second or more where torch has CUDA) hides a short slope
+    return {"seconds": wall, "in_run_seconds": stopped["ts"] - started["ts"], "cpu_seconds": cpu,
+            "applied": stopped["iterations_applied"],
             "incomplete": stopped["iterations_incomplete"],
             "stage_cpu": {k: stages[k] for k in STAGES}}
 
@@ -86,7 +92,7 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
                  "bytes": {str(s): sum(f.stat().st_size for f in d.glob("*.pcap*")) for s, d in dirs.items()},
                  "variants": {}}
     for name in variants or VARIANTS:
-        variant, runs = VARIANTS[name], {}
+        variant, runs, in_run = VARIANTS[name], {}, {}
         for steps, d in dirs.items():
             cfg = config(d, variant)
             best = None
@@ -95,10 +101,12 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
                 r["every_iteration"] = r["applied"] == steps and r["incomplete"] == 0
                 if best is None or r["seconds"] < best["seconds"]:
                     best = r
+                in_run[steps] = min(in_run.get(steps, r["in_run_seconds"]), r["in_run_seconds"])
             runs[str(steps)] = best
         a, b = runs[str(short)], runs[str(long)]
         nbytes = res["bytes"][str(long)] - res["bytes"][str(short)]
         res["variants"][name] = {"runs": runs, "slope_GBps": slope(nbytes, b["seconds"] - a["seconds"]),
+                                 "in_run_slope_GBps": slope(nbytes, in_run[long] - in_run[short]),
                                  "GB_per_cpu_second": slope(nbytes, b["cpu_seconds"] - a["cpu_seconds"]),
                                  "stage_cpu_s_per_GB": stage_slopes(a["stage_cpu"], b["stage_cpu"], nbytes),
                                  "every_iteration": a["every_iteration"] and b["every_iteration"]}

@@ -424,18 +424,20 @@ def _render_serve(name, r) -> list[str]:
              + f"; one-core memcpy in the same run: {r['memcpy_GBps']:.1f} GB/s."
              + (f" {r['note']}" if r.get("note") else ""), "",
              "| protocol | capture, short / long | variant | seconds, short / long | GB/s of capture (slope) | "
-             "× one worker (ring) | GB per CPU second | every iteration applied |", "|---|---|---|---|---|---|---|---|"]
+             "× one worker (ring) | GB/s from the workers' start (slope) | × one worker | GB per CPU second | "
+             "every iteration applied |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in protos:
         x = r[p]
         s, lg = (str(k) for k in x["steps"])
         first = True
-        one = x["variants"].get("shared ring, 1 worker", {}).get("slope_GBps")
+        one = x["variants"].get("shared ring, 1 worker", {})
         for v, y in x["variants"].items():
-            ratio = y["slope_GBps"] / one if one and y["slope_GBps"] else None
             a, b = y["runs"][s], y["runs"][lg]
             size = f"{x['bytes'][s] / 1e6:.0f} / {x['bytes'][lg] / 1e6:.0f} MB" if first else ""
             lines.append(f"| {p if first else ''} | {size} | {v} | {a['seconds']:.2f} / {b['seconds']:.2f} | "
-                         f"{_f(y['slope_GBps'])} | {_f(ratio)} | {_f(y['GB_per_cpu_second'])} | "
+                         f"{_f(y['slope_GBps'])} | {_f(_ratio(y, one, 'slope_GBps'))} | "
+                         f"{_f(y.get('in_run_slope_GBps'))} | "
+                         f"{_f(_ratio(y, one, 'in_run_slope_GBps'))} | {_f(y['GB_per_cpu_second'])} | "
                          f"{'yes' if y['every_iteration'] else 'NO'} |")
             first = False
     stages = [(p, v, y["stage_cpu_s_per_GB"]) for p in protos for v, y in r[p]["variants"].items()
@@ -460,6 +462,10 @@ def _render_serve_workers(name, r) -> list[str]:
     lines = _render_serve(name, r)
     lines[0] = "## One port on one and on two workers, file-fed `serve` (issue 16)"
     return lines
+
+
+def _ratio(y: dict, one: dict, key: str) -> float | None:
+    return y[key] / one[key] if one.get(key) and y.get(key) else None
 
 
 def protocols_present(r: dict, protos: list[str]) -> list[str]:
