@@ -112,7 +112,8 @@ def _payload(seqs, ranks, channels, model: JobModel, coll: int) -> np.ndarray | 
         m0 = sm.message_number(ch, pos, coll, msgs[0])
         for i, st in enumerate(msgs):
             s = seq.get(m0 + i)
-            if s is not None and s.complete and st.nelem:
+            # a message of another size is not this step's (a lost message shifts the numbers)
+            if s is not None and s.complete and st.nelem and len(s.data) >= st.nelem * es:
                 out[st.offset * es:(st.offset + st.nelem) * es] = s.data[:st.nelem * es]
                 got[st.offset:st.offset + st.nelem] = True
     return out if got.all() else None

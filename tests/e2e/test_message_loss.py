@@ -79,3 +79,22 @@ def test_a_ring_link_that_fits_no_channel_never_fills_a_hole(tmp_path, monkeypat
         assert not it.complete, (f"iteration {it.index} complete: bucket sha256 "
                                  + ("equals" if [sha(b) for b in it.buckets] ==
                                     truth["iterations"][it.index]["buckets_sha256"] else "differs from") + " truth")
+
+
+def test_replay_without_a_job_file_says_it_cannot_infer_when_start_up_lost_a_message(tmp_path):
+    """Without a job file, replay reads DDP's start-up broadcasts off the wire. A lost 0-byte step
+    message shifts a connection's message numbers, and the rebuild broadcast's 8 bytes were taken
+    from a 0-byte message: replay died in a numpy traceback. A message of another size is not the
+    step's: the inference now fails in words, and asks for the job configuration."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "job"
+    truth = generate(GenConfig(ranks=2, channels=4, protocol="Simple", model="linear:60000", steps=20, seed=24,
+                               mirrors="0:egress,1:egress", faults=FaultOptions(message_loss=0.002, seed=4),
+                               send_truth=False), out)
+    assert any(f["kind"] == "message_loss" and f["file"] == "rank1_egress.pcapng" for f in truth["wire"]["faults"])
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "replay", *(str(out / f) for f in EGRESS)],
+                         capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert res.returncode != 0 and "cannot reassemble" in res.stderr and "give the job configuration" in res.stderr
