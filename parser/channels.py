@@ -117,6 +117,19 @@ class ChannelResolver:
         self._order_fit: dict[tuple[int, ConnKey], list[int]] = {}
         self._messages: dict[tuple[int, ConnKey], int] = {}
         self._stepped: set[tuple[int, ConnKey]] = set()  # held ones with a send whose step is known
+        # Held ones with a send of known length. A connection seen only through lost messages (a
+        # PSN gap: no size, no address, no step; a lost CTS post makes one on the reverse QP) has
+        # nothing to decide its channel by and nothing to place: it neither holds the collectives
+        # back nor stands among its pair's connections ordered by receive buffer (an unknown base
+        # there left every connection of the pair unplaced), and it is mapped only once it has one.
+        self._sized: set[tuple[int, ConnKey]] = set()
+
+    def holding(self, key: tuple[int, ConnKey]) -> bool:
+        """Whether (stream, connection) has sends held that could complete a collective."""
+        return key in self._sized
+
+    def holding_streams(self) -> set[int]:
+        return {k[0] for k in self._sized}
 
     def is_ring(self, conn: ConnKey) -> bool:
         a, b = self.ranks.get(conn.sender), self.ranks.get(conn.receiver)
@@ -147,6 +160,8 @@ class ChannelResolver:
         fit = channel_candidates(self.sm, conn, [s], self.model.ring, self.ranks)
         prev = self._fit.get(key)
         self._fit[key] = fit if prev is None else [c for c in prev if c in fit]
+        if s.length_known:
+            self._sized.add(key)
         if s.step is not None and s.length_known:
             self._stepped.add(key)
         if s.lone_piece or s.form == "malformed":
@@ -158,11 +173,15 @@ class ChannelResolver:
         self._order_fit[key] = fit if prev is None else [c for c in prev if c in fit]
 
     def flush(self, streams: set[int] | None = None) -> list[NcclSend]:
-        """Decides every held connection (of ``streams`` only, if given) on what it has."""
+        """Decides every held connection (of ``streams`` only, if given) on what it has; one with
+        no send of known length is left held, and at the end (``streams`` None) handed on unmapped."""
         out = []
         for key in list(self.held):
             if key in self.held and (streams is None or key[0] in streams):
-                out += self._decide(key, final=True)
+                if key in self._sized:
+                    out += self._decide(key, final=True)
+                elif streams is None:
+                    out += self._release(key[1])
         return out
 
     def _release(self, conn: ConnKey) -> list[NcclSend]:
@@ -172,6 +191,7 @@ class ChannelResolver:
             for d in (self._fit, self._order_fit, self._messages):
                 d.pop(key, None)
             self._stepped.discard(key)
+            self._sized.discard(key)
         return out
 
     def _fits_in_order(self, conn: ConnKey, m: int, s: NcclSend) -> list[int]:
@@ -187,7 +207,7 @@ class ChannelResolver:
         return out
 
     def _pair(self, conn: ConnKey) -> list[ConnKey]:
-        keys = list(self.mapped) + [k[1] for k in self.held]
+        keys = list(self.mapped) + [k[1] for k in self.held if k in self._sized]
         return list(dict.fromkeys(k for k in keys if (k.sender, k.receiver) == (conn.sender, conn.receiver)))
 
     def _base(self, conn: ConnKey, cands: list[int]) -> int | None:
@@ -216,6 +236,8 @@ class ChannelResolver:
     def _decide(self, key: tuple[int, ConnKey], final: bool) -> list[NcclSend]:
         conn = key[1]
         held = self.held[key]
+        if key not in self._sized:
+            return []  # lost messages only (see _sized)
         stepped = key in self._stepped
         by_order = not stepped and self.model.from_start and len(held) >= min(self.hold, 8)
         if not (stepped or by_order or final):

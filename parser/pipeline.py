@@ -138,16 +138,16 @@ class CollectiveAssembler:
                     res.is_ring(s.connection):
                 for r in res.offer(s):
                     self._place(r)
-                if (s.stream, s.connection) in res.held:
+                if res.holding((s.stream, s.connection)):
                     self.concat.hold_from(s.stream)
             else:
                 self._place(s)
         if self.concat.holding:
-            due = self.concat.hold({k[0] for k in res.held})
+            due = self.concat.hold(res.holding_streams())
             if due:
                 for r in res.flush(due):
                     self._place(r)
-                self.concat.hold({k[0] for k in res.held})
+                self.concat.hold(res.holding_streams())
         return self._route(self.concat.poll())
 
     def _place(self, s) -> None:

@@ -8,8 +8,9 @@ places every byte, and a lost or duplicated packet only ever damages its own byt
 
 * duplicates (same PSN twice, or below the cursor) are dropped and counted;
 * out-of-order packets are held until the cursor reaches them;
-* a message with missing packets waits until the QP has moved ``psn_window`` PSNs past its end (or
-  ``flush``), then is emitted incomplete with its holes as byte ranges;
+* a message with missing packets waits until the QP has moved ``psn_window`` PSNs past its end or
+  opened ``MESSAGES_PAST_A_GAP`` messages past it (or ``flush``), then is emitted incomplete with its
+  holes as byte ranges;
 * a message whose FIRST was lost still ends at its LAST (or just before the next FIRST/ONLY), so
   its other bytes are placed with the QP's MTU; its VA and RETH length are unknown.
 
@@ -332,6 +333,25 @@ def _may_be_ll128(data, first: np.ndarray, length: np.ndarray, dlen: np.ndarray)
     at = first[whole][:, None] + (LL128_FLAG_OFFSET + np.concatenate([np.arange(8), LL128_LINE_BYTES + np.arange(8)]))
     f = np.ascontiguousarray(data[at]).view(np.int64)
     return bool(((f[:, 0] > 0) & (f[:, 0] == f[:, 1])).any())
+
+
+# A message with missing packets is given up once its QP has opened this many messages past it,
+# if the QP has not moved ``psn_window`` PSNs on first: RC delivers a QP's packets in order, and a
+# mirror does not hold one back for whole messages. On a QP of small messages 1024 PSNs are over
+# ten collectives, and the QP's later messages waited behind the gap while the concatenator closed
+# the collectives they complete (a lost 0-byte step message left six iterations incomplete).
+MESSAGES_PAST_A_GAP = 4
+
+
+def _message_ts(ts: np.ndarray, i: int, k: int) -> int:
+    """A message's time: its first packet's, from table rows ``i:k``; a message none of whose
+    packets came sits just before the packet after it (or after the last one): the NCCL decoder
+    orders a batch's messages by time, and a lost message must not come before those it followed."""
+    if k > i:
+        return int(ts[i:k].min())
+    if k < len(ts):
+        return int(ts[k])
+    return int(ts.max()) if len(ts) else 0
 
 
 class Reassembler:
@@ -763,10 +783,9 @@ class Reassembler:
                 else:
                     end, length_known = s_end, s_known
         k = i + int(np.searchsorted(psn[i:], end))
-        if k - i < end - cur and not final and horizon < end - 1 + self.psn_window:
-            return None  # still waiting for packets of this message
-        if head is None and not final and horizon < end - 1 + self.psn_window:
-            return None  # the FIRST may still arrive late
+        if (k - i < end - cur or head is None) and not final and horizon < end - 1 + self.psn_window \
+                and int(np.count_nonzero(is_first[k:])) < MESSAGES_PAST_A_GAP:
+            return None  # still waiting for packets of this message (its FIRST may still arrive late)
         msg = self._build(qp, tab, src_is_new, data, i, k, cur, end, head, dlen, length_known)
         qp.cursor = end
         return msg, k
@@ -790,7 +809,7 @@ class Reassembler:
             st.incomplete += 1
             return RdmaMessage(qp=qp.key, sport=st.sport, psn=start, npkts=npk, data=np.zeros(0, np.uint8),
                                holes=[], va=None, rkey=None, dlen=None, imm_raw=None, with_imm=None,
-                               ts_ns=int(tab["ts"][rows].min()) if len(rows) else 0, length_known=False)
+                               ts_ns=_message_ts(tab["ts"], i, k), length_known=False)
         # Every packet but the last carries exactly one MTU; a payload that disagrees is not data.
         expect = np.where(psn == end - 1, size - (npk - 1) * pmtu, pmtu)
         good = plen == expect
@@ -818,7 +837,7 @@ class Reassembler:
             rkey=int(tab["rkey"][head]) if head is not None else None,
             dlen=dlen if head is not None else None,  # None: lost with its packet, or untrusted
             imm_raw=imm, with_imm=with_imm,
-            ts_ns=int(tab["ts"][rows].min()) if len(rows) else 0,
+            ts_ns=_message_ts(tab["ts"], i, k),
             length_known=length_known and (dlen is not None),
         )
         if not msg.complete:
