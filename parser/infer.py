@@ -163,6 +163,8 @@ def _fit_hint(hint: JobModel, conns, ranks, ring, ring_list, notes, why=None):
     if channels is None:
         return None
     placed, bad = check(model, ranks, channels, ring_list, why)
+    if bad and why is not None and not why:
+        why.append(f"{bad} of {placed + bad} sends fit no step of it")
     return (model, channels) if bad == 0 and placed else None
 
 
@@ -219,9 +221,17 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
                 f"the Simple collectives fit neither Simple thread count under NCCL {v}: with {a} threads "
                 f"{by[a]}; with {b} threads {by[b]} (NCCL_NTHREADS set to another value? state it: "
                 "[ring] nthreads)")
-    raise InferenceError("the message sizes fit neither DDP's start-up nor a series of all-reduces under NCCL "
-                         f"{tried}{' with 512 or 256 Simple threads' if len(counts) > 1 else ''} "
-                         "(give the job configuration)")
+    threads = ' with 512 or 256 Simple threads' if len(counts) > 1 else ''
+    if hint is not None:
+        # what a configuration leaves open is read from the first sends, which must all fit: one
+        # lost message there is enough to refuse (never placed by guess)
+        first = next((by[k] for by in misfit.values() for k in sorted(by)), None)
+        raise InferenceError(f"the configured collectives fit the wire under none of NCCL {tried}{threads}"
+                             + (f" ({first})" if first else "") + ": what the configuration leaves to NCCL is "
+                             "read from the first sends, and a message lost among them is enough to refuse; a job "
+                             "that pins its protocol (NCCL_PROTO) can state it and its release in [ring]")
+    raise InferenceError(f"the message sizes fit neither DDP's start-up nor a series of all-reduces under NCCL "
+                         f"{tried}{threads} (give the job configuration)")
 
 
 def _thread_verdict(model: JobModel, ranks, channels, ring_list, stated, shows_simple) -> tuple[int | None, str]:

@@ -146,3 +146,24 @@ def test_a_lost_step_message_and_a_lost_cts_post_leave_every_iteration_recoverab
         assert (stopped["iterations_applied"], stopped["iterations_incomplete"]) == (steps, 0), (workers, stopped)
         r = Replica(job.layout, TrainingSpec.from_dict(job.training), restore.latest(ck))
         assert r.state_sha256() == want, workers
+
+
+def test_a_configuration_that_leaves_protocols_to_nccl_says_why_it_cannot_read_a_lossy_start(tmp_path):
+    """[ring] protocol = "auto": each collective's protocol is read from the first sends, all of
+    which must fit. With a message lost among them nothing is guessed, and the error says so (it
+    used to ask for the job configuration it had been given)."""
+    import subprocess
+    import sys
+
+    from mirrorckpt.config.training import TrainingSpec
+
+    out = tmp_path / "job"
+    generate(GenConfig(ranks=3, channels=4, protocol="auto", nccl_version="2.26", steps=6, seed=5,
+                       model="gpt:layers=2,d=128,heads=2,vocab=2048,ctx=16", mirrors="0:egress,1:egress,2:egress",
+                       faults=FaultOptions(message_loss=0.002, seed=5), send_truth=False,
+                       training=TrainingSpec(grad_dtype="bfloat16")), out)
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "replay", "--config", str(out / "job.toml")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "the configured collectives fit the wire under none of NCCL 2.26" in res.stderr
+    assert "fit no step of it" in res.stderr and "give the job configuration" not in res.stderr
