@@ -223,13 +223,12 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
                 "[ring] nthreads)")
     threads = ' with 512 or 256 Simple threads' if len(counts) > 1 else ''
     if hint is not None:
-        # what a configuration leaves open is read from the first sends, which must all fit: one
-        # lost message there is enough to refuse (never placed by guess)
+        # what a configuration leaves open is read from the first sends, which must all fit
         first = next((by[k] for by in misfit.values() for k in sorted(by)), None)
         raise InferenceError(f"the configured collectives fit the wire under none of NCCL {tried}{threads}"
-                             + (f" ({first})" if first else "") + ": what the configuration leaves to NCCL is "
-                             "read from the first sends, and a message lost among them is enough to refuse; a job "
-                             "that pins its protocol (NCCL_PROTO) can state it and its release in [ring]")
+                             + (f" ({first})" if first else "") + ": the configuration does not describe this "
+                             "job (its layout, ring or release), or the first sends, from which what it leaves to "
+                             "NCCL is read, are damaged beyond what loss explains")
     raise InferenceError(f"the message sizes fit neither DDP's start-up nor a series of all-reduces under NCCL "
                          f"{tried}{threads} (give the job configuration)")
 

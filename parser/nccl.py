@@ -856,7 +856,9 @@ def decode(proto: str, wire: np.ndarray, wire_holes,
         flag = _majority_flag(proto, wire, ok)
     dec = (protocols.ll_decode if proto == protocols.LL else protocols.ll128_decode)(wire, expect_flag=flag)
     dec.line_ok &= ok
-    return dec.data, dec.holes, dec.flag
+    # a message none of whose lines arrived (a lost one, from its PSN gap) shows no step: the flag
+    # read off its zeros (0) put it at step -1, a send of no step, and refused a protocol read
+    return dec.data, dec.holes, (dec.flag if ok.any() else None)
 
 
 def _flags(proto: str, wire: np.ndarray) -> np.ndarray:

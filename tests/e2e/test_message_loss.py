@@ -148,22 +148,39 @@ def test_a_lost_step_message_and_a_lost_cts_post_leave_every_iteration_recoverab
         assert r.state_sha256() == want, workers
 
 
-def test_a_configuration_that_leaves_protocols_to_nccl_says_why_it_cannot_read_a_lossy_start(tmp_path):
-    """[ring] protocol = "auto": each collective's protocol is read from the first sends, all of
-    which must fit. With a message lost among them nothing is guessed, and the error says so (it
-    used to ask for the job configuration it had been given)."""
+def test_a_job_that_leaves_protocols_to_nccl_is_read_through_lost_messages(tmp_path):
+    """[ring] protocol = "auto": each collective's protocol is read from the first sends, all of which
+    must fit. A lost LL128 message (a PSN gap of 94 packets) came out of decoding with the flag read
+    off its zeros, 0, so at step -1: no step of the plan, and the configuration was refused under
+    every release. It shows no step now, and every iteration is read, each equal to truth. A
+    configuration whose layout is not the job's is refused in words that say so."""
+    import json
+    import re
     import subprocess
     import sys
 
     from mirrorckpt.config.training import TrainingSpec
 
     out = tmp_path / "job"
-    generate(GenConfig(ranks=3, channels=4, protocol="auto", nccl_version="2.26", steps=6, seed=5,
-                       model="gpt:layers=2,d=128,heads=2,vocab=2048,ctx=16", mirrors="0:egress,1:egress,2:egress",
-                       faults=FaultOptions(message_loss=0.002, seed=5), send_truth=False,
-                       training=TrainingSpec(grad_dtype="bfloat16")), out)
-    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "replay", "--config", str(out / "job.toml")],
+    truth = generate(GenConfig(ranks=3, channels=4, protocol="auto", nccl_version="2.26", steps=6, seed=5,
+                               model="gpt:layers=2,d=128,heads=2,vocab=2048,ctx=16",
+                               mirrors="0:egress,1:egress,2:egress", faults=FaultOptions(message_loss=0.002, seed=5),
+                               send_truth=False, training=TrainingSpec(grad_dtype="bfloat16")), out)
+    assert "RC_RDMA_WRITE_FIRST" in {f["opcode"] for f in truth["wire"]["faults"] if f["kind"] == "message_loss"}
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "replay", "--config", str(out / "job.toml"),
+                          "--json", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = {(a["iteration"], a["bucket"]): a["sha256"] for a in json.loads(res.stdout)["allreduces"]
+           if a["iteration"] is not None}
+    assert got == {(it["index"], b): h for it in truth["iterations"] for b, h in enumerate(it["buckets_sha256"])}
+
+    text = (out / "job.toml").read_text().replace('source = "', f'source = "{out}/')
+    wrong = re.sub(r"shape = \[2048, 128\]", "shape = [2000, 128]", text, count=1)
+    assert wrong != text
+    cfg = tmp_path / "wrong.toml"
+    cfg.write_text(wrong)
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "replay", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "the configured collectives fit the wire under none of NCCL 2.26" in res.stderr
-    assert "fit no step of it" in res.stderr and "give the job configuration" not in res.stderr
+    assert "does not describe this job" in res.stderr and "give the job configuration" not in res.stderr
