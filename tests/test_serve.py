@@ -125,6 +125,38 @@ def test_drop_counters_move_while_the_sends_queue_is_full(monkeypatch):
             pass
 
 
+def test_a_file_fed_worker_whose_compact_thread_fails_still_ends(monkeypatch):
+    """A worker of two on a capture file hands its frames to the decode through a compact thread
+    (serve.COMPACT_BYTES). If a copy there fails, the decode must not wait for it forever: the worker
+    ends and says so to the daemon ("end"), its later frames dropped at the capture edge as counted."""
+    import ctypes
+    import pathlib
+
+    from mirrorckpt.capture.batch import FrameBatch
+    from mirrorckpt.tools.serve import COUNTERS, WorkerSpec, worker_main
+
+    def broken(self):
+        raise MemoryError("compact copy")
+
+    pcap = pathlib.Path(__file__).parent / "pcaps" / "demo" / "rank0_egress.pcapng"
+    out: queue.Queue = queue.Queue()
+    shared = (ctypes.c_int64 * len(COUNTERS))()
+    spec = WorkerSpec(port=0, source=str(pcap), batch_frames=64, local_bytes=1, share=(0, 2))
+    monkeypatch.setattr("signal.signal", lambda *a: None)
+    monkeypatch.setattr(FrameBatch, "copy", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the compact thread's, expected
+    t = threading.Thread(target=worker_main, args=(spec, out, threading.Event(), shared), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the worker waits on a compact thread that failed"
+    kinds = []
+    while not out.empty():
+        kinds.append(out.get()[0])
+    assert kinds[-1] == "end" and "sends" not in kinds
+    c = dict(zip(COUNTERS, shared))
+    assert c["frames"] > 0 and c["dropped_capture"] > 0
+
+
 def _daemon_that_dies(pid_file: str) -> None:
     """A stand-in for `serve` killed outright: starts a capture worker, then vanishes."""
     import multiprocessing as mp

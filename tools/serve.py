@@ -188,15 +188,14 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         return False
 
     def compact():
-        while True:
-            b = taken(local.get())
-            if b is None:
-                hand_over(None)
-                return
-            for piece in b.pieces(COMPACT_BYTES):
-                if not hand_over(piece.copy()):  # copy_ranges drops the GIL
-                    return
-                cpu_compact["ns"] = time.thread_time_ns()
+        try:
+            while (b := taken(local.get())) is not None:
+                for piece in b.pieces(COMPACT_BYTES):
+                    if not hand_over(piece.copy()):  # copy_ranges drops the GIL
+                        return
+                    cpu_compact["ns"] = time.thread_time_ns()
+        finally:  # however it ends (a copy that failed too), the decode waits for nothing more
+            hand_over(None)
 
     def next_batch():
         return ready.get() if compacting else taken(local.get())
