@@ -65,17 +65,21 @@ class FrameBatch:
                           self.iface[rows], self.source, self.first_index if first_index is None else first_index,
                           self.linktypes)
 
+    def split_at(self, cuts) -> list[FrameBatch]:
+        """This batch cut before each frame index in ``cuts`` (increasing, inside it), sharing its buffer."""
+        bounds = [0, *map(int, cuts), len(self)]
+        return [self.select(slice(lo, hi), self.first_index + lo) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
     def pieces(self, max_bytes: int) -> list[FrameBatch]:
         """This batch's frames in order, cut into batches of at most ``max_bytes`` captured bytes each
         (one frame larger than that is a piece alone), sharing this batch's buffer."""
         ends = np.cumsum(self.caplen)
-        out, lo = [], 0
+        cuts, lo = [], 0
         while lo < len(self):
             start = int(ends[lo - 1]) if lo else 0
-            hi = max(lo + 1, int(np.searchsorted(ends, start + max_bytes, "right")))
-            out.append(self.select(slice(lo, hi), self.first_index + lo))
-            lo = hi
-        return out
+            lo = max(lo + 1, int(np.searchsorted(ends, start + max_bytes, "right")))
+            cuts.append(lo)
+        return self.split_at(cuts[:-1]) if cuts else []
 
     def frame(self, i: int) -> bytes:
         """One frame's captured bytes (tooling and tests only: not for the data path)."""

@@ -41,11 +41,6 @@ def udp_source_ports(b: FrameBatch) -> np.ndarray:
     return out
 
 
-# The start of a capture file whose bytes per QP pair set its split (parser.split): every ring
-# connection carries each all-reduce from the first one on, so the shares seen there hold.
-PLAN_BYTES = 64 << 20
-
-
 def add_port_bytes(weight: np.ndarray, b: FrameBatch) -> None:
     """Adds each frame's bytes to ``weight`` (65536 entries) at its UDP source port."""
     sport = udp_source_ports(b)

@@ -41,16 +41,6 @@ def open_source(spec, **opts) -> Iterable[FrameBatch]:
     return opener(args, **opts)
 
 
-def _split(batch: FrameBatch, cuts: np.ndarray) -> Iterator[FrameBatch]:
-    """Pieces of a batch at the frame indices `cuts` (sharing its buffer)."""
-    bounds = [0, *cuts.tolist(), len(batch)]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        yield FrameBatch(data=batch.data, offset=batch.offset[lo:hi], caplen=batch.caplen[lo:hi],
-                         wirelen=batch.wirelen[lo:hi], ts_ns=batch.ts_ns[lo:hi],
-                         iface=batch.iface[lo:hi], source=batch.source,
-                         first_index=batch.first_index + lo, linktypes=batch.linktypes)
-
-
 def paced(batches: Iterable[FrameBatch], mode: None | str | float = None, *,
           clock: Callable[[], float] = time.monotonic,
           sleep: Callable[[float], None] = time.sleep) -> Iterator[FrameBatch]:
@@ -86,7 +76,7 @@ def paced(batches: Iterable[FrameBatch], mode: None | str | float = None, *,
         slot = due // PACE_SLICE_NS
         cuts = np.flatnonzero(slot[1:] != slot[:-1]) + 1
         firsts = [0, *cuts.tolist()]
-        for piece, first in zip(_split(batch, cuts), firsts):
+        for piece, first in zip(batch.split_at(cuts), firsts):
             wait = start_wall + due[first] / 1e9 - clock()
             if wait > 0:
                 sleep(wait)

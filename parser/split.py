@@ -14,8 +14,12 @@ import numpy as np
 from mirrorckpt.capture import fanout
 from mirrorckpt.parser import roce
 
+# The start of a capture file whose bytes per QP pair set its split: every ring connection carries
+# each all-reduce from the first one on, so the shares seen there hold.
+PLAN_BYTES = 64 << 20
 
-def connection_ports(batches, limit: int = fanout.PLAN_BYTES) -> tuple[np.ndarray, list[list[int]]]:
+
+def connection_ports(batches, limit: int = PLAN_BYTES) -> tuple[np.ndarray, list[list[int]]]:
     """Bytes per UDP source port of the batches up to ``limit`` bytes, and the groups of ports
     whose RDMA WRITEs target one receive buffer (more than one port each)."""
     weight = np.zeros(1 << 16, np.int64)
@@ -53,7 +57,7 @@ def connection_ports(batches, limit: int = fanout.PLAN_BYTES) -> tuple[np.ndarra
     return weight, [sorted(g) for g in groups.values() if len(g) > 1]
 
 
-def plan(batches, workers: int, limit: int = fanout.PLAN_BYTES, by_port: bool = False) -> tuple[np.ndarray, dict]:
+def plan(batches, workers: int, limit: int = PLAN_BYTES, by_port: bool = False) -> tuple[np.ndarray, dict]:
     """The worker of each UDP source port of a capture file (``fanout.deal``): a connection's QP
     pairs together, units dealt out by their bytes in the file's first ``limit`` bytes (``by_port``:
     port mod N, as a live port's kernel splits); and what it found, for the log (pairs, connections

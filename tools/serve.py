@@ -167,9 +167,10 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
             out.put(("sends", spec.port, (bare, cts, fam.imm_order, span)))
 
     k, n = spec.share
-    # a capture file's port split over workers: its frames reach decode through `compact`
-    compacting = n > 1 and not live_source(spec.source)
-    ready: queue.Queue = queue.Queue(COMPACT_AHEAD) if compacting else local
+    # a capture file's port split over workers: every worker reads the file and keeps its QP pairs'
+    # frames, which reach its decode through `compact`
+    file_split = n > 1 and not live_source(spec.source)
+    ready: queue.Queue = queue.Queue(COMPACT_AHEAD) if file_split else local
     cpu_compact = {"ns": 0}
 
     def taken(b):  # a batch leaves `local`: the capture edge may hold more
@@ -198,7 +199,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
             hand_over(None)
 
     def next_batch():
-        return ready.get() if compacting else taken(local.get())
+        return ready.get() if file_split else taken(local.get())
 
     def decode():
         from mirrorckpt.parser.errors import VersionMismatch
@@ -230,7 +231,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
                 pass
 
     threads = [threading.Thread(target=decode, name="decode", daemon=True)]
-    if compacting:
+    if file_split:
         threads.append(threading.Thread(target=compact, name="compact", daemon=True))
     for t in threads:
         t.start()
@@ -247,7 +248,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         # a live source reuses its buffers once we move on; a file's batches are views of a
         # read-only mapping that stays valid
         keep = getattr(src, "stable_batches", False)
-        if n > 1 and keep:  # every worker reads the file and keeps the frames of its QP pairs
+        if file_split:
             it = (fanout.share(b, k, n, spec.lut) for b in it)
         elif n > 1 and not (hasattr(src, "wait_fanout") and src.wait_fanout(FANOUT_WAIT_S)):
             raise CaptureError(f"{spec.source}: worker {k} of {n}: not every worker joined the port's fanout "
