@@ -116,13 +116,16 @@ SCHEMA = {
                 "fingerprint_every": (_int(1), False), "tls_cert": (_str(), False), "tls_key": (_str(), False),
                 "tls_ca": (_str(), False)},
     "metrics": {"listen": (_str(), False)},
+    # control.protection.Limits: when the job counts as protected, and degraded mode's fallbacks
+    "protection": {"max_lag_steps": (_int(1), False), "silent_seconds": (_num(0), False),
+                   "fallback_interval": (_num(0), False), "fallback_every": (_int(1), False)},
     "updater": {"pipelined": (_bool, False), "threads": (_int(1), False)},
     "capture": {"backend": (_str(("file", "afpacket", "dpdk")), False), "batch_frames": (_int(1), False),
                 "queue_bytes": (_int(1), False), "window": (_int(1), False), "transfer_bytes": (_int(0), False),
                 "file_split": (_str(("connection", "port")), False)},
 }
 TOP = {"ring": _table, "job": _table, "training": _table, "persist": _table, "mirror": list, "control": _table,
-       "metrics": _table, "capture": _table, "updater": _table}
+       "metrics": _table, "capture": _table, "updater": _table, "protection": _table}
 
 
 def _check(where: str, section: str, d: dict) -> dict:
@@ -158,6 +161,7 @@ class JobConfig:
     mirrors: list[MirrorSpec] = field(default_factory=list)
     control: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    protection: dict = field(default_factory=dict)  # [protection]: control.protection.Limits
     capture: dict = field(default_factory=dict)
     # [updater] pipelined: step each bucket as soon as it is final (updater.appliance.Appliance)
     updater: dict = field(default_factory=dict)
@@ -242,7 +246,7 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
                               f"(ranks 0..{ring.nranks - 1})")
         cfg.mirrors.append(MirrorSpec(mm["rank"], mm.get("direction", "both"), _source(mm.get("source", ""), base),
                                       mm.get("workers", 1)))
-    for sec in ("persist", "control", "metrics", "capture", "updater"):
+    for sec in ("persist", "control", "metrics", "protection", "capture", "updater"):
         if sec in raw:
             setattr(cfg, sec, _check(f"{name}: [{sec}]", sec, raw[sec]))
     cfg.training = dict(raw.get("training", {}))
@@ -330,7 +334,7 @@ def dump_job(cfg: JobConfig) -> str:
                 lines.append(f"dtype = {_toml_value(p.dtype)}")
         lines += ["", "[job.buckets]", f"first = {_toml_value([list(b.params) for b in lay.bucket_list(0)])}",
                   f"after_rebuild = {_toml_value([list(b.params) for b in lay.buckets])}"]
-    for sec in ("training", "persist", "control", "metrics", "capture", "updater"):
+    for sec in ("training", "persist", "control", "metrics", "protection", "capture", "updater"):
         d = _drop_none(getattr(cfg, sec))
         if d:
             lines += ["", f"[{sec}]"] + [f"{k} = {_toml_value(v)}" for k, v in d.items()]

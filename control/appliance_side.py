@@ -1,34 +1,28 @@
-"""The appliance's control-plane handlers.
+"""The appliance's control plane: the replica and every change of it, under one lock.
 
-``AppliancePlane`` owns the replica (through ``updater.appliance.Appliance``) and serialises every
-change of it under one lock: mirror iterations (``apply``, from the parser's driver) and control
-messages (handlers, from connection threads). Content is validated before anything changes:
+``AppliancePlane`` owns the replica (through ``updater.appliance.Appliance``) and serialises
+mirror iterations (``apply``, from the parser's driver) and control messages (handlers, from
+connection threads). Content is validated before anything changes. The concerns live apart:
 
-* REGISTER: layout, ring and training spec must match what the appliance was configured with or
-  what an earlier registration (and so the traffic being parsed) fixed; a plane that follows one
-  DP group of a sharded job (``group``) takes only that group's sharded registration, with the
-  same sharded layout every time (``on_shards`` may refuse it too); the initial state must
-  hold exactly the layout's parameters as float32 of the layout's shapes. A registration without
-  state (reconnection, appliance restart) when there is no consistent replica asks for a fallback.
-* STEP_META: per step RNG states and data position, joined to the mirror iteration of that step;
-  an iteration waits for its metadata (at most ``max_meta_lag`` iterations) so a state served for
-  a restore always has them.
-* FINGERPRINT: compared with the replica at that step under its numeric policy
-  (updater.numeric): bit-exact where the trainer runs the replica's arithmetic, else within the
-  measured tolerance; beyond it (drift) the replica turns stale and a fallback is asked. A match
-  marks the checkpoint of that step verified, with its measured distance.
-* GOCKPT_PART / GOCKPT_DONE: the rebuild (``control.gockpt.Rebuild``), verified against the
-  trainer's fingerprints of S_{N+k} before it replaces the replica; mirror iterations that
-  arrived meanwhile are replayed from N+k on.
-* RESTORE_REQUEST: the replica's state from memory, else the latest committed checkpoint on disk.
-  The state served from memory is held until the next REGISTER (``restore_hold``): the other ranks
-  of the resuming job get the same step, and its re-arm goes on from it.
+* REGISTER (here, with ``control.registration``): layout, ring and training spec must match what
+  the appliance was configured with or what an earlier registration (and so the traffic being
+  parsed) fixed; a plane that follows one DP group of a sharded job (``group``) takes only that
+  group's sharded registration, with the same sharded layout every time (``on_shards`` may refuse
+  it too); the initial state must hold exactly the layout's parameters as float32 of the layout's
+  shapes. A registration without state (reconnection, appliance restart) when there is no
+  consistent replica asks for a fallback. A REGISTER with a new run id is the job restarted on a
+  new communicator: the plane re-arms.
+* STEP_META (here): per step RNG states and data position, joined to the mirror iteration of that
+  step; an iteration waits for its metadata (at most ``max_meta_lag`` iterations) so a state served
+  for a restore always has them. Its step is the trainer's newest step (``facts``).
+* FINGERPRINT: ``control.drift.DriftCheck``; a match marks the checkpoint of that step verified,
+  drift turns the replica stale and asks for a fallback.
+* FALLBACK_REQUEST, GOCKPT_PART / GOCKPT_DONE: ``control.fallback.FallbackController``; the verified
+  rebuild replaces the replica, and mirror iterations that arrived meanwhile are replayed from it.
+* RESTORE_REQUEST: ``control.restore_server.RestoreServer`` (never a silent rollback).
 
-Each trigger (incomplete iteration, drift, no state) asks for exactly one fallback; a fallback
-not finished within ``fallback_timeout`` or whose rebuild does not verify is asked again, at most
-``max_attempts`` times in all. Then the plane gives up: ``stats.fallback_error`` says why (the
-error state: logged once, counted in ``fallbacks_abandoned``), the replica stays stale and nothing
-is asked again until the trainer registers anew (a new trainer session may answer).
+Iterations that reach the plane before the trainer registered (no replica can take them yet) are
+held, up to ``max_buffered``, and applied once it has; one beyond that is counted and said.
 """
 
 from __future__ import annotations
@@ -46,28 +40,20 @@ from mirrorckpt.config.shards import ShardedLayout
 from mirrorckpt.config.training import PersistSpec, TrainingSpec
 from mirrorckpt.control import gockpt
 from mirrorckpt.control import messages as m
-from mirrorckpt.control.endpoint import ControlServer
+from mirrorckpt.control.drift import DriftCheck
+from mirrorckpt.control.endpoint import ControlServer, Refused
+from mirrorckpt.control.fallback import FallbackController
+from mirrorckpt.control.protection import Facts
+from mirrorckpt.control.registration import check_recipe, initial_state
+from mirrorckpt.control.restore_server import RestoreServer, cloned, restore_message  # noqa: F401
 from mirrorckpt.parser.iteration import InitialWeights, ReducedIteration
-from mirrorckpt.updater import ckptdir, numeric
+from mirrorckpt.updater import ckptdir
 from mirrorckpt.updater.appliance import Appliance
-from mirrorckpt.updater.dcp_keys import ReplicaState, dumps, loads
-from mirrorckpt.updater.numeric import Digest
-from mirrorckpt.updater.optim import build_optimizer, plateau_state
+from mirrorckpt.updater.dcp_keys import loads
+from mirrorckpt.updater.optim import plateau_state
 from mirrorckpt.updater.replica import Replica, ReplicaStale
 
 log = logging.getLogger("mirrorckpt.control.appliance")
-
-
-class Refused(ValueError):
-    """A message whose content does not fit the appliance's state; nothing was changed."""
-
-
-@dataclass
-class Fallback:
-    reason: str
-    requested: float
-    attempt: int = 1
-    rebuild: gockpt.Rebuild | None = None
 
 
 @dataclass
@@ -78,6 +64,7 @@ class PlaneStats:
     fallbacks_abandoned: int = 0  # fallbacks given up after max_attempts
     rearms: int = 0  # the job restarted (a new run id registered)
     dropped_other_run: int = 0  # iterations of a run that had ended
+    dropped_unregistered: int = 0  # iterations beyond those held while no trainer had registered
     fallback_error: str | None = None  # set while given up: why there is no consistent replica
     drift_events: int = 0
     fingerprints_checked: int = 0
@@ -98,16 +85,13 @@ class AppliancePlane:
                  max_attempts: int = 3, max_meta_lag: int = 8, max_buffered: int = 256, on_iteration=None,
                  server_options: dict | None = None, lambda_modules: tuple[str, ...] = (),
                  replica_impl: str = "mirror", group: str | None = None, shards: ShardedLayout | None = None,
-                 on_shards=None):
+                 on_shards=None, max_lag_steps: int | None = None):
         self.training, self.layout, self.ring = training, layout, ring
         # a sharded job: the DP group this plane follows, the job's layout, and a check of both
         # (``on_shards(layout, group)``, raising Refused) before a registration is taken
         self.group, self.shards, self.on_shards = group, shards, on_shards
         self.replica_impl = replica_impl  # updater.numeric: the optimizer implementation the replica runs
         self.persist = persist
-        self.parts = parts
-        self.fingerprint_every = fingerprint_every
-        self.fallback_timeout, self.max_attempts = fallback_timeout, max_attempts
         self.max_meta_lag = max_meta_lag
         self.on_iteration = on_iteration
         # modules a registered schedule may name functions from (resolving one imports and calls it)
@@ -116,13 +100,21 @@ class AppliancePlane:
         self.app: Appliance | None = None
         self.stats = PlaneStats()
         self.registered = threading.Event()  # layout and training known (a trainer registered)
-        self.fallback: Fallback | None = None
         self.trainer_attached = False
+        self.trainer_step: int | None = None  # the trainer's newest step (REGISTER, STEP_META)
+        self._trainer_seen: float | None = None
+        self._replica_moved: tuple[int, float] | None = None  # (steps, monotonic time they were reached)
+        self.fallbacks = FallbackController(self.stats, self._push, self._step_now, self._event, parts=parts,
+                                            timeout=fallback_timeout, max_attempts=max_attempts)
+        self.drift = DriftCheck(self.stats, fingerprint_every)
+        # a restore may serve a state at most `max_lag_steps` behind the trainer (None: any)
+        self.restores = RestoreServer(persist, max_lag_steps)
+        self.stats.restores = self.restores.served
         self._metas: dict[int, dict] = {}  # step -> {"rng", "data_position"}
         self._waiting: collections.deque[ReducedIteration] = collections.deque()  # for their metadata
         self._buffer: collections.deque[ReducedIteration] = collections.deque(maxlen=max_buffered)
-        self._trainer_fps: dict[int, dict] = {}
-        self._own_fps: collections.OrderedDict[int, dict] = collections.OrderedDict()
+        self._early: collections.deque = collections.deque()  # items before any registration
+        self._max_buffered = max_buffered
         self._meta_missing_at: int | None = None
         # Re-arm: a REGISTER with a new run id is the job restarted (new communicator). Its
         # iterations are counted on the wire from 0 again: ``wire_base`` is the step it resumed
@@ -133,11 +125,6 @@ class AppliancePlane:
         self.wire_base = 0
         self.on_rearm = None
         self.on_commit = None  # handed to the appliance (committed checkpoint paths)
-        # The state last served for a restore from memory, held until the next REGISTER (at most
-        # ``restore_hold`` seconds): a job resuming from it goes on from it although the replica
-        # applied the killed run's last iterations meanwhile, and every rank restores the same step.
-        self.restore_hold = 300.0
-        self._restored: tuple[float, ReplicaState] | None = None
         if layout is not None and training is not None:
             self._make_app()
         handlers = {m.REGISTER: self._on_register, m.STEP_META: self._on_step_meta,
@@ -167,6 +154,28 @@ class AppliancePlane:
     def replica(self) -> Replica | None:
         return self.app.replica if self.app is not None else None
 
+    @property
+    def fallback(self):
+        """The fallback under way (``control.fallback.Fallback``), or None."""
+        return self.fallbacks.current
+
+    @property
+    def parts(self) -> int:
+        """The GoCkpt parts a fallback is asked in."""
+        return self.fallbacks.parts
+
+    @parts.setter
+    def parts(self, k: int) -> None:
+        self.fallbacks.parts = k
+
+    @property
+    def restore_hold(self) -> float:
+        return self.restores.hold_seconds
+
+    @restore_hold.setter
+    def restore_hold(self, seconds: float) -> None:
+        self.restores.hold_seconds = seconds
+
     def _event(self, kind: str, detail) -> None:
         self.stats.events.append((kind, detail))
 
@@ -176,7 +185,29 @@ class AppliancePlane:
         self.app.on_commit = self.on_commit
         self.registered.set()
 
-    # ------------------------------------------------------------------ fallback trigger
+    def facts(self) -> Facts:
+        """What the plane knows for the protection verdict (``control.protection``)."""
+        with self.lock:
+            r, now = self.replica, time.monotonic()
+            consistent = r is not None and r.stale is None and r.committable
+            if r is not None and (self._replica_moved is None or self._replica_moved[0] != r.iterations_done):
+                self._replica_moved = (r.iterations_done, now)
+            stale = None
+            if r is not None and r.stale is not None:
+                stale = f"replica stale since step {r.iterations_done} (iteration {r.stale.iteration} incomplete " \
+                        "or drifted)"
+            return Facts(control=True, registered=self.trainer_attached, trainer_step=self.trainer_step,
+                         trainer_seconds=None if self._trainer_seen is None else now - self._trainer_seen,
+                         replica_step=r.iterations_done if consistent else None, replica_stale=stale,
+                         replica_seconds=None if self._replica_moved is None else now - self._replica_moved[1],
+                         fallback=self.fallback.reason if self.fallback is not None else None,
+                         fallback_error=self.stats.fallback_error)
+
+    def _saw_trainer(self, step: int) -> None:
+        self.trainer_step = step if self.trainer_step is None else max(self.trainer_step, step)
+        self._trainer_seen = time.monotonic()
+
+    # ------------------------------------------------------------------ fallbacks
     def _on_stale(self, e: ReplicaStale) -> None:
         self.request_fallback(f"iteration {e.iteration} could not be reassembled")
 
@@ -184,62 +215,49 @@ class AppliancePlane:
         """Ask the trainer for a GoCkpt checkpoint; False if one is already under way, or if the
         plane gave up and ``renew`` (a new registration) does not lift that."""
         with self.lock:
-            if self.fallback is not None:
-                return False
-            if self.stats.fallback_error is not None:
-                if not renew:
-                    return False
-                log.warning("retrying after the abandoned fallback (%s): the trainer registered again",
-                            self.stats.fallback_error)
-                self.stats.fallback_error = None
-            self.fallback = Fallback(reason, time.monotonic())
-            self.stats.fallbacks_requested += 1
-            self._event("fallback_requested", reason)
-            self._push_request()
-            return True
+            return self.fallbacks.request(reason, renew)
 
-    def _push_request(self) -> None:
+    def _push(self, msg) -> int:
+        return self.server.push(msg)
+
+    def _step_now(self) -> int:
         r = self.replica
-        msg = m.make(m.FALLBACK_REQUEST, reason=self.fallback.reason[:m.MAX_STR],
-                     step=r.iterations_done if r is not None else 0, parts=self.parts)
-        sent = self.server.push(msg)
-        log.warning("fallback requested (%s), attempt %d, %s", self.fallback.reason, self.fallback.attempt,
-                    f"sent to {sent} trainer connection(s)" if sent else "no trainer connected yet")
+        return r.iterations_done if r is not None else 0
 
     def poll(self) -> None:
         """Re-ask a fallback that did not finish in time (called from apply and the handlers)."""
         with self.lock:
-            f = self.fallback
-            if f is None or time.monotonic() - f.requested < self.fallback_timeout:
-                return
-            self.stats.fallbacks_failed += 1
-            self._retry(f, f"no complete checkpoint within {self.fallback_timeout:g} s")
-
-    def _retry(self, f: Fallback, why: str) -> None:
-        """Ask again, or give up after ``max_attempts`` (the lock is held)."""
-        if f.attempt >= self.max_attempts:
-            self.fallback = None
-            self.stats.fallbacks_abandoned += 1
-            self.stats.fallback_error = (f"fallback ({f.reason}) abandoned after {f.attempt} attempt(s); "
-                                         f"last: {why}")
-            self._event("fallback_abandoned", {"reason": f.reason, "attempts": f.attempt, "last": why})
-            log.error("%s; the replica stays stale and no fallback is asked until the trainer registers "
-                      "again", self.stats.fallback_error)
-            return
-        f.attempt += 1
-        f.requested, f.rebuild = time.monotonic(), None
-        log.warning("fallback attempt %d failed (%s); asking again", f.attempt - 1, why)
-        self._push_request()
+            self.fallbacks.poll()
 
     # ------------------------------------------------------------------ mirror iterations
     def initial_weights(self, w: InitialWeights) -> None:
         """DDP's start-up weights from the wire: the replica's step 0 when nobody registered one."""
         with self.lock:
-            if self.app is not None and self.app.replica is None and self.fallback is None:
+            if self.app is None:
+                self._hold_early(w)
+            elif self.app.replica is None and self.fallback is None:
                 self.app.initial_weights(w)
 
     def bucket(self, b) -> None:
         """Buckets are not stepped ahead here: an iteration waits for its step metadata."""
+
+    def _hold_early(self, item) -> None:
+        """An item before any registration: held until the trainer registers (bounded)."""
+        if len(self._early) >= self._max_buffered:
+            self.stats.dropped_unregistered += 1
+            if self.stats.dropped_unregistered == 1:
+                log.warning("iterations keep arriving and no trainer has registered the job: beyond the first %d, "
+                            "they are dropped (counted in dropped_unregistered)", self._max_buffered)
+            return
+        self._early.append(item)
+
+    def _release_early(self) -> None:
+        early, self._early = list(self._early), collections.deque()
+        for item in early:
+            if isinstance(item, InitialWeights):
+                self.initial_weights(item)
+            else:
+                self.apply(item)
 
     def apply(self, it: ReducedIteration) -> None:
         """One iteration from the parser (any thread)."""
@@ -247,28 +265,32 @@ class AppliancePlane:
             if it.run != self.run:
                 self.stats.dropped_other_run += 1
                 return  # the wire of a run that ended (its tail, flushed after the restart)
+            if self.app is None:
+                self._hold_early(it)
+                return
             if self.wire_base:  # a restarted job: its DDP counts (and lays out buckets) from 0 again
                 it = dataclasses.replace(it, index=it.index + self.wire_base, wire_index=it.index)
             self.poll()
             r = self.replica
-            if self.app is None:
-                return
             if r is None or r.stale is not None or self.fallback is not None:
-                s = self.app.summary
-                if not it.complete:
-                    s.iterations_incomplete += 1
-                    if r is not None and r.stale is None and it.index >= r.iterations_done:
-                        self.app.apply(it)  # turns the replica stale and asks for the fallback
-                    elif r is None and self.fallback is None and self.trainer_attached:
-                        self.request_fallback("no consistent replica")
-                    return
-                self._buffer.append(it)  # replayed after the resync if it is newer than the state
-                s.iterations_skipped += 1
+                self._while_inconsistent(it, r)
                 return
             if it.index < r.iterations_done + len(self._waiting):
                 return  # already part of the state (e.g. arrived during a fallback)
             self._waiting.append(it)
             self._drain()
+
+    def _while_inconsistent(self, it: ReducedIteration, r: Replica | None) -> None:
+        s = self.app.summary
+        if not it.complete:
+            s.iterations_incomplete += 1
+            if r is not None and r.stale is None and it.index >= r.iterations_done:
+                self.app.apply(it)  # turns the replica stale and asks for the fallback
+            elif r is None and self.fallback is None and self.trainer_attached:
+                self.request_fallback("no consistent replica")
+            return
+        self._buffer.append(it)  # replayed after the resync if it is newer than the state
+        s.iterations_skipped += 1
 
     def _drain(self) -> None:
         while self._waiting:
@@ -282,9 +304,8 @@ class AppliancePlane:
             if meta is None and self.trainer_attached and len(self._waiting) <= self.max_meta_lag:
                 return  # wait for the trainer's STEP_META of this step
             self._waiting.popleft()
-            if it.index != r.iterations_done:
-                if it.index < r.iterations_done:
-                    continue
+            if it.index < r.iterations_done:
+                continue
             if meta is not None:
                 it.meta.update(meta)
             elif self.trainer_attached:
@@ -299,34 +320,22 @@ class AppliancePlane:
 
     # ------------------------------------------------------------------ drift
     def _after_step(self, r: Replica) -> None:
-        t = r.iterations_done
-        want = self._trainer_fps.pop(t, None)
-        if want is not None:
-            self._compare(r, t, want)
-        elif self.fingerprint_every and t % self.fingerprint_every == 0:
-            self._own_fps[t] = r.digest()
-            while len(self._own_fps) > 4:
-                self._own_fps.popitem(last=False)
-        if self.fingerprint_every and t % self.fingerprint_every == 0 and self.app.persister is not None:
+        got = self.drift.stepped(r)
+        if got is not None:
+            self._checked(r, *got)
+        if self.drift.due(r.iterations_done) and self.app.persister is not None:
             self.app.persister.submit(r, force=True)  # a checkpoint at each step that can be proven
 
-    def _compare(self, r: Replica, step: int, want: Digest, have: Digest | None = None) -> None:
-        """The trainer's digest at ``step`` against the replica's (``have``: taken at that step)."""
-        have = have if have is not None else r.digest()
-        v = numeric.compare(want, have, r.policy, step, r.step - r.synced_at)
-        st = self.stats
-        st.fingerprints_checked += 1
-        st.fingerprints_exact += v.match == "exact"
-        st.last_distance = v.distance
+    def _checked(self, r: Replica, step: int, want, v) -> None:
+        """What a fingerprint comparison means: a proven checkpoint, or drift (a resync)."""
+        per = self.app.persister
         if v.ok:
-            st.max_distance = max(st.max_distance, v.distance)
-            if self.app.persister is not None:
-                self.app.persister.mark_verified(step, want.words, numeric=v.record())
+            if per is not None:
+                per.mark_verified(step, want.words, numeric=v.record())
             return
-        if self.app.persister is not None:  # what was committed after the last proven step is not served
-            self.app.persister.quarantine_after(reason=f"drift at step {step}")
+        if per is not None:  # what was committed after the last proven step is not served
+            per.quarantine_after(reason=f"drift at step {step}")
         diff = v.differing
-        st.drift_events += 1
         log.warning("drift at step %d: replica differs from the trainer in %d tensor(s), first %s (distance %.3g, "
                     "tolerance %.3g: %s)", step, len(diff), diff[0], v.distance, v.tolerance, v.why)
         self._event("drift", {"step": step, "tensors": diff[:8], "distance": v.distance, "tolerance": v.tolerance})
@@ -343,29 +352,17 @@ class AppliancePlane:
         ring = RingSpec.from_dict(b["ring"]) if b.get("ring") is not None else None
         with self.lock:
             shards = self._check_shards(b)
-            if self.layout is not None and layout.to_dict() != self.layout.to_dict():
-                raise Refused(_differs("layout", self.layout.to_dict(), layout.to_dict()))
-            if self.training is not None and training.recipe() != self.training.recipe():
-                raise Refused(_differs("training", self.training.recipe(), training.recipe()))
-            if self.training is None:
-                foreign = [p for p in training.lr_schedule.callable_paths()
-                           if p.partition(":")[0] not in self.lambda_modules]
-                if foreign:
-                    allowed = ", ".join(self.lambda_modules) or "none"
-                    raise Refused(f"the schedule names function {foreign[0]!r}; this appliance imports scheduler "
-                                  f"functions only from its lambda_modules ({allowed})")
-            if self.ring is not None and ring is not None and not _same_ring(self.ring, ring):
-                raise Refused("ring does not match the configured ring "
-                              f"({self.ring.nranks} ranks, {self.ring.protocol}, {self.ring.nchannels} channels)")
+            check_recipe((self.layout, self.training, self.ring), (layout, training, ring), self.lambda_modules)
             state = None
             if msg.tensors:
                 if b["step"] != 0:
                     raise Refused("REGISTER carries an initial state only at step 0")
-                state = _initial_state(layout, training, msg.tensors, b.get("state_meta"))
+                state = initial_state(layout, training, msg.tensors, b.get("state_meta"))
             self.layout, self.training = layout, training
             if shards is not None:
                 self.shards, self.group = shards, b["group"]
             self.ring = ring or self.ring  # a restarted job may run on other addresses
+            first = not self.trainer_attached
             self.trainer_attached = True
             if self.app is None:
                 self._make_app()
@@ -373,24 +370,30 @@ class AppliancePlane:
             if run_id is not None and self.run_id is not None and run_id != self.run_id:
                 self._rearm(b["step"], state is not None)
             self.run_id = run_id if run_id is not None else self.run_id
-            self._restored = None
-            r = self.replica
-            if r is not None and state is not None and r.iterations_done != 0:
-                r = self.app.replica = None  # the job started over from its initial state
-            if r is None and state is not None:
-                self.app.replica = Replica(layout, training, state, self.replica_impl)
-                self._event("registered", {"step": 0, "state": True})
-                log.info("job %r registered at step 0 with its initial state (%d parameters)", b["job"],
-                         len(layout.params))
-                return m.make(m.ACK, info={"step": 0})
-            self._event("registered", {"step": b["step"], "state": False})
-            if r is None or r.stale is not None:
-                if self.fallback is None:
-                    self.request_fallback("no consistent replica for this job (appliance start or restart)",
-                                          renew=True)
-                else:
-                    self._push_request()  # the trainer may not have heard it
-            return m.make(m.ACK, info={"step": r.iterations_done if r is not None else None})
+            self.restores.forget()
+            self._saw_trainer(b["step"])
+            reply = self._registered(b, layout, state)
+            if first and self._early:
+                self._release_early()
+            return reply
+
+    def _registered(self, b: dict, layout: JobLayout, state) -> m.Message:
+        r = self.replica
+        if r is not None and state is not None and r.iterations_done != 0:
+            r = self.app.replica = None  # the job started over from its initial state
+        if r is None and state is not None:
+            self.app.replica = Replica(layout, self.training, state, self.replica_impl)
+            self._event("registered", {"step": 0, "state": True})
+            log.info("job %r registered at step 0 with its initial state (%d parameters)", b["job"],
+                     len(layout.params))
+            return m.make(m.ACK, info={"step": 0})
+        self._event("registered", {"step": b["step"], "state": False})
+        if r is None or r.stale is not None:
+            if self.fallback is None:
+                self.request_fallback("no consistent replica for this job (appliance start or restart)", renew=True)
+            else:
+                self.fallbacks.push()  # the trainer may not have heard it
+        return m.make(m.ACK, info={"step": r.iterations_done if r is not None else None})
 
     def _check_shards(self, b: dict) -> ShardedLayout | None:
         """The sharded layout of a REGISTER (None for an unsharded job), checked against this plane's
@@ -406,7 +409,9 @@ class AppliancePlane:
             raise Refused(f"this control plane follows DP group {self.group!r}, the trainer registered group "
                           f"{b['group']!r} (one control link per DP group: check the trainer's appliances map)")
         if self.shards is not None and sl.digest() != self.shards.digest():
-            raise Refused(_differs("sharded layout", self.shards.to_dict(), sl.to_dict()))
+            from mirrorckpt.control.registration import differs
+
+            raise Refused(differs("sharded layout", self.shards.to_dict(), sl.to_dict()))
         if self.on_shards is not None:
             self.on_shards(sl, b["group"])
         return sl
@@ -417,19 +422,19 @@ class AppliancePlane:
         else ask for a fallback (the REGISTER handler does)."""
         self.run += 1
         self.wire_base = step
-        self.fallback = None
+        self.fallbacks.forget()
         self._waiting.clear()
         self._buffer.clear()
         self._metas.clear()
-        self._trainer_fps.clear()
-        self._own_fps.clear()
+        self.drift.clear()
         self._meta_missing_at = None
+        self.trainer_step = None  # the new run reports its own (from `step`, which REGISTER brings)
         r = self.replica
         kept = r is not None and r.committable and r.iterations_done == step and not with_state
-        held = self._held_restore()
+        held = self.restores.held()
         if not kept and not with_state and held is not None and held.iterations_done == step:
             # the job resumed from the state served it; the replica had moved on with the old run
-            self.app.replica = r = Replica(self.layout, self.training, _cloned(held))
+            self.app.replica = r = Replica(self.layout, self.training, cloned(held))
             kept = True
         if kept:
             r.stale = None
@@ -458,6 +463,7 @@ class AppliancePlane:
             raise Refused("STEP_META step must be >= 1")
         with self.lock:
             self.poll()
+            self._saw_trainer(step)
             r = self.replica
             meta = {"rng": rng, "data_position": msg.body.get("data_position")}
             for k in ("clip", "skipped"):  # what the trainer decided: the replica takes it as given
@@ -478,7 +484,6 @@ class AppliancePlane:
                 self._metas.pop(min(self._metas))
             self._metas[step] = meta
             self._drain()
-        return
 
     def _on_fingerprint(self, msg: m.Message, peer) -> None:
         step = msg.body["step"]
@@ -490,77 +495,29 @@ class AppliancePlane:
             r = self.replica
             if r is None or r.stale is not None or self.fallback is not None:
                 return
-            if step in self._own_fps:
-                self._compare(r, step, fps, self._own_fps.pop(step))
-            elif step == r.iterations_done:
-                self._compare(r, step, fps)
-            elif step > r.iterations_done:
-                self._trainer_fps[step] = fps
-                while len(self._trainer_fps) > 16:
-                    self._trainer_fps.pop(min(self._trainer_fps))
-            else:
-                self.stats.fingerprints_missed += 1
-        return
+            v = self.drift.trainer_digest(step, fps, r)
+            if v is not None:
+                self._checked(r, step, fps, v)
 
     def _on_part(self, msg: m.Message, peer) -> None:
-        b = msg.body
         with self.lock:
-            f = self.fallback
-            if f is None or self.layout is None:
-                raise Refused("GOCKPT_PART without a fallback in progress")
-            if b["index"] == 0:
-                if not 1 <= b["parts"] <= gockpt.MAX_PARTS:
-                    raise Refused(f"parts must be in 1..{gockpt.MAX_PARTS}")
-                rb = gockpt.Rebuild(self.layout, self.training, b["parts"], impl=self.replica_impl)
-                rb.add_part(b["step"], 0, b["parts"], b.get("slices", {}), msg.tensors, own=True)
-                f.rebuild = rb
-            else:
-                if f.rebuild is None:
-                    raise Refused(f"part {b['index']} before part 0")
-                f.rebuild.add_part(b["step"], b["index"], b["parts"], b.get("slices", {}), msg.tensors, own=True)
+            self.fallbacks.part(msg.body, msg.tensors, self.layout, self.training, self.replica_impl)
 
     def _on_done(self, msg: m.Message, peer) -> None:
-        b = msg.body
         with self.lock:
-            f = self.fallback
-            rb = f.rebuild if f is not None else None
-            if rb is None or not rb.complete:
-                raise Refused("GOCKPT_DONE before every part arrived")
-            if b["step"] != rb.final_step or b["parts"] != rb.parts:
-                raise Refused(f"GOCKPT_DONE for step {b['step']} ({b['parts']} parts), the rebuild is at "
-                              f"{rb.final_step} ({rb.parts} parts)")
-            if not b.get("fingerprints"):
-                raise Refused("GOCKPT_DONE without fingerprints: the rebuilt state cannot be verified")
-            try:
-                want = gockpt.digest_of(b["fingerprints"], msg.tensors)
-            except gockpt.PartError as e:
-                raise Refused(f"GOCKPT_DONE: {e}") from None
-            # the rebuild's tensors become the replica's (no copy)
-            rep = Replica(self.layout, self.training, rb.state(), self.replica_impl, adopt=True)
-            rep.synced_at = max(0, rep.step - rb.parts)  # each part took up to k steps of our own arithmetic
-            v = rep.check(want)
-            diff = v.differing
-            if not v.ok:
-                self.stats.fallbacks_failed += 1
-                f.rebuild = None
-                log.error("GoCkpt rebuild to step %d does not match the trainer's fingerprints (%d tensors, "
-                          "first %s)", rb.final_step, len(diff), diff[0])
-                self._event("fallback_unverified", {"step": rb.final_step, "tensors": diff[:8]})
-                self._retry(f, f"rebuild to step {rb.final_step} differs from the trainer in {diff[0]}")
+            got = self.fallbacks.done(msg.body, msg.tensors, self.layout, self.training, self.replica_impl)
+            if got is None:
                 return
+            rep, rb, want, v = got
             self._install(rep, rb)
             if self.app.persister is not None:
                 self.app.persister.mark_verified(rep.iterations_done, want.words, source="gockpt", numeric=v.record())
-        return
 
     def _install(self, rep: Replica, rb: gockpt.Rebuild) -> None:
         self.app.replica = rep
-        self.fallback = None
         self.stats.max_distance = 0.0
         self._meta_missing_at = None
-        self._own_fps.clear()
-        self._trainer_fps = {k: v for k, v in self._trainer_fps.items() if k > rep.iterations_done}
-        self.stats.fallbacks_done += 1
+        self.drift.clear(after=rep.iterations_done)
         self._event("resynced", {"step": rep.iterations_done, "parts": rb.parts, "start": rb.start})
         log.warning("replica resynced at step %d by a GoCkpt checkpoint (%d parts from step %d); "
                     "mirror mode resumes", rep.iterations_done, rb.parts, rb.start)
@@ -576,139 +533,23 @@ class AppliancePlane:
                 self.stats.replayed += 1
         self._drain()
 
-    def _held_restore(self) -> ReplicaState | None:
-        if self._restored is not None and time.monotonic() - self._restored[0] > self.restore_hold:
-            self._restored = None
-        return self._restored[1] if self._restored is not None else None
-
-    def _on_restore(self, msg: m.Message, peer) -> m.Message:
+    def _on_restore(self, msg: m.Message, peer) -> m.Message | None:
         want = msg.body.get("step")
         with self.lock:
             r = self.replica
-            source, state = None, None
-            held = self._held_restore()
+            held = self.restores.held()
             if held is not None and (want is None or want == held.iterations_done):
-                source, state = "memory", held  # the other ranks of the resuming job: the same step
-            elif r is not None and r.committable and self._meta_missing_at != r.iterations_done and \
+                # the other ranks of the resuming job: the same step
+                return self.restores.reply(held, "memory", self.trainer_step,
+                                           self.restores.check_behind(held.iterations_done, "memory",
+                                                                      self.trainer_step, msg.body))
+            if r is not None and r.committable and self._meta_missing_at != r.iterations_done and \
                     (want is None or want == r.iterations_done):
-                st = r.state()
-                source = "memory"
-                if _state_bytes(st) > self._copy_budget():
-                    # no room for a copy: sent from the replica itself while the plane waits
-                    reply = restore_message(st, source)
-                    reply.re = msg.rid
-                    peer.send(reply)
-                    self.stats.restores[source] += 1
-                    log.info("restore: state of step %d sent from memory, uncopied", st.iterations_done)
-                    return None
-                state = _cloned(st)
-                self._restored = (time.monotonic(), state)
-        if state is None and self.persist is not None:
-            from mirrorckpt.updater.restore import read_state
-
-            try:
-                state = read_state(self.persist.directory)
-                source = "disk"
-            except Exception as e:  # noqa: BLE001 - no committed checkpoint, or one that fails verification
-                raise Refused(f"no consistent state in memory and none on disk: {type(e).__name__}: {e}") from None
-            if want is not None and state.iterations_done != want:
-                raise Refused(f"step {want} is neither in memory nor the latest on disk ({state.iterations_done})")
-        if state is None:
-            raise Refused("no consistent state in memory (replica stale or never started) and no checkpoint root")
-        self.stats.restores[source] += 1
-        log.info("restore: state of step %d sent from %s", state.iterations_done, source)
-        return restore_message(state, source)
-
-
-    def _copy_budget(self) -> int:
-        """Bytes a restore may copy the state into: the persist memory budget (unbounded without)."""
-        return self.persist.memory_budget_bytes if self.persist is not None else 1 << 62
-
-
-# ------------------------------------------------------------------------ helpers
-
-def _state_bytes(st) -> int:
-    n = sum(v.numel() * v.element_size() for v in st.params.values())
-    for s in st.optim["state"].values():
-        n += sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor))
-    return n
+                return self.restores.from_memory(r.state(), self.trainer_step, msg.body, peer, msg.rid)
+            trainer_step = self.trainer_step
+        return self.restores.from_disk(trainer_step, msg.body)
 
 
 def _warm_up() -> None:
     p = torch.zeros(1, requires_grad=True)
     torch.optim.Adam([p], foreach=False)
-
-
-def _differs(what: str, have: dict, got: dict) -> str:
-    keys = sorted(k for k in set(have) | set(got) if have.get(k) != got.get(k))
-    return f"{what} does not match the traffic/configured {what} (differs in {', '.join(map(str, keys[:4]))})"
-
-
-def _same_ring(a: RingSpec, b: RingSpec) -> bool:
-    return (a.nranks, a.nchannels, a.protocol) == (b.nranks, b.nchannels, b.protocol)
-
-
-def _initial_state(layout: JobLayout, training: TrainingSpec, tensors: dict, meta: dict | None):
-    """The registered state at step 0: the weights, and when the trainer sent them its param
-    groups and scheduler state as constructed (exact whatever the schedule's arguments)."""
-    params = _initial_params(layout, tensors)
-    if not meta:
-        return params
-    names = [p.name for p in layout.params]
-    try:
-        groups = training.groups(names)
-        own = build_optimizer(training.optimizer, [torch.zeros(1)], [([torch.zeros(1)], gs) for _, gs in groups])
-        merged = gockpt.merged_groups(own.param_groups, loads(meta["param_groups"]), [n for n, _ in groups])
-        sched = meta.get("lr_scheduler")
-        sched = loads(sched) if sched is not None else None
-    except Exception as e:  # noqa: BLE001 - whatever a hostile state_meta provokes
-        raise Refused(f"state_meta does not fit the training spec: {type(e).__name__}: {str(e)[:200]}") from None
-    if (sched is None) == training.lr_schedule.enabled or (sched is not None and not isinstance(sched, dict)):
-        raise Refused("state_meta must hold the scheduler state exactly when the training spec has a schedule")
-    return ReplicaState(params=params, optim={"state": {}, "param_groups": merged}, lr_scheduler=sched,
-                        training=training.to_dict(), layout=layout.to_dict())
-
-
-def _initial_params(layout: JobLayout, tensors: dict) -> dict[str, torch.Tensor]:
-    want = {gockpt.param_key(p.name): tuple(p.shape) for p in layout.params}
-    extra, missing = sorted(set(tensors) - set(want)), sorted(set(want) - set(tensors))
-    if extra or missing:
-        raise Refused(f"initial state does not match the layout: unexpected {extra[:3]}, missing {missing[:3]}")
-    out = {}
-    for k, shape in want.items():
-        t = tensors[k]
-        if t.dtype != torch.float32 or tuple(t.shape) != shape:
-            raise Refused(f"{k}: {t.dtype} {tuple(t.shape)}, the layout says float32 {shape}")
-        if not bool(torch.isfinite(t).all()):
-            raise Refused(f"{k}: initial parameters hold inf or nan")
-        out[k[2:]] = t  # a view of the message's own payload buffer: no copy needed
-    return out
-
-
-def _cloned(st):
-    from dataclasses import replace
-
-    return replace(st, params={k: v.clone() for k, v in st.params.items()},
-                   optim={"state": {n: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-                                    for n, s in st.optim["state"].items()},
-                          "param_groups": [dict(g) for g in st.optim["param_groups"]]},
-                   rng={k: v.clone() for k, v in st.rng.items()})
-
-
-def restore_message(state, source: str) -> m.Message:
-    """RESTORE_STATE for a ReplicaState: p:/o:/rng: tensors, the rest in ``meta``."""
-    tensors = {gockpt.param_key(n): v for n, v in state.params.items()}
-    unstepped = set(getattr(state, "unstepped", ()))
-    for n, s in state.optim["state"].items():
-        if n in unstepped:  # a placeholder: the trainer's optimizer keeps no state for it either
-            continue
-        for k, v in s.items():
-            if isinstance(v, torch.Tensor):
-                tensors[gockpt.state_key(n, k)] = v
-    tensors.update({gockpt.rng_key(k): v for k, v in (state.rng or {}).items()})
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in state.optim["param_groups"]]
-    meta = {"iterations_done": int(state.iterations_done), "step": int(state.step), "source": source,
-            "param_groups": dumps(groups, "param_groups"),
-            "lr_scheduler": dumps(state.lr_scheduler, "lr_scheduler") if state.lr_scheduler is not None else None,
-            "loss_scale": state.loss_scale, "data_position": state.data_position}
-    return m.make(m.RESTORE_STATE, tensors, step=int(state.iterations_done), layout=state.layout or {}, meta=meta)

@@ -29,6 +29,11 @@ from mirrorckpt.control.channel import POLL, Channel, RemoteError, Replies, Requ
 from mirrorckpt.control.outbox import Outbox, OutboxClosed, QueueFull  # noqa: F401 - re-exported
 from mirrorckpt.control.wire import ConnectionClosed, ProtocolError
 
+
+class Refused(ValueError):
+    """A handler's answer to a message whose content does not fit its state; nothing was changed
+    (the sender gets an ERROR with this text)."""
+
 LOGGER = "mirrorckpt.control"
 log = logging.getLogger(LOGGER)
 

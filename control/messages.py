@@ -170,7 +170,10 @@ REGISTRY: dict[str, Spec] = {
                                "slices": F("dict", required=False)}, tensors="any", check=_check_part),
     GOCKPT_DONE: Spec(CLIENT, {"step": F("int"), "parts": F("int"),
                                "fingerprints": F("u64map", required=False)}, tensors="any", check=_check_parts),
-    RESTORE_REQUEST: Spec(CLIENT, {"step": F("int", required=False, nullable=True)}),
+    # allow_behind: the trainer takes a state further behind its last reported step than the
+    # appliance's protection limit (refused otherwise: a restore never rolls a job back in silence)
+    RESTORE_REQUEST: Spec(CLIENT, {"step": F("int", required=False, nullable=True),
+                                   "allow_behind": F("bool", required=False)}),
     RESTORE_STATE: Spec(SERVER, {"step": F("int"), "layout": F("dict", required=False),
                                  "meta": F("dict", required=False)}, tensors="any"),
     ACK: Spec(ANY, {"info": F("dict", required=False)}),

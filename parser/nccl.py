@@ -577,6 +577,11 @@ class NcclDecoder(RunLane):
         """What this stream's traffic showed about the NCCL release."""
         return nccl_versions.WireFamily(self.seen_cts, self.seen_imm)
 
+    def cut_connections(self) -> list:
+        """Connections that cut messages over several QPs and whose QP set no message proved yet
+        (``nq``): with a port split over workers, such a connection's other QPs are elsewhere."""
+        return [c.key for c in self.conns.values() if c.qp_mode == "cut" and not c.nq and len(c.cut) >= 2]
+
     def _take_cts(self, m: RdmaMessage) -> bool:
         if m.with_imm or m.dlen is None or not cts_sized(m.dlen) or not m.complete:
             return False

@@ -259,6 +259,20 @@ class JobStream:
         yield from self.assembler.items(self.assembler.flush())
         self.notes += self.assembler.resolver.notes if self.assembler.resolver else []
 
+    def ring_connections(self):
+        """The ring connections mapped to channels so far (live; empty before the set-up)."""
+        a = self.assembler
+        return a.resolver.mapped if a is not None and a.resolver is not None else {}
+
+    def placement_counts(self) -> dict | None:
+        """Sends by placement outcome so far ("placed", or why not); None before the set-up."""
+        return dict(self.assembler.sm.counts) if self.assembler is not None else None
+
+    def channel_notes(self) -> list[str]:
+        """The channel decisions so far, and the connections left unplaced."""
+        a = self.assembler
+        return list(a.resolver.notes) if a is not None and a.resolver is not None else []
+
     def report(self) -> JobReport:
         placement, mismatches = self.assembler.report() if self.assembler is not None else (Counter(), [])
         return JobReport(list(self.notes), placement, mismatches, list(self.streams.stats))

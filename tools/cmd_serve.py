@@ -45,7 +45,8 @@ def check_sources(job) -> list[str]:
     """Problems with the configured mirror sources, each naming the [[mirror]] entry."""
     errors = []
     if not job.mirrors:
-        errors.append("no [[mirror]] entries: nothing to capture")
+        errors.append("no [[mirror]] entries: nothing to capture (to follow a trainer over the control plane "
+                      "alone, serve --control-only)")
     for i, m in enumerate(job.mirrors):
         where = f"[[mirror]] #{i + 1} source"
         if not m.source:
@@ -88,30 +89,48 @@ def tls_context(control: dict, name: str):
                    "soon after the iteration's last packet (overrides [updater] pipelined; default off: the "
                    "undo copies that roll back an iteration that turns out incomplete cost about 45 % of the "
                    "replica's step rate). Not with [control].")
+@click.option("--control-only", is_flag=True,
+              help="No mirror: follow the trainer over the control plane only, asking for a fallback checkpoint "
+                   "every [protection] fallback_every steps (default: max_lag_steps) and keeping them: try an "
+                   "integration on a laptop before touching a switch. Needs [control].")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-def serve(config_path, pace, pipelined, log_level):
+@click.option("--log-format", default="json", type=click.Choice(["json", "text"]), show_default=True,
+              help="JSON lines for a log collector, or text for a terminal.")
+def serve(config_path, pace, pipelined, control_only, log_level, log_format):
     """Run the appliance: capture the mirror ports, keep the replica, commit checkpoints."""
     from mirrorckpt.config.jobfile import ConfigError, load_job
     from mirrorckpt.config.training import PersistSpec, SpecError, TrainingSpec
+    from mirrorckpt.control.protection import Limits
     from mirrorckpt.parser.roce import SLOW_ICRC
     from mirrorckpt.tools.metrics import Metrics
     from mirrorckpt.tools.serve import Daemon, setup_logging
     from mirrorckpt.updater import ckptdir
 
-    setup_logging(getattr(logging, log_level.upper()))
+    setup_logging(getattr(logging, log_level.upper()), log_format)
     log = logging.getLogger("mirrorckpt.serve")
-    if SLOW_ICRC:
+    if SLOW_ICRC and not control_only:
         log.warning(SLOW_ICRC)
     try:
         job = load_job(config_path)
-        if job.kind == "ddp" and job.layout is None and not job.control.get("listen"):
+        name = Path(config_path).name
+        if control_only:
+            if not job.control.get("listen"):
+                raise ConfigError(f"{name}: --control-only needs [control] (listen, secret_file): the trainer is "
+                                  "followed over the control plane alone")
+            if job.mirrors:
+                raise ConfigError(f"{name}: --control-only captures nothing, yet the file has [[mirror]] entries "
+                                  "(remove them, or serve without --control-only)")
+        elif job.kind == "ddp" and job.layout is None and not job.control.get("listen"):
             raise ConfigError(f"{config_path}: serve needs the job layout: [[job.params]] in [job], or a "
                               "[control] listen address where the trainer registers it")
-        if not job.ring.addresses:
-            raise ConfigError(f"{Path(config_path).name}: [ring] addresses: serve needs every rank's address")
-        problems = check_sources(job)
+        elif not job.ring.addresses:
+            raise ConfigError(f"{name}: [ring] addresses: serve needs every rank's address")
+        limits = Limits(**job.protection)
+        if control_only and limits.fallback_every is None:
+            limits.fallback_every = limits.max_lag_steps
+        problems = [] if control_only else check_sources(job)
         if problems:
-            raise ConfigError("; ".join(f"{Path(config_path).name}: {p}" for p in problems))
+            raise ConfigError("; ".join(f"{name}: {p}" for p in problems))
         if job.training:
             training = TrainingSpec.from_dict(job.training)
         elif job.control.get("listen"):
@@ -157,8 +176,9 @@ def serve(config_path, pace, pipelined, log_level):
             log.warning("control plane without TLS: weights, gradients and HMAC proofs cross the network in clear "
                         "(set [control] tls_cert, tls_key and tls_ca)")
         control = AppliancePlane(secret, host=host or "127.0.0.1", port=int(port), training=training,
-                                 layout=job.layout, ring=job.ring, persist=persist,
+                                 layout=job.layout, ring=None if control_only else job.ring, persist=persist,
                                  parts=c.get("fallback_parts", 7), fingerprint_every=c.get("fingerprint_every", 10),
+                                 max_lag_steps=limits.max_lag_steps,
                                  server_options={"ssl_context": ssl_context} if ssl_context is not None else None)
     if pipelined:
         log.info("pipelined update: each bucket is stepped as soon as it is final")
@@ -167,7 +187,8 @@ def serve(config_path, pace, pipelined, log_level):
     # the packet path: each capture process and the parser thread
     torch.set_num_threads(job.updater_threads(sum(m.workers for m in job.mirrors) + 1))
     log.info("updater: %d torch thread(s)", torch.get_num_threads())
-    daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control, pipelined=pipelined)
+    daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control, pipelined=pipelined,
+                    limits=limits, control_only=control_only)
     metrics.follow_persister(lambda: getattr(daemon.appliance, "persister", None))
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)

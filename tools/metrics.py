@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 
@@ -17,6 +17,26 @@ class Metrics:
         self.dropped = Counter("mirrorckpt_frames_dropped", "Frames dropped per port: at the capture edge "
                                "(the pipeline fell behind) or by the kernel/NIC", port + ["where"], registry=r)
         self.icrc = Counter("mirrorckpt_icrc_failures", "RoCE packets whose ICRC failed", port, registry=r)
+        self.roce = Counter("mirrorckpt_roce_packets", "RoCEv2 packets decoded per mirror port (0 while the port "
+                            "carries none: a silent mirror)", port, registry=r)
+        # protection (control.protection): the verdict first, then the steps it compares
+        self.protection = Gauge("mirrorckpt_protection", "1 for the current verdict: protected, lagging, "
+                                "not protected (its reason: mirrorckpt_protection_reason)", ["verdict"], registry=r)
+        self.protection_reason = Info("mirrorckpt_protection_reason", "Why the verdict is what it is", registry=r)
+        self.trainer_step = Gauge("mirrorckpt_trainer_step", "The trainer's newest reported step (-1: unknown)",
+                                  registry=r)
+        self.protected_step = Gauge("mirrorckpt_protected_step", "The newest state the appliance can restore "
+                                    "(-1: none)", registry=r)
+        self.lag_steps = Gauge("mirrorckpt_lag_steps", "Steps the trainer is ahead of the protected step (-1: "
+                               "unknown)", registry=r)
+        self.verified_step = Gauge("mirrorckpt_verified_step", "The newest checkpoint proven equal to the trainer "
+                                   "(-1: none)", registry=r)
+        self.last_commit_time = Gauge("mirrorckpt_last_commit_timestamp_seconds", "Unix time of the newest committed "
+                                      "checkpoint (0: none)", registry=r)
+        self.fallback_given_up = Gauge("mirrorckpt_fallback_given_up", "1 while fallbacks are abandoned (until the "
+                                       "trainer registers again)", registry=r)
+        self.degraded_fallbacks = Counter("mirrorckpt_degraded_fallbacks", "Fallbacks asked because the replica "
+                                          "stopped following the mirror (or, control-only, every N steps)", registry=r)
         self.iterations = Counter("mirrorckpt_iterations", "Iterations seen on the wire", ["state"], registry=r)
         self.replica_step = Gauge("mirrorckpt_replica_step", "Optimizer steps the replica has taken", registry=r)
         self.replica_iteration = Gauge("mirrorckpt_replica_iteration", "Last iteration applied to the replica",

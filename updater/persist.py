@@ -211,6 +211,19 @@ class PersistStats:
     last_error: str | None = None
     last_committed: str | None = None
     last_commit_seconds: float = 0.0  # the newest commit's write, hashes, fsyncs and rename
+    committed_step: int | None = None  # the newest committed checkpoint's step, and when (unix time)
+    committed_unix: float | None = None
+    verified_step: int | None = None  # the newest checkpoint proven equal to the trainer
+    failed_unix: float | None = None  # when the newest write failed
+
+    @property
+    def failing(self) -> str | None:
+        """Why checkpoints are not being committed: the newest write failed after the newest commit."""
+        if self.refused:
+            return self.refused
+        if self.failed_unix is not None and (self.committed_unix is None or self.failed_unix > self.committed_unix):
+            return self.last_error
+        return None
 
 
 class StagingPool:
@@ -425,12 +438,15 @@ class Persister:
             self._landed.add(seq)
             self.stats.committed += 1
             self.stats.last_committed = str(path)
+            self.stats.committed_step = ckptdir.parse_step(path.name)
+            self.stats.committed_unix = time.time()
             if self.on_commit is not None:
                 self.on_commit(path)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             self.stats.failed += 1
+            self.stats.failed_unix = time.time()
             self.stats.last_error = f"{type(e).__name__}: {_first_line(e)}{_free_space(self.root)}"
             log.error("checkpoint write failed: %s", self.stats.last_error)
 
@@ -442,6 +458,7 @@ class Persister:
         try:
             set_verified(path, info)
             self.stats.verified += 1
+            self.stats.verified_step = max(info["step"], self.stats.verified_step or 0)
         except Exception as e:
             self.stats.failed += 1
             self.stats.last_error = f"marking {path.name} verified: {type(e).__name__}: {e}"

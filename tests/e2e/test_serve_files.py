@@ -146,10 +146,13 @@ def test_workers_on_a_port_whose_connections_use_several_qps(tmp_path, split):
             assert any(len(set((sp[sp >= 0] % workers).tolist())) > 1 for sp in sport_of)
         res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
                              capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-2000:]
+        # nothing reassembled is work that matched nothing: said, and a non-zero exit
+        assert res.returncode == (1 if file_split == "port" else 0), res.stderr[-2000:]
         logs = [json.loads(x) for x in res.stderr.splitlines() if x.startswith("{")]
         warned = [x for x in logs if x["level"] == "warning" and says in x["msg"]]
         assert bool(warned) == (file_split == "port"), res.stderr[-2000:]
+        unmatched = [x for x in logs if x["level"] == "error" and "nothing was followed" in x["msg"]]
+        assert bool(unmatched) == (file_split == "port"), res.stderr[-2000:]
         stopped = [x for x in logs if x["msg"] == "appliance stopped"][-1]
         assert stopped["iterations_applied"] == (0 if file_split == "port" else 3)
         planned = [x for x in logs if x["msg"] == "capture file split over its workers"]
@@ -348,22 +351,27 @@ def test_unevenly_loaded_workers_of_a_port_are_said(tmp_path):
 
 def test_unevenly_loaded_workers_of_a_live_port_are_said_once(monkeypatch):
     """A live port's shares come from its workers' counters, once it has captured enough."""
-    import threading
+    import ctypes
 
-    from mirrorckpt.tools import serve
+    from mirrorckpt.tools.daemon import ports as ports_mod
+    from mirrorckpt.tools.daemon.worker import COUNTERS
 
-    monkeypatch.setattr(serve, "SPLIT_CHECK_BYTES", 1000)
-    streams = serve.QueueStreams(None, 4, Metrics(), threading.Event(), labels=["0.0", "0.1", "1.0", "1.1"],
-                                 split_groups=[[0, 1], [2, 3]])
+    monkeypatch.setattr(ports_mod, "SPLIT_CHECK_BYTES", 1000)
+    shared = [(ctypes.c_int64 * len(COUNTERS))() for _ in range(4)]
+    ports = ports_mod.PortMonitor(Metrics(), ["0.0", "0.1", "1.0", "1.1"], shared=shared,
+                                  split_groups=[[0, 1], [2, 3]])
     said = _Records()
     logging.getLogger("mirrorckpt.serve").addHandler(said)
+
+    def counted(port: int, nbytes: int) -> None:
+        shared[port][:] = [{"capturing": 1, "frames": 1, "bytes": nbytes}.get(k, 0) for k in COUNTERS]
+        ports.sync()
     try:
-        c = dict.fromkeys(serve.COUNTERS, 0)
         for port, nbytes in ((0, 900), (1, 0), (2, 400), (3, 500)):  # below the threshold: nothing yet
-            streams._stats(port, {**c, "capturing": 1, "frames": 1, "bytes": nbytes})
+            counted(port, nbytes)
         assert not said.records
         for port, nbytes in ((1, 100), (0, 1900), (2, 900), (3, 1000), (0, 5000), (1, 200)):
-            streams._stats(port, {**c, "capturing": 1, "frames": 1, "bytes": nbytes})
+            counted(port, nbytes)
     finally:
         logging.getLogger("mirrorckpt.serve").removeHandler(said)
     # port 0 as it passed the mark (900 + 100 bytes); port 1's workers share evenly; each port looked at once
