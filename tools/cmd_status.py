@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -22,15 +24,56 @@ def fetch(url: str, timeout: float = 5.0) -> dict:
     return out
 
 
+def _one(m: dict, name: str, default=0.0):
+    v = m.get(name, {})
+    return next(iter(v.values()), default) if v else default
+
+
+def _step(v) -> int | None:
+    return None if v is None or v < 0 else int(v)
+
+
+def summary(m: dict) -> dict:
+    """The verdict first, then the steps it compares (control.protection), as a JSON object."""
+    info = next(iter(m.get("mirrorckpt_protection_reason_info", {})), ())
+    info = dict(info)
+    commit = _one(m, "mirrorckpt_last_commit_timestamp_seconds", 0.0)
+    return {"verdict": info.get("verdict", "unknown"), "reason": info.get("reason", "the appliance did not say"),
+            "trainer_step": _step(_one(m, "mirrorckpt_trainer_step", None)),
+            "protected_step": _step(_one(m, "mirrorckpt_protected_step", None)),
+            "lag_steps": _step(_one(m, "mirrorckpt_lag_steps", None)),
+            "verified_step": _step(_one(m, "mirrorckpt_verified_step", None)),
+            "last_commit_unix": commit or None,
+            "fallback_given_up": bool(_one(m, "mirrorckpt_fallback_given_up")),
+            "replica_step": int(_one(m, "mirrorckpt_replica_step")),
+            "replica_iteration": int(_one(m, "mirrorckpt_replica_iteration")),
+            "replica_stale": bool(_one(m, "mirrorckpt_replica_stale")),
+            "fallbacks": int(_one(m, "mirrorckpt_fallbacks_total")),
+            "degraded_fallbacks": int(_one(m, "mirrorckpt_degraded_fallbacks_total")),
+            "rearms": int(_one(m, "mirrorckpt_rearms_total")),
+            "ports": {dict(k).get("port"): {"frames": int(v)} for k, v in
+                      m.get("mirrorckpt_frames_received_total", {}).items()}}
+
+
+def verdict_lines(m: dict) -> list[str]:
+    s = summary(m)
+
+    def step(v):
+        return "-" if v is None else str(v)
+    ago = f"{time.time() - s['last_commit_unix']:.0f} s ago" if s["last_commit_unix"] else "never"
+    return [f"{s['verdict'].upper()}: {s['reason']}",
+            f"trainer: step {step(s['trainer_step'])}, protected: step {step(s['protected_step'])} (lag "
+            f"{step(s['lag_steps'])}), verified: step {step(s['verified_step'])}, last commit: {ago}"]
+
+
 def render(m: dict) -> str:
     def one(name, default=0.0):
-        v = m.get(name, {})
-        return next(iter(v.values()), default) if v else default
+        return _one(m, name, default)
 
     def by(name, key):
         return {dict(k).get(key): v for k, v in m.get(name, {}).items()}
 
-    lines = []
+    lines = verdict_lines(m)
     ports = sorted(by("mirrorckpt_frames_received_total", "port"))
     for p in ports:
         fr = by("mirrorckpt_frames_received_total", "port").get(p, 0)
@@ -38,14 +81,18 @@ def render(m: dict) -> str:
         drops = {dict(k).get("where"): v for k, v in m.get("mirrorckpt_frames_dropped_total", {}).items()
                  if dict(k).get("port") == p}
         icrc = by("mirrorckpt_icrc_failures_total", "port").get(p, 0)
-        lines.append(f"port {p}: {fr:.0f} frames, {by_ / 1e6:.1f} MB, dropped {drops.get('capture', 0):.0f} "
-                     f"(capture) {drops.get('kernel', 0):.0f} (kernel), {icrc:.0f} ICRC failures")
+        roce = by("mirrorckpt_roce_packets_total", "port").get(p, 0)
+        lines.append(f"port {p}: {fr:.0f} frames ({roce:.0f} RoCE), {by_ / 1e6:.1f} MB, dropped "
+                     f"{drops.get('capture', 0):.0f} (capture) {drops.get('kernel', 0):.0f} (kernel), {icrc:.0f} ICRC "
+                     "failures")
     it = by("mirrorckpt_iterations_total", "state")
     lines.append(f"iterations: {it.get('complete', 0):.0f} complete, {it.get('incomplete', 0):.0f} incomplete")
     lines.append(f"replica: step {one('mirrorckpt_replica_step'):.0f}, iteration "
                  f"{one('mirrorckpt_replica_iteration'):.0f}, lag {one('mirrorckpt_replica_lag_iterations'):.0f}, "
                  f"{'STALE (waiting for a fallback checkpoint)' if one('mirrorckpt_replica_stale') else 'in step'}")
-    lines.append(f"fallbacks: {one('mirrorckpt_fallbacks_total'):.0f}")
+    degraded = one("mirrorckpt_degraded_fallbacks_total")
+    lines.append(f"fallbacks: {one('mirrorckpt_fallbacks_total'):.0f} ({degraded:.0f} in degraded mode)"
+                 f"{', GIVEN UP' if one('mirrorckpt_fallback_given_up') else ''}")
     lines.append(f"re-arms: {one('mirrorckpt_rearms_total'):.0f} (job restarts followed on a new communicator)")
     lines.append(f"last committed checkpoint: iteration {one('mirrorckpt_last_committed_step'):.0f}")
     snaps = by("mirrorckpt_persist_snapshots_total", "outcome")
@@ -72,25 +119,54 @@ def render(m: dict) -> str:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True),
               help="The appliance's configuration (its [metrics] listen address).")
 @click.option("--url", help="The metrics endpoint, e.g. http://127.0.0.1:9100/metrics.")
-def status(config_path, url):
-    """Show frames, drops, iterations, replica step and lag, fallbacks, checkpoints and queues."""
-    if url is None:
-        if config_path is None:
-            click.echo("error: give --config or --url", err=True)
-            sys.exit(2)
-        from mirrorckpt.config.jobfile import ConfigError, load_job
-
+@click.option("--json", "as_json", is_flag=True, help="The verdict and the steps it compares as one JSON object.")
+@click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
+              help="Show it again every SECONDS until interrupted.")
+def status(config_path, url, as_json, watch):
+    """Whether the job is protected, and why; then frames, drops, iterations, replica, fallbacks,
+    checkpoints and queues. Exits 1 when no appliance answers, 3 when the job is not protected."""
+    url = _metrics_url(config_path, url, as_json)
+    while True:
         try:
-            listen = load_job(config_path).metrics.get("listen")
-        except ConfigError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        if not listen:
-            click.echo(f"error: {config_path} has no [metrics] listen address", err=True)
-            sys.exit(2)
-        url = f"http://{listen}/metrics"
+            m = fetch(url)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            _fail(f"no appliance answers at {url}: {getattr(e, 'reason', e)}", as_json, 1)
+        if as_json:
+            click.echo(json.dumps(summary(m)))
+        else:
+            click.echo(render(m))
+        if watch is None:
+            break
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            break
+        if not as_json:
+            click.echo("")
+    sys.exit(3 if summary(m)["verdict"] == "not protected" else 0)
+
+
+def _fail(msg: str, as_json: bool, code: int):
+    if as_json:
+        click.echo(json.dumps({"error": msg}))
+    else:
+        click.echo(f"error: {msg}", err=True)
+    sys.exit(code)
+
+
+def _metrics_url(config_path, url, as_json: bool) -> str:
+    if url is not None:
+        if not url.startswith(("http://", "https://")):
+            _fail(f"--url {url!r}: expected http://HOST:PORT/metrics", as_json, 2)
+        return url
+    if config_path is None:
+        _fail("give --config or --url", as_json, 2)
+    from mirrorckpt.config.jobfile import ConfigError, load_job
+
     try:
-        click.echo(render(fetch(url)))
-    except (urllib.error.URLError, OSError) as e:
-        click.echo(f"error: no appliance answers at {url}: {getattr(e, 'reason', e)}", err=True)
-        sys.exit(1)
+        listen = load_job(config_path).metrics.get("listen")
+    except ConfigError as e:
+        _fail(str(e), as_json, 2)
+    if not listen:
+        _fail(f"{config_path} has no [metrics] listen address", as_json, 2)
+    return f"http://{listen}/metrics"

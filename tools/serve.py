@@ -246,7 +246,7 @@ class Daemon:
             f.committed_step, f.committed_unix, f.verified_step = st.committed_step, st.committed_unix, st.verified_step
             f.persist_error = st.failing
         if not self.control_only:
-            f.wire = self.ports.silent(self.guard.limits.silent_seconds)
+            f.wire = self.ports.silent(self.guard.limits.silent_seconds, f.trainer_step)
             if self.streams.watch.unplaced:
                 f.wire.append(self.streams.watch.unplaced)
         return f
@@ -384,4 +384,5 @@ class Daemon:
                 f"channel(s), protocol {ring.protocol}"
         seen = "; ".join(f"port {self.ports.labels[p]}: {self.ports.sees(p)}" for p in range(self.ports.nports))
         why = self.streams.watch.unplaced or "no NCCL send was placed in a collective"
-        return f"the capture files matched nothing, so nothing was followed: the job file names {names}; the wire shows {seen}; {why}"
+        return (f"the capture files matched nothing, so nothing was followed: the job file names {names}; the wire "
+                f"shows {seen}; {why}")

@@ -176,7 +176,7 @@ class Appliance:
         r = self.topo.run(self.mon, sys.executable, "-m", "mirrorckpt.tools.cli", "status", "--config",
                           str(self.cfg), check=False)
         self.last_status = r.stdout + r.stderr
-        return r.stdout if r.returncode == 0 else None
+        return r.stdout if r.returncode in (0, 3) else None  # 3: answered, the job not protected
 
     def metrics(self) -> dict:
         with in_netns(self.mon.netns):  # the endpoint listens inside the monitor's namespace

@@ -21,6 +21,10 @@ DROP_WARN_S = 10.0
 # much (a file's, from its plan); a worker above UNEVEN_SHARE / N of them is said.
 SPLIT_CHECK_BYTES = 256 << 20
 UNEVEN_SHARE = 1.5
+# A port with no RoCE packet while the trainer took this many steps is silent (each data-parallel
+# step all-reduces its gradients on the wire); without the trainer's steps, after [protection]
+# silent_seconds.
+SILENT_STEPS = 2
 
 
 def stream_label(mirror: int, worker: int, workers: int) -> str:
@@ -55,6 +59,7 @@ class PortMonitor:
         self.classes: dict[int, dict] = {}  # port -> what its frames were, by class (worker.Seen)
         self.damage: dict[int, str | None] = {}  # ended ports
         self._roce_at: dict[int, tuple[int, float]] = {}  # port -> (RoCE packets, when that count was reached)
+        self._judged: dict[int, tuple[int, int | None]] = {}  # port -> (RoCE packets, trainer's step when seen)
         self._drop_warned: dict[int, tuple[float, int]] = {}  # port -> (time, drops) of its last warning
         self._lock = threading.Lock()
 
@@ -134,8 +139,9 @@ class PortMonitor:
         top = ", ".join(f"{k} {v}" for k, v in list(self.classes.get(port, {}).items())[:5])
         return f"{frames} frames" + (f" ({top})" if top else "")
 
-    def silent(self, seconds: float) -> list[str]:
-        """Each capturing port that brought no RoCE packet for ``seconds``, in words naming it and
+    def silent(self, seconds: float, trainer_step: int | None = None) -> list[str]:
+        """Each capturing port that brought no RoCE packet while the trainer took SILENT_STEPS steps
+        (a data-parallel step all-reduces on the wire), or for ``seconds``, in words naming it and
         what it does see; a port whose source failed, with its error."""
         now, out = time.monotonic(), []
         for port in range(self.nports):
@@ -146,7 +152,12 @@ class PortMonitor:
             if port not in self._roce_at:
                 continue  # not capturing yet
             count, since = self._roce_at[port]
-            if now - since >= seconds:
+            judged = self._judged.get(port)
+            if judged is None or judged[0] != count or judged[1] is None:
+                self._judged[port] = judged = (count, trainer_step)
+            steps = trainer_step - judged[1] if trainer_step is not None and judged[1] is not None else 0
+            if now - since >= seconds or steps >= SILENT_STEPS:
                 before = f" ({count} RoCE packets before)" if count else ""
-                out.append(f"no RoCE on {where} for {now - since:.0f} s{before}; it sees {self.sees(port)}")
+                during = f" while the trainer took {steps} steps" if steps else ""
+                out.append(f"no RoCE on {where} for {now - since:.0f} s{during}{before}; it sees {self.sees(port)}")
         return out
