@@ -519,8 +519,8 @@ class AppliancePlane:
         self._meta_missing_at = None
         self.drift.clear(after=rep.iterations_done)
         self._event("resynced", {"step": rep.iterations_done, "parts": rb.parts, "start": rb.start})
-        log.warning("replica resynced at step %d by a GoCkpt checkpoint (%d parts from step %d); "
-                    "mirror mode resumes", rep.iterations_done, rb.parts, rb.start)
+        log.warning("replica resynced at step %d by a GoCkpt checkpoint (%d parts from step %d)", rep.iterations_done,
+                    rb.parts, rb.start)
         if self.on_iteration is not None:
             self.on_iteration(rep.iterations_done - 1, rep)
         if self.app.persister is not None:
