@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed$(if $(wildcard /usr/include/isa-l/crc.h),-isal)
 
 .PHONY: demo test lint system-deps pcaps bench clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard */*.pyx */*.pxi)
+$(STAMP): pyproject.toml setup.py $(wildcard */*.pyx */*.pxi */*/*.pyx */*/*.pxi)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,plot]'
@@ -36,4 +36,4 @@ bench: $(STAMP)
 	$(BIN)/mirrorckpt bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info */*.so */*.c
+	rm -rf $(VENV) build *.egg-info */*.so */*.c */*/*.so */*/*.c

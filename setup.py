@@ -1,7 +1,7 @@
 """Compiled kernels of the hot path: every `*.pyx` under the stage folders becomes an extension
 `mirrorckpt.<folder>.<name>`. Everything else is declared in pyproject.toml.
 
-The ICRC (parser/_fast.pyx) uses ISA-L's CRC-32 when its header is installed (Debian libisal-dev),
+The ICRC (parser/roce/_fast.pyx) uses ISA-L's CRC-32 when its header is installed (Debian libisal-dev),
 zlib's otherwise; MIRRORCKPT_ICRC=zlib forces zlib (to measure the difference)."""
 import os
 import shutil
@@ -32,16 +32,17 @@ print(f"mirrorckpt: ICRC through {'ISA-L' if isal else 'zlib (slow: install libi
 
 
 def extension(p: Path) -> Extension:
-    e = Extension(f"mirrorckpt.{p.parent.name}.{p.stem}", [str(p.relative_to(here))],
+    rel = p.relative_to(here)
+    e = Extension(".".join(("mirrorckpt", *rel.parent.parts, p.stem)), [str(rel)],
                   include_dirs=[numpy.get_include()], extra_compile_args=["-O3"])
-    if (p.parent.name, p.stem) == ("parser", "_fast"):  # the ICRC
+    if rel.with_suffix("") == Path("parser/roce/_fast"):  # the ICRC
         e.include_dirs += isal or []
         e.libraries = ["isal"] if isal else ["z"]
         e.define_macros = [("MIRRORCKPT_ISAL", "1")] if isal else []
     return e
 
 
-ext = [extension(p) for folder in ("capture", "parser", "updater") for p in sorted((here / folder).glob("*.pyx"))]
+ext = [extension(p) for folder in ("capture", "parser", "updater") for p in sorted((here / folder).rglob("*.pyx"))]
 
 setup(ext_modules=cythonize(ext, language_level=3, quiet=True,
                             compiler_directives={"boundscheck": False, "wraparound": False,

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
-from mirrorckpt.parser import _fast, roce
+from mirrorckpt.parser import roce
 from mirrorckpt.parser.headers import BTH, ETH, IPV6, UDP
-from mirrorckpt.parser.reassembly import Reassembler
+from mirrorckpt.parser.roce import _fast
+from mirrorckpt.parser.roce.reassembly import Reassembler
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "captures" / "flowcheck"
 BASE = SHARED / "iter_40000_p2p_iter10.pcapng"
@@ -47,7 +48,7 @@ def large_capture(target_bytes: int = 1 << 30, base: Path = BASE) -> FrameBatch:
     # PSN shift per copy and QP: just past the largest PSN that QP uses in one copy, so the
     # copies continue each QP's PSN sequence without gaps
     # (ACKs on a QP count the other direction's PSNs: they get their own span)
-    from mirrorckpt.parser import opcodes
+    from mirrorckpt.parser.roce import opcodes
     kind = pk.dqp * 2 + opcodes.IS_WRITE[pk.opcode]
     qps, inv = np.unique(kind, return_inverse=True)
     top = np.zeros(len(qps), np.int64)
@@ -101,7 +102,7 @@ def straightforward(big: FrameBatch, icrc: bool, sample: int = 300_000) -> tuple
     bytes) over the first ``sample`` frames."""
     import zlib
 
-    from mirrorckpt.parser import opcodes
+    from mirrorckpt.parser.roce import opcodes
 
     n = min(sample, len(big))
     data = big.data

@@ -1,13 +1,9 @@
-"""The job's collectives in issue order, on its ring: what the state machine expects to see.
+"""The job's collectives in issue order, on its ring: what a placer expects to see.
 
 A ``JobModel`` is a start-up prefix, an optional set of collectives issued once before
-iteration 1 (DDP's bucket rebuild), and per iteration the gradient all-reduces. Collective
-``i`` and its NCCL ring plan are computed on demand, so the sequence has no end.
-
-NCCL picks the protocol per collective (its tuning model, from the size); the model takes it from
-the collective (``CollSpec.protocol``), else from the ring when a job pins one, else from
-``protocols``: collective shape -> protocol, as the traffic showed it (``parser.infer``). Equal
-shapes get equal protocols: NCCL's choice depends only on the size, kind and communicator.
+iteration 1 (DDP's bucket rebuild), and per iteration the gradient all-reduces. Collective ``i``
+is computed on demand, so the sequence has no end. How each collective crosses the wire is the
+transport's: NCCL's plan of each is ``parser.roce.collectives.NcclJobModel``'s.
 """
 
 from __future__ import annotations
@@ -16,24 +12,10 @@ import itertools
 from dataclasses import dataclass, field
 
 from mirrorckpt.config import ddp
-from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST, CollSpec
-from mirrorckpt.config.layout import JobLayout, RingSpec, dtype_size
-from mirrorckpt.parser import schedule
-from mirrorckpt.parser.errors import InferenceError
-from mirrorckpt.parser.nccl_versions import AUTO, SIMPLE, protocol
+from mirrorckpt.config.ddp import ALLREDUCE, CollSpec
+from mirrorckpt.config.layout import JobLayout, RingSpec
 
 CACHED_COLLECTIVES = 1 << 16  # JobModel's collectives kept made (each is remade on demand)
-
-
-def ring_threads(ring: RingSpec, proto: str) -> int | None:
-    """maxThreads[RING][proto] the ring states: ``[ring] nthreads`` is the Simple thread count
-    (NCCL_NTHREADS or the PCI-limited 256); LL and LL128 keep NCCL's defaults (None)."""
-    return ring.nthreads if protocol(proto) == SIMPLE else None
-
-
-def shape(c: CollSpec) -> tuple:
-    """What NCCL's protocol choice depends on, for one communicator."""
-    return (c.kind, c.count, c.dtype)
 
 
 @dataclass
@@ -45,37 +27,32 @@ class JobModel:
     per_iteration: list[CollSpec] | None = None  # used when there is no layout
     iterations: int | None = None  # how many iterations the sequence holds (None: no end)
     from_start: bool = True  # the capture begins with the job (False: attached mid-run)
-    protocols: dict[tuple, str] = field(default_factory=dict)  # shape -> protocol (ring protocol "auto")
 
-    @staticmethod
-    def ddp(ring: RingSpec, layout: JobLayout, with_startup: bool = True, iterations: int | None = None):
+    @classmethod
+    def ddp(cls, ring: RingSpec, layout: JobLayout, with_startup: bool = True, iterations: int | None = None):
         """A DDP job: start-up collectives, the rebuild broadcasts, one all-reduce per bucket."""
-        return JobModel(ring, layout, ddp.startup(layout) if with_startup else [],
+        return cls(ring, layout, ddp.startup(layout) if with_startup else [],
                         ddp.rebuild(layout) if with_startup else [], iterations=iterations,
                         from_start=with_startup)
 
-    @staticmethod
-    def from_job(job) -> JobModel:
+    @classmethod
+    def from_job(cls, job) -> JobModel:
         """The model a job file (``config.jobfile.JobConfig``) describes."""
         if job.kind == "ddp" and job.layout is None:
             raise ValueError(f"{job.path or 'the job file'}: no [[job.params]] layout (a trainer registers it "
                              "with `serve`; a replay without --config infers it from the traffic)")
         if job.kind == "ddp":
-            m = JobModel.ddp(job.ring, job.layout, with_startup=job.startup)
-        else:
-            m = JobModel.allreduces(job.ring, job.counts, job.grad_dtype)
-        m.protocols.update(job.protocols)
-        return m
+            return cls.ddp(job.ring, job.layout, with_startup=job.startup)
+        return cls.allreduces(job.ring, job.counts, job.grad_dtype)
 
-    @staticmethod
-    def allreduces(ring: RingSpec, counts: list[int], dtype: str, iterations: int | None = None):
+    @classmethod
+    def allreduces(cls, ring: RingSpec, counts: list[int], dtype: str, iterations: int | None = None):
         """Plain all-reduces (no DDP): each iteration all-reduces ``counts`` in order."""
         per = [CollSpec(ALLREDUCE, n, dtype, "grad", bucket=k) for k, n in enumerate(counts)]
-        return JobModel(ring, None, per_iteration=per, iterations=iterations)
+        return cls(ring, None, per_iteration=per, iterations=iterations)
 
     def __post_init__(self):
         self._cache: dict[int, CollSpec | None] = {}
-        self._plans: dict[tuple, schedule.RingPlan] = {}
 
     def _iteration(self, i: int) -> list[CollSpec]:
         if self.layout is not None:
@@ -123,43 +100,3 @@ class JobModel:
         if i <= 2:
             return len(self.startup) + sum(n)
         return len(self.startup) + n[0] + n[1] + (i - 2) * n[2]
-
-    def protocol(self, c: CollSpec) -> str:
-        p = c.protocol or (self.ring.protocol if self.ring.protocol != AUTO else self.protocols.get(shape(c)))
-        if p is None:
-            raise InferenceError(f"the protocol of {c.kind} of {c.count} x {c.dtype} ({c.label}) is not known: "
-                                 "the traffic did not show it; pin [ring] protocol")
-        return p
-
-    def pinned(self, c: CollSpec) -> str | None:
-        """The protocol of ``c`` if known, else None."""
-        try:
-            return self.protocol(c)
-        except InferenceError:
-            return None
-
-    def plan(self, c: CollSpec) -> schedule.RingPlan:
-        """The NCCL ring plan of a collective (cached by its shape)."""
-        return self.plan_as(c, self.protocol(c))
-
-    def plan_as(self, c: CollSpec, proto: str) -> schedule.RingPlan:
-        """The plan of ``c`` if it ran under ``proto``."""
-        r = self.ring
-        key = (c.kind, c.count, c.dtype, c.root, proto, ring_threads(r, proto))
-        p = self._plans.get(key)
-        if p is None:
-            if r.nccl_version is None:
-                raise InferenceError("the NCCL version is not known: the traffic did not show it; "
-                                     "state it (--nccl-version, [ring] nccl_version)")
-            args = (c.count, dtype_size(c.dtype), r.nranks, r.nchannels, proto, r.nccl_version)
-            nt = ring_threads(r, proto)
-            if c.kind == ALLREDUCE:
-                p = schedule.allreduce_plan(*args, nthreads=nt)
-            elif c.kind == BROADCAST:
-                p = schedule.broadcast_plan(*args, root=r.ring_index(0, c.root), nthreads=nt)
-            elif c.kind == ALLGATHER:
-                p = schedule.allgather_plan(*args, nthreads=nt)
-            else:
-                raise ValueError(f"unknown collective kind {c.kind!r}")
-            self._plans[key] = p
-        return p

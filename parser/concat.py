@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, CollSpec
 from mirrorckpt.config.layout import dtype_size, numpy_dtype
-from mirrorckpt.parser import _place, memory
+from mirrorckpt.parser import _merge, memory
 from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.nccl import NcclSend
-from mirrorckpt.parser.schedule import REDUCED
-from mirrorckpt.parser.statemachine import Placement
+from mirrorckpt.parser.placement import REDUCED, Placement, Unit
 
 
 def ranges(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -127,7 +125,7 @@ class Concatenator:
         # known), each at the collective it had reached when the first was held: no collective
         # from there on is closed incomplete, since the held sends may complete it.
         self.holding: dict[int, int] = {}
-        self.p2p: list[NcclSend] = []  # candidate extra sends for holes (point-to-point traffic)
+        self.p2p: list[Unit] = []  # candidate extra sends for holes (point-to-point traffic)
         self.p2p_seen: list[tuple[int, int]] = []  # fill off: (bytes, time) of those sends, for the hint
         self.span: dict[int, list[int]] = {}  # per collective, [first, last] send time
         self._incomplete_at: dict[int, int] = {}  # the head collective's pieces when last found incomplete
@@ -181,7 +179,7 @@ class Concatenator:
         """``origin`` (a connection, or a description) is only formatted when copies conflict."""
         es = dtype_size(r.spec.dtype)
         if not byte_holes and len(data) >= n * es and data.dtype == np.uint8 and data.flags.c_contiguous:
-            added = _place.place_agreeing(r.data, r.covered.view(np.uint8), start, data, n, es)
+            added = _merge.place_agreeing(r.data, r.covered.view(np.uint8), start, data, n, es)
             if added >= 0:  # the common case, in one compiled pass: every element arrived, no copy disagreed
                 r.ncovered += added
                 r.pieces += 1
@@ -221,7 +219,7 @@ class Concatenator:
         covered |= ok
         r.pieces += 1
 
-    def add_p2p(self, s: NcclSend) -> None:
+    def add_p2p(self, s: Unit) -> None:
         """A send outside the ring (point-to-point): kept as a candidate to fill a collective's hole
         when the job declares such fills (``p2p_fill``), else ignored."""
         if not (s.complete and s.nbytes):

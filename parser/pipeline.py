@@ -1,13 +1,15 @@
-"""The back half of the parser: decoded units in, typed items out.
+"""The back half of the parser, shared by every transport: decoded units in, typed items out.
 
-``CollectiveAssembler`` places sends (state machine, or the gloo placer), merges them
+``CollectiveAssembler`` has a transport's ``Placer`` place its units (the NCCL ring's,
+``parser.roce.placer.RingPlacer``; gloo's, ``parser.gloo.placer.GlooPlacer``), merges them
 (concatenator) and groups the gradient all-reduces into iterations. An iteration is handed on only
 when every one of its buckets is finished; it is complete only when every element of every bucket
 is covered with agreeing copies, and an incomplete iteration never carries a gradient (``buckets``
-is empty). ``JobStream`` runs it over a send stream (``streams.SendStream``) and yields, in order:
-each finished ``CollectiveResult``, ``InitialWeights`` once (when DDP's start-up broadcast is
-whole), each complete ``ReducedBucket`` as soon as it is final, and each ``ReducedIteration``.
-Its ``report()`` is what callers may read of its state.
+is empty). A transport's job stream (``parser.roce.jobstream.JobStream``,
+``parser.gloo.job.GlooJobStream``) runs it over its units and yields, in order: each finished
+``CollectiveResult``, ``InitialWeights`` once (when DDP's start-up broadcast is whole), each complete
+``ReducedBucket`` as soon as it is final, and each ``ReducedIteration``; its ``report()``
+(``JobReport``) is what callers may read of its state.
 """
 
 from __future__ import annotations
@@ -15,14 +17,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.concat import CollectiveResult, Concatenator
 from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
-from mirrorckpt.parser.nccl import ConnKey, NcclSend
-from mirrorckpt.parser.statemachine import RingStateMachine
-from mirrorckpt.parser.streams import StreamStats, WireIdle
+from mirrorckpt.parser.streams import StreamStats
 
 Item = CollectiveResult | InitialWeights | ReducedBucket | ReducedIteration
 
@@ -105,18 +106,26 @@ class IterationAssembler:
         return [self._emit()] if self.current else []
 
 
+class Placer(Protocol):
+    """A transport's placer: its decoded units to ``placement.Placement``s, handed to the
+    concatenator. Call order: ``add`` for each batch of units as they come, ``flush`` once at the
+    end; ``counts`` (units by outcome, "placed" or why not) and ``mismatches`` at any time."""
+
+    counts: Counter
+    mismatches: list[str]
+
+    def add(self, units: list, concat: Concatenator) -> None: ...
+
+    def flush(self, concat: Concatenator) -> None: ...
+
+
 class CollectiveAssembler:
-    """``placer`` maps a wire unit to a ``Placement`` (default: the NCCL ring state machine; the
-    gloo decoder brings its own), so every transport shares the concatenator and what follows."""
+    """``placer`` places the units; every transport shares the concatenator and what follows."""
 
-    def __init__(self, model: JobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int] | None = None,
-                 collective_window: int | None = None, placer=None, nstreams: int = 0, p2p_fill: bool = False):
-        from mirrorckpt.parser.infer import ChannelResolver
-
+    def __init__(self, model: JobModel, placer: Placer, collective_window: int | None = None, nstreams: int = 0,
+                 p2p_fill: bool = False):
         self.model = model
-        # Ring connections are mapped to channels as they show up (see ChannelResolver).
-        self.resolver = ChannelResolver(model, ranks, channels) if placer is None else None
-        self.sm = placer if placer is not None else RingStateMachine(model, ranks, self.resolver.mapped)
+        self.placer = placer
         w = collective_window if collective_window is not None else default_collective_window(model)
         self.concat = Concatenator(model, w, p2p_fill=p2p_fill)  # see Concatenator: off unless declared
         self.concat.expected = set(range(nstreams))  # silent ones hold collectives back (0: none known)
@@ -128,46 +137,16 @@ class CollectiveAssembler:
         """Mirror streams with nothing more to come: collectives no longer wait for them."""
         self.concat.ended = set(ended)
 
-    def add(self, sends: list[NcclSend]) -> tuple[list[CollectiveResult], list]:
-        res = self.resolver
-        mapped = res.mapped if res is not None else {}
-        for s in sends:
-            # a connection already mapped to its channel goes straight to placement (the resolver
-            # would hand it on as it is)
-            if res is not None and isinstance(s, NcclSend) and s.connection not in mapped and \
-                    res.is_ring(s.connection):
-                for r in res.offer(s):
-                    self._place(r)
-                if res.holding((s.stream, s.connection)):
-                    self.concat.hold_from(s.stream)
-            else:
-                self._place(s)
-        if self.concat.holding:
-            due = self.concat.hold(res.holding_streams())
-            if due:
-                for r in res.flush(due):
-                    self._place(r)
-                self.concat.hold(res.holding_streams())
+    def add(self, units: list) -> tuple[list[CollectiveResult], list]:
+        self.placer.add(units, self.concat)
         return self._route(self.concat.poll())
-
-    def _place(self, s) -> None:
-        p = self.sm.place(s)
-        if p is not None:
-            self.concat.add(p)
-        elif isinstance(s, NcclSend) and s.connection not in self.sm.channels and \
-                (self.resolver is None or s.connection not in self.resolver.unplaced):
-            # a ring link that fit no channel is not point-to-point traffic: its sends, of unknown
-            # step, must never fill a hole by their size
-            self.concat.add_p2p(s)
 
     def settle(self) -> tuple[list[CollectiveResult], list]:
         """Hands on what is already complete when the wire goes quiet (see Concatenator.settle)."""
         return self._route(self.concat.settle())
 
     def flush(self) -> tuple[list[CollectiveResult], list]:
-        if self.resolver is not None:
-            for r in self.resolver.flush():
-                self._place(r)
+        self.placer.flush(self.concat)
         done, its = self._route(self.concat.poll(final=True))
         return done, its + self.iterations.flush()
 
@@ -201,78 +180,4 @@ class CollectiveAssembler:
         yield from its
 
     def report(self) -> tuple[Counter, list[str]]:
-        return Counter(self.sm.counts), list(self.sm.mismatches)
-
-
-class JobStream:
-    """A send stream to typed items (see the module doc), with the job model from the
-    configuration or, when there is none, inferred from the first ``infer_after`` sends (then
-    replayed)."""
-
-    def __init__(self, streams, model: JobModel | None = None, ranks: dict[bytes, int] | None = None,
-                 channels: dict[ConnKey, int] | None = None, dtype: str | None = None,
-                 nccl_version: str | None = None, infer_after: int = 20000, collective_window: int | None = None,
-                 p2p_fill: bool = False):
-        self.streams = streams
-        self.p2p_fill = p2p_fill
-        self.model, self.ranks, self.channels = model, ranks, channels
-        self.dtype, self.nccl_version = dtype, nccl_version
-        self.infer_after = infer_after
-        self.collective_window = collective_window
-        self.notes: list[str] = []
-        self.assembler: CollectiveAssembler | None = None
-
-    def _setup(self, sends: list[NcclSend]) -> None:
-        from mirrorckpt.parser import infer
-
-        if self.model is None:
-            got = infer.infer(sends, self.streams.decoders, self.dtype, self.nccl_version)
-            self.model, self.ranks, self.channels = got.model, got.ranks, got.channels
-            self.notes += got.notes
-        self.assembler = CollectiveAssembler(self.model, self.ranks, self.channels, self.collective_window,
-                                             nstreams=self.streams.nstreams, p2p_fill=self.p2p_fill)
-
-    def __iter__(self) -> Iterator[Item]:
-        pending: list[NcclSend] = []
-        if self.model is not None:  # configured: connections are mapped as they appear
-            self._setup([])
-        for sends in self.streams:
-            if isinstance(sends, WireIdle):
-                if self.assembler is not None:
-                    self.assembler.streams_ended(self.streams.ended)
-                    yield from self.assembler.items(self.assembler.settle())
-                continue
-            if self.assembler is None:
-                pending += sends
-                if len(pending) < self.infer_after:
-                    continue
-                self._setup(pending)
-                sends, pending = pending, []
-            self.assembler.streams_ended(self.streams.ended)
-            yield from self.assembler.items(self.assembler.add(sends))
-        if self.assembler is None:
-            if not pending:
-                return
-            self._setup(pending)
-            yield from self.assembler.items(self.assembler.add(pending))
-        self.assembler.streams_ended(self.streams.ended)
-        yield from self.assembler.items(self.assembler.flush())
-        self.notes += self.assembler.resolver.notes if self.assembler.resolver else []
-
-    def ring_connections(self):
-        """The ring connections mapped to channels so far (live; empty before the set-up)."""
-        a = self.assembler
-        return a.resolver.mapped if a is not None and a.resolver is not None else {}
-
-    def placement_counts(self) -> dict | None:
-        """Sends by placement outcome so far ("placed", or why not); None before the set-up."""
-        return dict(self.assembler.sm.counts) if self.assembler is not None else None
-
-    def channel_notes(self) -> list[str]:
-        """The channel decisions so far, and the connections left unplaced."""
-        a = self.assembler
-        return list(a.resolver.notes) if a is not None and a.resolver is not None else []
-
-    def report(self) -> JobReport:
-        placement, mismatches = self.assembler.report() if self.assembler is not None else (Counter(), [])
-        return JobReport(list(self.notes), placement, mismatches, list(self.streams.stats))
+        return Counter(self.placer.counts), list(self.placer.mismatches)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mirrorckpt.config.jobfile import load_job
 from mirrorckpt.parser.concat import Concatenator
-from mirrorckpt.parser.schedule import REDUCED
+from mirrorckpt.parser.placement import REDUCED
 from mirrorckpt.tools import cmd_replay
 
 DEMO = Path(__file__).parent / "pcaps" / "demo"

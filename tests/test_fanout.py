@@ -11,7 +11,8 @@ from common import SHARED
 from mirrorckpt.capture import fanout
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
-from mirrorckpt.parser import roce, split
+from mirrorckpt.parser import roce
+from mirrorckpt.parser.roce import split
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 from mirrorckpt.tools.generator.noise import NoiseOptions
 
@@ -205,7 +206,7 @@ def test_a_workers_share_in_compact_pieces_decodes_to_the_same_sends(generated):
     """What a file-fed worker's compact thread hands its decode (serve.COMPACT_BYTES): the share cut
     into copies of at most the given bytes, frames in order; the packet path makes the same sends of
     them as of the share itself, whose frames sit among the other workers' in the file's pages."""
-    from mirrorckpt.parser.packet_path import PacketPath
+    from mirrorckpt.parser.roce.packet_path import PacketPath
 
     def sends(batches):
         pp = PacketPath(icrc=True, nccl_version=None, stream=0, messages=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from mirrorckpt.parser import schedule
+from mirrorckpt.parser.roce import schedule
 
 # -- the reference, from the doc alone ------------------------------------------------------------------
 
@@ -214,8 +214,8 @@ def test_generated_wire_has_the_worked_example_sizes(tmp_path, v, sizes):
     2500/2500 from 2.22; LL lines of 16 bytes per 8 data bytes)."""
     from mirrorckpt.capture.pcapfile import read_all
     from mirrorckpt.parser import roce
-    from mirrorckpt.parser.nccl import NcclDecoder
-    from mirrorckpt.parser.reassembly import Reassembler
+    from mirrorckpt.parser.roce.nccl import NcclDecoder
+    from mirrorckpt.parser.roce.reassembly import Reassembler
     from mirrorckpt.tools.generator.gen import GenConfig, generate
 
     steps = 3

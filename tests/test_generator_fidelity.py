@@ -33,11 +33,11 @@ import torch
 from click.testing import CliRunner
 from common import FLOWCHECK
 from mirrorckpt.capture.pcapfile import open_capture
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import opcodes as oc
 from mirrorckpt.parser import roce
 from mirrorckpt.parser.headers import BTH, CTS32, IPV6
-from mirrorckpt.parser.packet_path import PacketPath
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import opcodes as oc
+from mirrorckpt.parser.roce.packet_path import PacketPath
 from mirrorckpt.tools.cli import main
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 

@@ -23,9 +23,10 @@ from mirrorckpt.config.jobfile import load_job
 from mirrorckpt.config.layout import MirrorSpec, RingSpec
 from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.parser import headers as H
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import opcodes as oc
-from mirrorckpt.parser import protocols, ringreduce, roce, schedule
+from mirrorckpt.parser import roce
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import opcodes as oc
+from mirrorckpt.parser.roce import protocols, ringreduce, schedule
 from mirrorckpt.tools.cli import main
 from mirrorckpt.tools.generator import frames, messages, mirrors, packetize, topology
 from mirrorckpt.tools.generator.faults import FaultOptions

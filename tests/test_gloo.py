@@ -23,10 +23,11 @@ from hypothesis import strategies as hst
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec, dtype_size
-from mirrorckpt.parser import gloo, tcp
-from mirrorckpt.parser import gloo_schedule as gs
 from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.gloo_job import GlooJobStream
+from mirrorckpt.parser.gloo import framing as gloo
+from mirrorckpt.parser.gloo import schedule as gs
+from mirrorckpt.parser.gloo import tcp
+from mirrorckpt.parser.gloo.job import GlooJobStream
 from mirrorckpt.parser.headers import ETH, GLOO_OP, IPV4, IPV6, TCP, VLAN
 
 # -- frames -------------------------------------------------------------------------------------

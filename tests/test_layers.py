@@ -3,6 +3,8 @@
 An AST walk over every source (lazy imports inside functions included) finds each import of a
 ``mirrorckpt`` module; none may reach a stage above its own, the two leaves (capture, config) do
 not import each other, and only tools, benchmarks and tests import the generator or the test rigs.
+Inside the parser, the transport-neutral core (``parser/*``) and the gloo transport
+(``parser/gloo``) never import the RoCE/NCCL room (``parser/roce``), nor the core gloo.
 """
 
 from __future__ import annotations
@@ -73,6 +75,45 @@ def violations() -> list[str]:
 
 def test_no_import_against_the_layer_order():
     assert violations() == []
+
+
+def room(rel) -> str | None:
+    """The parser room of a source: "core", "roce" or "gloo" (None outside the parser)."""
+    if rel.parts[0] != "parser":
+        return None
+    return rel.parts[1] if len(rel.parts) > 2 and rel.parts[1] in ("roce", "gloo") else "core"
+
+
+def room_violations() -> list[str]:
+    bad = []
+    for path in sorted((REPO / "parser").rglob("*.py*")):
+        if path.suffix not in (".py", ".pyx"):
+            continue
+        rel = path.relative_to(REPO)
+        own = room(rel)
+        for line, mod in imports(path):
+            if not mod.startswith("parser"):
+                continue
+            parts = mod.split(".")
+            target = parts[1] if len(parts) > 1 and parts[1] in ("roce", "gloo") else "core"
+            if own in ("core", "gloo") and target == "roce" or own == "core" and target == "gloo":
+                bad.append(f"{rel}:{line} ({own}) imports {mod} ({target})")
+    return bad
+
+
+def test_the_parsers_core_and_gloo_never_import_roce():
+    assert (REPO / "parser" / "roce").is_dir() and (REPO / "parser" / "gloo").is_dir()
+    assert room_violations() == []
+
+
+def test_the_room_check_can_fail():
+    p = REPO / "parser" / "_room_probe.py"
+    p.write_text("def f():\n    from mirrorckpt.parser.roce import nccl\n")
+    try:
+        got = room_violations()
+    finally:
+        p.unlink()
+    assert got == ["parser/_room_probe.py:2 (core) imports parser.roce (roce)"], got
 
 
 def test_the_walk_sees_lazy_and_relative_imports(tmp_path, monkeypatch):

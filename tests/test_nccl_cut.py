@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mirrorckpt.parser import nccl_versions
-from mirrorckpt.parser.nccl import NcclDecoder
-from mirrorckpt.parser.reassembly import QpKey, RdmaMessage
+from mirrorckpt.parser.roce import nccl_versions
+from mirrorckpt.parser.roce.nccl import NcclDecoder
+from mirrorckpt.parser.roce.reassembly import QpKey, RdmaMessage
 
 V = "2.18"
 SRC, DST = bytes(15) + b"\x01", bytes(15) + b"\x02"

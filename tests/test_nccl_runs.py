@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from common import FLOWCHECK, flowcheck_captures
 from mirrorckpt.capture.pcapfile import read_all
-from mirrorckpt.parser import nccl
-from mirrorckpt.parser.packet_path import PacketPath
-from mirrorckpt.parser.reassembly import Key, QpKey
+from mirrorckpt.parser.roce import nccl
+from mirrorckpt.parser.roce.packet_path import PacketPath
+from mirrorckpt.parser.roce.reassembly import Key, QpKey
 from test_reassembly_fast import batches, damaged
 
 SCALARS = ("connection", "qp", "protocol", "holes", "wire_bytes", "size", "va", "form", "flag", "seq", "cts", "ts_ns",
@@ -95,7 +95,7 @@ def test_cts_posts_kept_bounded(tmp_path, monkeypatch, mirrors):
     """A long job keeps a bounded number of CTS posts: an egress-only mirror shows posts whose data
     goes the other way (never taken), one port in both directions has each taken by its send.
     (The bound per receive address is lowered so that 12 steps reach it.)"""
-    from mirrorckpt.parser.nccl_versions import NCCL_STEPS
+    from mirrorckpt.parser.roce.nccl_versions import NCCL_STEPS
     from mirrorckpt.tools.generator.gen import GenConfig, generate
 
     monkeypatch.setattr(nccl, "CTS_KEPT_PER_ADDR", 4)

@@ -14,9 +14,10 @@ import pytest
 from common import FLOWCHECK, flowcheck_captures
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
-from mirrorckpt.parser import _fast, opcodes, roce
+from mirrorckpt.parser import roce
 from mirrorckpt.parser.headers import BTH, IPV6, UDP
-from mirrorckpt.parser.reassembly import Reassembler
+from mirrorckpt.parser.roce import _fast, opcodes
+from mirrorckpt.parser.roce.reassembly import Reassembler
 
 CAPTURE = FLOWCHECK / "iter_40000_p2p_iter10.pcapng"
 
@@ -287,7 +288,7 @@ def test_ll_read_by_the_decode_is_the_ll_kernels_reading(name):
     its flag (0: not intact LL) and its data words at llu[pay_off // 2]; any other packet's flag is
     0, and every other column is what decode gives without it."""
     from common import PCAPS
-    from mirrorckpt.parser import protocols
+    from mirrorckpt.parser.roce import protocols
 
     read = 0
     for path in sorted((PCAPS / name).glob("*.pcap*")):

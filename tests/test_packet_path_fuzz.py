@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
-from mirrorckpt.parser.infer import InferenceError
-from mirrorckpt.parser.packet_path import PacketPath
-from mirrorckpt.parser.pipeline import JobStream
+from mirrorckpt.parser.roce.infer import InferenceError
+from mirrorckpt.parser.roce.jobstream import JobStream
+from mirrorckpt.parser.roce.packet_path import PacketPath
 
 BASE = {n: read_all(FLOWCHECK / n) for n in ("iter_40000_p2p_iter10.pcapng", "rdma32.pcapng")}
 FRAMES = {n: [b.frame(i) for i in range(len(b))] for n, b in BASE.items()}
@@ -73,7 +73,8 @@ def test_decoder_stack_survives(frames):
 def test_huge_reth_length_is_not_allocated():
     frames = list(FRAMES["iter_40000_p2p_iter10.pcapng"])
     batch = BASE["iter_40000_p2p_iter10.pcapng"]
-    from mirrorckpt.parser import opcodes, roce
+    from mirrorckpt.parser import roce
+    from mirrorckpt.parser.roce import opcodes
     pk, _ = roce.decode(batch)
     i = int(pk.frame[pk.opcode == opcodes.RC_RDMA_WRITE_FIRST][0])
     f = bytearray(frames[i])

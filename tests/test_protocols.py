@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mirrorckpt.parser import protocols as P
 from mirrorckpt.parser.headers import LL_LINE
+from mirrorckpt.parser.roce import protocols as P
 
 payload = st.binary(min_size=0, max_size=9000).map(lambda b: np.frombuffer(b, np.uint8))
 
@@ -120,7 +120,7 @@ def test_wire_sizes():
 
 def _careful(wire):
     """What the numpy path makes of a send with no lost bytes: detection, then decode."""
-    from mirrorckpt.parser import nccl
+    from mirrorckpt.parser.roce import nccl
 
     proto, flag = nccl._detect(wire, [])
     user, holes, flag = nccl.decode(proto, wire, [], flag)
@@ -168,33 +168,33 @@ def test_decode_intact_flag_zero_and_partial_lines():
 
 
 def test_place_agreeing_copies_compares_and_refuses_without_writing():
-    from mirrorckpt.parser import _place
+    from mirrorckpt.parser import _merge
 
     dst = np.zeros(40, np.uint8)
     covered = np.zeros(10, bool)
     src = np.arange(40, dtype=np.uint8)
-    assert _place.place_agreeing(dst, covered.view(np.uint8), 2, src[:16], 4, 4) == 4  # newly covered
+    assert _merge.place_agreeing(dst, covered.view(np.uint8), 2, src[:16], 4, 4) == 4  # newly covered
     assert covered.tolist() == [False, False, True, True, True, True, False, False, False, False]
     assert np.array_equal(dst[8:24], src[:16]) and not dst[:8].any() and not dst[24:].any()
     # a second copy over [4, 8): the covered part agrees, the rest is new
     src2 = np.concatenate([src[8:16], np.full(8, 9, np.uint8)])
-    assert _place.place_agreeing(dst, covered.view(np.uint8), 4, src2, 4, 4) == 2
-    assert _place.place_agreeing(dst, covered.view(np.uint8), 4, src2, 4, 4) == 0  # all there, agreeing
+    assert _merge.place_agreeing(dst, covered.view(np.uint8), 4, src2, 4, 4) == 2
+    assert _merge.place_agreeing(dst, covered.view(np.uint8), 4, src2, 4, 4) == 0  # all there, agreeing
     assert covered[2:8].all() and np.array_equal(dst[24:32], np.full(8, 9, np.uint8))
     before, cov = dst.copy(), covered.copy()
     bad = src2.copy()
     bad[0] ^= 1
-    assert _place.place_agreeing(dst, covered.view(np.uint8), 4, bad, 4, 4) == -1
+    assert _merge.place_agreeing(dst, covered.view(np.uint8), 4, bad, 4, 4) == -1
     assert np.array_equal(dst, before) and np.array_equal(covered, cov)
     with pytest.raises(ValueError):
-        _place.place_agreeing(dst, covered.view(np.uint8), 8, src, 4, 4)
+        _merge.place_agreeing(dst, covered.view(np.uint8), 8, src, 4, 4)
 
 
 @pytest.mark.parametrize("es", [1, 2, 4, 8])
 def test_place_agreeing_long_runs_match_numpy(es):
     """Covered runs of every length around the kernel's eight-flag steps, at every alignment:
     the same bytes and flags as a numpy reference, and a disagreement anywhere refused."""
-    from mirrorckpt.parser import _place
+    from mirrorckpt.parser import _merge
 
     rng = np.random.default_rng(es)
     n = 3000
@@ -211,7 +211,7 @@ def test_place_agreeing_long_runs_match_numpy(es):
         rows(want_dst)[sl][~covered[sl]] = rows(src)[:m][~covered[sl]]
         want_cov[sl] = True
         got_dst, got_cov = dst.copy(), covered.copy()
-        got = _place.place_agreeing(got_dst, got_cov.view(np.uint8), start, src, m, es)
+        got = _merge.place_agreeing(got_dst, got_cov.view(np.uint8), start, src, m, es)
         assert got == (int((~covered).sum()) if start == 0 else -1)
         if start == 0:
             assert np.array_equal(got_dst, want_dst) and got_cov.all()
@@ -221,7 +221,7 @@ def test_place_agreeing_long_runs_match_numpy(es):
     bad = src.copy()
     bad[i * es] ^= 1
     got_dst, got_cov = dst.copy(), covered.copy()
-    assert _place.place_agreeing(got_dst, got_cov.view(np.uint8), 0, bad, n, es) == -1
+    assert _merge.place_agreeing(got_dst, got_cov.view(np.uint8), 0, bad, n, es) == -1
     assert np.array_equal(got_dst, dst) and np.array_equal(got_cov, covered)
 
 
@@ -230,7 +230,7 @@ def test_place_agreeing_gather_from_packets_is_place_agreeing_of_the_message(es)
     """The message still in its packets (random lengths, not element-aligned, scattered in a batch
     with header bytes between them): the same result, flags and refusals as placing the message
     itself, for every covered pattern and start."""
-    from mirrorckpt.parser import _place
+    from mirrorckpt.parser import _merge
 
     rng = np.random.default_rng(10 + es)
     n = 2000
@@ -252,17 +252,17 @@ def test_place_agreeing_gather_from_packets_is_place_agreeing_of_the_message(es)
             dst.reshape(-1, es)[start:start + n][covered[start:start + n]] = \
                 msg[:n * es].reshape(n, es)[covered[start:start + n]]
         want_dst, want_cov = dst.copy(), covered.copy()
-        want = _place.place_agreeing(want_dst, want_cov.view(np.uint8), start, msg, n, es)
+        want = _merge.place_agreeing(want_dst, want_cov.view(np.uint8), start, msg, n, es)
         got_dst, got_cov = dst.copy(), covered.copy()
-        got = _place.place_agreeing_gather(got_dst, got_cov.view(np.uint8), start, batch, src_off, msg_off, lengths,
+        got = _merge.place_agreeing_gather(got_dst, got_cov.view(np.uint8), start, batch, src_off, msg_off, lengths,
                                            n, es)
         assert got == want and (got >= 0) == (seed == 3)
         assert np.array_equal(got_dst, want_dst) and np.array_equal(got_cov, want_cov)
     with pytest.raises(ValueError, match="fewer bytes"):
-        _place.place_agreeing_gather(dst, covered.view(np.uint8), 0, batch, src_off[:3], msg_off[:3], lengths[:3],
+        _merge.place_agreeing_gather(dst, covered.view(np.uint8), 0, batch, src_off[:3], msg_off[:3], lengths[:3],
                                      n, es)
     with pytest.raises(ValueError, match="does not follow"):
-        _place.place_agreeing_gather(dst, covered.view(np.uint8), 0, batch, src_off[::-1].copy(),
+        _merge.place_agreeing_gather(dst, covered.view(np.uint8), 0, batch, src_off[::-1].copy(),
                                      msg_off[::-1].copy(), lengths[::-1].copy(), n, es)
 
 
@@ -271,7 +271,7 @@ def test_gather_ll_copies_each_message_and_reads_it_as_ll_intact_would():
     user bytes are ll_intact's of its wire (LL, LL with one bad line, Simple, a length that is not
     whole lines, an empty message); bounds that do not add up are refused before anything is copied."""
     from mirrorckpt.capture._pack import copy_ranges
-    from mirrorckpt.parser import _place
+    from mirrorckpt.parser.roce import _place
 
     rng = np.random.default_rng(3)
     wires = [P.encode("LL", rng.integers(0, 256, 4096, dtype=np.uint8), flag=9),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mirrorckpt.parser import protocols
-from mirrorckpt.parser.nccl import decode, detect
+from mirrorckpt.parser.roce import protocols
+from mirrorckpt.parser.roce.nccl import decode, detect
 
 RNG = np.random.default_rng(5)
 

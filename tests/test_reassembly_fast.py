@@ -12,8 +12,8 @@ from common import FLOWCHECK, flowcheck_captures
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.parser import roce
-from mirrorckpt.parser.reassembly import _MAX_GROUPS, Reassembler
-from mirrorckpt.parser.streams import _split
+from mirrorckpt.parser.roce.reassembly import _MAX_GROUPS, Reassembler
+from mirrorckpt.parser.roce.streams import _split
 
 FIELDS = ("psn", "npkts", "holes", "va", "rkey", "dlen", "imm_raw", "with_imm", "ts_ns", "length_known", "sport")
 
@@ -121,7 +121,7 @@ def test_whole_messages_of_a_batch_are_read_as_ll_behind_a_held_one(tmp_path, si
     """A batch's first message of a QP often began in the batch before (its packets held); the
     messages behind it, all of this batch, are still read as LL while in cache (RdmaMessage.ll),
     and that reading is the message's own."""
-    from mirrorckpt.parser import protocols
+    from mirrorckpt.parser.roce import protocols
     from mirrorckpt.tools.generator.gen import GenConfig, generate
     from mirrorckpt.tools.generator.wire import WireOptions
 
@@ -171,8 +171,8 @@ def test_qp_groups_compiled_same_as_sorted(nqps):
 def test_line_table_follows_the_psn_line_across_the_24_bit_wrap():
     """The fast path's table: held rows, then the batch's rows while their 24-bit PSNs continue the
     line (through the wrap), unwrapped; any other PSN refuses the whole table."""
-    from mirrorckpt.parser import _reasm
-    from mirrorckpt.parser.reassembly import _COLS, _IS_FIRST, _IS_LAST
+    from mirrorckpt.parser.roce import _reasm
+    from mirrorckpt.parser.roce.reassembly import _COLS, _IS_FIRST, _IS_LAST
 
     cursor = (1 << 24) - 2  # unwrapped, the line goes 2^24 - 2, 2^24 - 1, 2^24, ...
     held = np.array([[cursor], [6], [1], [2], [3], [-1], [5], [6], [0]], np.int64)  # one held MIDDLE
@@ -198,8 +198,8 @@ def test_line_table_follows_the_psn_line_across_the_24_bit_wrap():
 def test_a_run_is_read_as_ll_only_where_a_message_opens_like_ll():
     """The fast path reads a run as LL while it copies it (and takes a buffer for that reading)
     only when one of its messages opens with an LL line: two equal, non-zero flag words."""
-    from mirrorckpt.parser.protocols import LL_INTACT_ARGS
-    from mirrorckpt.parser.reassembly import _looks_ll
+    from mirrorckpt.parser.roce.protocols import LL_INTACT_ARGS
+    from mirrorckpt.parser.roce.reassembly import _looks_ll
 
     line, _, f1, _, f2 = LL_INTACT_ARGS
     data = np.zeros(4 * line, np.uint8)
@@ -230,7 +230,7 @@ def test_only_ll_runs_take_a_buffer_for_their_ll_reading(tmp_path, proto):
         assert all(x.ll_user is None and not x.ll_flag.any() for x in runs)
     else:
         # every message that is intact LL was read so (one batch: no packet held from before)
-        from mirrorckpt.parser import protocols
+        from mirrorckpt.parser.roce import protocols
 
         read = [(protocols.ll_intact(x.buf[x.base[k]:x.base[k + 1]]) is not None, bool(x.ll_flag[k]))
                 for x in runs for k in range(len(x))]

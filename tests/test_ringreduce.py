@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from mirrorckpt.parser import ringreduce as RR
-from mirrorckpt.parser import schedule as S
+from mirrorckpt.parser.roce import ringreduce as RR
+from mirrorckpt.parser.roce import schedule as S
 
 
 def spread_fp32(rng, n):

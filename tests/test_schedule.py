@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mirrorckpt.parser import headers
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import schedule as S
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import schedule as S
 
 FAMILY_VERSIONS = {
     "loop": ["2.12", "2.15", "2.16", "2.18.6", "2.19"],

@@ -8,7 +8,7 @@ import threading
 import time
 
 import numpy as np
-from mirrorckpt.parser.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.roce.nccl import ConnKey, NcclSend
 from mirrorckpt.tools.sendring import SendRing
 
 CTX = mp.get_context("spawn")
@@ -118,7 +118,7 @@ def _lazy_sends(name: str) -> list:
     batches (nccl.LazySend), their bytes not read yet."""
     from common import PCAPS
     from mirrorckpt.capture.pcapfile import open_capture
-    from mirrorckpt.parser.streams import MirrorStreams
+    from mirrorckpt.parser.roce.streams import MirrorStreams
 
     files = sorted((PCAPS / name).glob("*.pcap*"))
     return [s for sends in MirrorStreams([(str(p), open_capture(p, batch_frames=64)) for p in files], ahead=1)
@@ -129,7 +129,7 @@ def test_sends_still_in_their_batches_go_through_the_ring_with_their_bytes():
     """A send whose bytes are still in its capture batch (Simple wire bytes, LL words as the decode
     read them) is copied from there into the ring and arrives as a plain send with the bytes its
     ``data`` reads; pickled whole (``own``) it takes its bytes, not its batch and run."""
-    from mirrorckpt.parser.nccl import LazySend
+    from mirrorckpt.parser.roce.nccl import LazySend
     from mirrorckpt.tools.sendring import own
 
     for name, proto in (("simple_r3_both", "Simple"), ("demo", "LL")):

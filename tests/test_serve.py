@@ -9,8 +9,8 @@ import threading
 import time
 
 import numpy as np
-from mirrorckpt.parser.nccl import ConnKey, NcclSend
-from mirrorckpt.parser.reassembly import QpKey
+from mirrorckpt.parser.roce.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.roce.reassembly import QpKey
 from mirrorckpt.tools.daemon.ports import PortMonitor
 from mirrorckpt.tools.daemon.streams import JobWatch, QueueStreams
 from mirrorckpt.tools.daemon.worker import COUNTERS, Ended, Sends, WorkerSpec, worker_main

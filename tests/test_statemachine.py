@@ -1,4 +1,4 @@
-"""The ring state machine alone (parser.statemachine): NCCL sends built directly from a JobModel and
+"""The ring state machine alone (parser.statemachine): NCCL sends built directly from a NcclJobModel and
 NCCL's ring plan, placed by LL/LL128 flag, by CTS index, or as the message after the last one.
 
 The expected placement of every message is walked here the way the generator's wire does it
@@ -18,12 +18,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec, wire_address
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import schedule
-from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.nccl import ConnKey, NcclSend
-from mirrorckpt.parser.reassembly import QpKey
-from mirrorckpt.parser.statemachine import MAX_AHEAD_STEPS, Placement, RingStateMachine
+from mirrorckpt.parser.placement import Placement
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import schedule
+from mirrorckpt.parser.roce.collectives import NcclJobModel
+from mirrorckpt.parser.roce.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.roce.reassembly import QpKey
+from mirrorckpt.parser.roce.statemachine import MAX_AHEAD_STEPS, RingStateMachine
 
 ADDRESSES = {0: "10.0.0.1", 1: "10.0.0.2", 2: "10.0.0.3"}
 ORDERS = [[0, 1, 2], [0, 2, 1]]
@@ -41,8 +42,8 @@ def ring(proto: str, nranks: int = 3, orders=ORDERS) -> RingSpec:
                     addresses={r: ADDRESSES[r] for r in range(nranks)})
 
 
-def ddp_model(proto: str, **kw) -> JobModel:
-    return JobModel.ddp(ring(proto), layout(), **kw)
+def ddp_model(proto: str, **kw) -> NcclJobModel:
+    return NcclJobModel.ddp(ring(proto), layout(), **kw)
 
 
 def conn_of(r: RingSpec, ch: int, pos: int) -> ConnKey:
@@ -55,7 +56,7 @@ def channel_map(r: RingSpec) -> dict[ConnKey, int]:
     return {conn_of(r, ch, pos): ch for ch in range(r.nchannels) for pos in range(r.nranks)}
 
 
-def walk(model: JobModel, ncoll: int) -> dict[tuple[int, int], list[tuple[int, schedule.RingStep, int]]]:
+def walk(model: NcclJobModel, ncoll: int) -> dict[tuple[int, int], list[tuple[int, schedule.RingStep, int]]]:
     """(channel, ring position) -> every message of the first ``ncoll`` collectives in wire order, as
     (collective, message, absolute connection step)."""
     r = model.ring
@@ -78,14 +79,14 @@ def walk(model: JobModel, ncoll: int) -> dict[tuple[int, int], list[tuple[int, s
 
 
 PMTU = 1024
-_psns: dict[int, tuple[JobModel, dict]] = {}
+_psns: dict[int, tuple[NcclJobModel, dict]] = {}
 
 
 def npkts(wire_bytes: int) -> int:
     return max(1, -(-wire_bytes // PMTU))
 
 
-def psn_of(model: JobModel, ch: int, pos: int, m: int) -> int:
+def psn_of(model: NcclJobModel, ch: int, pos: int, m: int) -> int:
     """First PSN of connection message ``m`` on its QP (NCCL starts at 0; one QP per connection)."""
     if id(model) not in _psns:
         _psns[id(model)] = (model, walk(model, model.first_of_iteration(ITERATIONS)))
@@ -93,7 +94,7 @@ def psn_of(model: JobModel, ch: int, pos: int, m: int) -> int:
     return sum(npkts(st.wire_bytes) for _, st, _ in msgs[:m]) + max(0, m - len(msgs))
 
 
-def make_send(model: JobModel, ch: int, pos: int, st: schedule.RingStep, t: int, m: int, route: str,
+def make_send(model: NcclJobModel, ch: int, pos: int, st: schedule.RingStep, t: int, m: int, route: str,
               stream: int = 0, wire_bytes: int | None = None, psn: int | None = None) -> NcclSend:
     """The send a decoder yields for message ``st`` at step ``t`` (connection message ``m``, at PSN
     ``psn``: by default where it lies when every message before it went out).
@@ -114,7 +115,7 @@ def make_send(model: JobModel, ch: int, pos: int, st: schedule.RingStep, t: int,
                     psn=psn_of(model, ch, pos, m) if psn is None else psn, npkts=npkts(wb), pmtu=PMTU)
 
 
-def all_sends(model: JobModel, route: str, ncoll: int | None = None, stream: int = 0):
+def all_sends(model: NcclJobModel, route: str, ncoll: int | None = None, stream: int = 0):
     """(send, expected placement fields) of every message, connection by connection."""
     ncoll = model.first_of_iteration(ITERATIONS) if ncoll is None else ncoll
     out = []
@@ -124,7 +125,7 @@ def all_sends(model: JobModel, route: str, ncoll: int | None = None, stream: int
     return out
 
 
-def check(p: Placement | None, model: JobModel, send: NcclSend, want) -> None:
+def check(p: Placement | None, model: NcclJobModel, send: NcclSend, want) -> None:
     i, st, ch, pos, t = want
     assert p is not None, f"channel {ch} position {pos} step {t} (collective {i}) not placed"
     assert (p.coll, p.step, p.channel, p.rank_pos, p.t) == (i, st, ch, pos, t)
@@ -292,9 +293,9 @@ def test_a_send_in_another_protocol_is_never_data_of_the_collective():
 def test_a_per_collective_protocol_is_taken_from_the_spec():
     """A collective pinned to its own protocol (CollSpec.protocol) is planned and checked with it."""
     r = ring("LL")
-    base = JobModel.allreduces(r, [5000, 300], "float32")
+    base = NcclJobModel.allreduces(r, [5000, 300], "float32")
     per = [replace(c, protocol="Simple" if k else None) for k, c in enumerate(base.per_iteration)]
-    model = JobModel(r, None, per_iteration=per)
+    model = NcclJobModel(r, None, per_iteration=per)
     sm = RingStateMachine(model, r.ranks_by_address(), channel_map(r))
     n = 0
     for (ch, pos), msgs in walk(model, 6).items():
@@ -332,7 +333,7 @@ def test_a_flagless_send_without_size_or_step_is_not_guessed():
     s.length_known = False
     assert sm.place(s) is None and sm.counts == Counter(unplaced_unconfirmed=1)
     # attached mid-run: no first message to count from
-    late = JobModel.ddp(ring("Simple"), layout(), with_startup=False)
+    late = NcclJobModel.ddp(ring("Simple"), layout(), with_startup=False)
     sm = RingStateMachine(late, late.ring.ranks_by_address(), channel_map(late.ring))
     s, _ = all_sends(late, "next")[0]
     assert sm.place(s) is None and sm.counts == Counter(unplaced_no_step=1)
@@ -340,7 +341,7 @@ def test_a_flagless_send_without_size_or_step_is_not_guessed():
 
 def test_steps_past_the_job_or_far_ahead_are_not_placed():
     r = ring("LL")
-    model = JobModel.allreduces(r, [5000], "float32", iterations=2)
+    model = NcclJobModel.allreduces(r, [5000], "float32", iterations=2)
     sm = RingStateMachine(model, r.ranks_by_address(), channel_map(r))
     msgs = walk(model, 2)[0, 0]
     i, st, t = msgs[-1]
@@ -373,7 +374,7 @@ def test_a_channel_small_collectives_never_use_gives_up():
     """Every all-reduce fits one channel: a step on channel 1 is never reached, and the unending
     sequence is not walked for it."""
     r = ring("LL")
-    model = JobModel.allreduces(r, [300, 500], "float32")
+    model = NcclJobModel.allreduces(r, [300, 500], "float32")
     assert all(model.plan(model[i]).channels == [0] for i in range(2))
     sm = RingStateMachine(model, r.ranks_by_address(), channel_map(r))
     st = next(st for st in model.plan(model[0]).messages(0, 0) if st.wire_bytes)
@@ -412,7 +413,7 @@ def test_the_table_queries_agree_with_the_walk():
 def test_tables_bounded_for_a_long_run(monkeypatch):
     """The per-connection tables keep the last TRACK_KEPT collectives (a daemon serves for weeks):
     queries on the kept ones agree with the walk, older ones find nothing, nothing is misplaced."""
-    from mirrorckpt.parser import statemachine
+    from mirrorckpt.parser.roce import statemachine
 
     monkeypatch.setattr(statemachine, "TRACK_KEPT", 8)
     model = ddp_model("Simple")
@@ -440,7 +441,7 @@ def test_job_model_cache_bounded_and_same(monkeypatch):
 
     monkeypatch.setattr(collectives, "CACHED_COLLECTIVES", 64)
     ring = RingSpec(nranks=2, nchannels=2, protocol="LL", nccl_version="2.18")
-    model = JobModel.allreduces(ring, [1000, 2000, 3000], "float32")
+    model = NcclJobModel.allreduces(ring, [1000, 2000, 3000], "float32")
     first = [model[i] for i in range(300)]
     assert len(model._cache) <= 64
     assert [model[i] for i in range(300)] == first and len(model._cache) <= 64

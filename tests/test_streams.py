@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from common import FLOWCHECK, PCAPS, flowcheck_captures
 from mirrorckpt.capture.pcapfile import open_capture
-from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.parser.roce.streams import MirrorStreams
 
 
 def _sources(name, batch_frames: int):
@@ -76,7 +76,7 @@ def test_a_caller_that_stops_early_stops_the_thread():
 def test_capture_files_are_decoded_ahead_on_threads_of_their_own(monkeypatch):
     """The walk, header decode and ICRC of a capture file run on a thread per source, before the
     packet path takes the batch; its packets are those of decoding the batch there."""
-    from mirrorckpt.parser.packet_path import PacketPath
+    from mirrorckpt.parser.roce.packet_path import PacketPath
 
     where = []
     real = PacketPath.decode
@@ -93,7 +93,7 @@ def test_capture_files_are_decoded_ahead_on_threads_of_their_own(monkeypatch):
 def test_the_decode_thread_walks_at_most_decode_ahead_batches_before_the_packet_path(monkeypatch):
     """Each batch walked early keeps its capture pages mapped: the thread walks the next one only
     once the packet path took one."""
-    from mirrorckpt.parser import streams
+    from mirrorckpt.parser.roce import streams
 
     taken, walked, most = [0], [0], [0]
     real_next = streams._Ahead.next
@@ -149,7 +149,7 @@ def test_ll_read_while_reassembling_gives_the_sends_of_reading_it_after(name, mo
     the NCCL sends are those of decoding every message afterwards, on LL and on other protocols."""
     import numpy as np
     from mirrorckpt.capture._pack import copy_ranges
-    from mirrorckpt.parser import _place, reassembly
+    from mirrorckpt.parser.roce import _place, reassembly
 
     want, _ = _walk(name, ahead=0)
     used = []
@@ -200,7 +200,7 @@ def test_reading_ahead_leaves_simple_payload_copies_to_the_reader_of_the_sends(n
     read them, are copied from the batch when the caller reads its bytes (the same bytes as copied
     at once); runs of LL128 messages, and an LL message that does not read as intact LL, are read on
     the packet path's thread and copied there."""
-    from mirrorckpt.parser import reassembly
+    from mirrorckpt.parser.roce import reassembly
 
     def walk(ahead):
         return _walk(simple_job, ahead, 1024)[0] if name == "simple" else _walk(name, ahead, 64)[0]
@@ -228,7 +228,7 @@ def test_a_deferred_run_begun_in_held_packets_takes_a_buffer_for_those_only(simp
     """Batches cut messages: a run's first messages begun in the batch before are copied at once,
     into a buffer of their size, not one of the whole run (most of a Simple replay's memory when it
     was); the run's other sends read the same bytes."""
-    from mirrorckpt.parser import reassembly
+    from mirrorckpt.parser.roce import reassembly
 
     want = _walk(simple_job, 0, 1024)[0]
     heads = []
@@ -256,7 +256,7 @@ def test_a_replay_places_the_sends_it_reads_from_the_capture_and_copies_no_other
     import json
 
     from mirrorckpt.config.jobfile import load_job
-    from mirrorckpt.parser import reassembly
+    from mirrorckpt.parser.roce import reassembly
     from mirrorckpt.tools.cmd_replay import run
 
     job_dir, ll = (simple_job, False) if protocol == "Simple" else (ll_job, True)
@@ -310,8 +310,8 @@ def test_a_replay_places_the_sends_it_reads_from_the_capture_and_copies_no_other
 
 def test_simple_data_in_whole_ll128_groups_is_told_from_ll128_by_its_first_two_lines():
     import numpy as np
-    from mirrorckpt.parser import protocols
-    from mirrorckpt.parser.reassembly import _may_be_ll128
+    from mirrorckpt.parser.roce import protocols
+    from mirrorckpt.parser.roce.reassembly import _may_be_ll128
 
     rng = np.random.default_rng(0)
     user = rng.standard_normal(1920 * 4 // 4).astype(np.float32).view(np.uint8)  # 4 groups of user bytes
@@ -375,7 +375,7 @@ def test_a_damaged_simple_capture_gives_the_same_verdicts_placed_from_the_captur
 
     monkeypatch.setattr(cmd_replay, "READ_AHEAD", 0)  # one thread: every run copied at once
     want = verdicts()
-    from mirrorckpt.parser import reassembly
+    from mirrorckpt.parser.roce import reassembly
 
     placed = []
     real = reassembly.MessageRun.place_range

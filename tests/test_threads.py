@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from mirrorckpt.config.ddp import ALLREDUCE, CollSpec
 from mirrorckpt.config.layout import RingSpec
-from mirrorckpt.parser.collectives import JobModel
+from mirrorckpt.parser.roce.collectives import NcclJobModel
 
 
 def _model(nthreads, nchannels=1, version="2.18"):
     ring = RingSpec(nranks=2, nchannels=nchannels, protocol="auto", nccl_version=version, nthreads=nthreads)
-    m = JobModel.allreduces(ring, [9010, 100], "float32")
+    m = NcclJobModel.allreduces(ring, [9010, 100], "float32")
     m.protocols[(ALLREDUCE, 9010, "float32")] = "Simple"
     m.protocols[(ALLREDUCE, 100, "float32")] = "LL"
     return m

@@ -30,15 +30,15 @@ from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser.errors import InferenceError
-from mirrorckpt.parser.ringfind import _ringlike, sequences
-from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.parser.roce.ringfind import _ringlike, sequences
+from mirrorckpt.parser.roce.streams import MirrorStreams
 
 ADVICE_OTHER = ("if the job uses NVLS (NVSwitch systems) set NCCL_NVLS_ENABLE=0; with user-buffer registration "
                 "(CUDA graphs, ncclCommRegister) set NCCL_LOCAL_REGISTER=0 NCCL_GRAPH_REGISTER=0")
 
 
 def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
-    from mirrorckpt.parser.infer import infer, wire_family
+    from mirrorckpt.parser.roce.infer import infer, wire_family
 
     streams = MirrorStreams([(c, open_capture(c)) for c in captures], nccl_version=nccl_version)
     sends = []

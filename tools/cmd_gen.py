@@ -11,7 +11,7 @@ import json
 import sys
 
 import click
-from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.parser.roce import nccl_versions as nv
 
 
 def _floats(text: str, n: int, name: str) -> tuple[float, ...]:

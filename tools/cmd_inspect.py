@@ -13,7 +13,7 @@ from collections import defaultdict
 import click
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
-from mirrorckpt.parser.packet_path import PacketPath
+from mirrorckpt.parser.roce.packet_path import PacketPath
 
 
 def summarize(path: str, icrc: bool = True, nccl_version: str = "2.18") -> tuple[dict, str | None]:

@@ -21,13 +21,13 @@ import click
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser import memory
-from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.concat import CollectiveResult
-from mirrorckpt.parser.infer import InferenceError
 from mirrorckpt.parser.iteration import ReducedIteration
-from mirrorckpt.parser.pipeline import JobStream
 from mirrorckpt.parser.roce import SLOW_ICRC
-from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.parser.roce.collectives import NcclJobModel
+from mirrorckpt.parser.roce.infer import InferenceError
+from mirrorckpt.parser.roce.jobstream import JobStream
+from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.progress import Progress
 
 DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
@@ -116,14 +116,14 @@ def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, tr
     the job declares that point-to-point sends carry all-reduce holes' values (Concatenator; or the job
     file, ``[job] p2p_fill``)."""
     if transport == "gloo":
-        from mirrorckpt.parser.gloo_job import open_job_stream
+        from mirrorckpt.parser.gloo.job import open_job_stream
 
         return open_job_stream(captures, job, dtype)
     # With a job file the packet path reads ahead on its own thread (MirrorStreams); inference reads
     # the decoders' state while it runs, so without one it stays on this thread.
     streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version,
                             ahead=READ_AHEAD if job is not None else 0)
-    kw = dict(model=JobModel.from_job(job), ranks=job.ring.ranks_by_address()) if job is not None else {}
+    kw = dict(model=NcclJobModel.from_job(job), ranks=job.ring.ranks_by_address()) if job is not None else {}
     p2p_fill = p2p_fill or (job is not None and job.p2p_fill)
     return JobStream(streams, dtype=dtype, nccl_version=nccl_version, p2p_fill=p2p_fill, **kw)
 
@@ -357,11 +357,11 @@ def _complete_from_wire(job, captures, nccl_version, dtype, icrc):
     captures' first sends (inference checks them against the job's own collective sequence)."""
     import dataclasses
 
-    from mirrorckpt.parser.infer import infer_from_streams
+    from mirrorckpt.parser.roce.infer import infer_from_streams
 
     streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
     # the file's addresses and ring orders place ranks the mirrored links alone do not
-    got = infer_from_streams(streams, dtype or job.grad_dtype, nccl_version, JobModel.from_job(job),
+    got = infer_from_streams(streams, dtype or job.grad_dtype, nccl_version, NcclJobModel.from_job(job),
                              known=job.ring if job.ring.addresses else None)
     ring = dataclasses.replace(job.ring, nccl_version=got.model.ring.nccl_version, protocol=got.model.ring.protocol,
                                nthreads=got.model.ring.nthreads)

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Iterator
 
 import numpy as np
-from mirrorckpt.parser.nccl import LazySend
+from mirrorckpt.parser.roce.nccl import LazySend
 
 STUCK_S = 1.0  # a worker's ring full this long: the chunk goes pickled (see the module doc)
 

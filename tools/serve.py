@@ -104,17 +104,17 @@ class Daemon:
     def _job_model(self):
         """The job's collective sequence: from the configuration, or once the trainer registered its
         layout (frames wait in the capture queues meanwhile). None if stopped before that."""
-        from mirrorckpt.parser.collectives import JobModel
+        from mirrorckpt.parser.roce.collectives import NcclJobModel
 
         if self.job.kind != "ddp" or self.job.layout is not None:
-            return JobModel.from_job(self.job)
+            return NcclJobModel.from_job(self.job)
         if not self.control.registered.is_set():
             log.info("waiting for the trainer to register the job's layout")
             while not self.control.registered.wait(0.2):
                 if self.stopping.is_set():
                     return None
             log.info("layout registered: following the mirror", extra={"params": len(self.control.layout.params)})
-        return JobModel.ddp(self._ring(), self.control.layout, with_startup=self.job.startup)
+        return NcclJobModel.ddp(self._ring(), self.control.layout, with_startup=self.job.startup)
 
     def _drop_hint(self, m) -> str:
         if not m.live and self.pace is None:
@@ -129,7 +129,7 @@ class Daemon:
         file_split = "port"``; None for live sources (the kernel splits by port) and one worker."""
         from mirrorckpt.capture.batch import CaptureError
         from mirrorckpt.capture.source import open_source
-        from mirrorckpt.parser import split
+        from mirrorckpt.parser.roce import split
 
         if m.workers == 1 or m.live:
             return None

@@ -24,7 +24,7 @@ from mirrorckpt.control import auth, wire
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.control.channel import Channel
-from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.testbed import harness
 from mirrorckpt.tools.testbed.follower import MirrorFollower
 from mirrorckpt.updater import ckptdir, manifest, restore

@@ -37,7 +37,7 @@ from mirrorckpt.config.jobfile import parse_job
 from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.gloo_job import GlooJobStream, open_job_stream
+from mirrorckpt.parser.gloo.job import GlooJobStream, open_job_stream
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.updater.replica import Replica
 

@@ -7,7 +7,7 @@ One clean job is generated once: 4 ranks, one channel, LL, NCCL 2.18, PMTU 1024,
 mirrored at the egress of ranks 0, 1 and 2. The streams of a trial are the egress of ranks 0..M-1.
 Each trial drops every frame of every stream independently with probability p (in memory: the
 FrameBatch keeps the surviving rows) and replays the streams in-process through the parser
-(parser.streams.MirrorStreams over the in-memory batches, parser.pipeline.JobStream with the
+(parser.roce.streams.MirrorStreams over the in-memory batches, parser.roce.jobstream.JobStream with the
 job.toml model), exactly what `mirrorckpt replay --config job.toml` runs.
 
 What a lost frame costs is derived from the decoded clean traffic, not assumed: every frame is
@@ -47,13 +47,15 @@ from common import collect
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.config.jobfile import load_job
-from mirrorckpt.parser import lossmodel, opcodes, roce
-from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.nccl import NcclDecoder
-from mirrorckpt.parser.pipeline import CollectiveAssembler, JobStream
-from mirrorckpt.parser.reassembly import Reassembler
-from mirrorckpt.parser.schedule import OWN, REDUCED
-from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.parser import lossmodel, roce
+from mirrorckpt.parser.placement import OWN, REDUCED
+from mirrorckpt.parser.roce import opcodes
+from mirrorckpt.parser.roce.collectives import NcclJobModel
+from mirrorckpt.parser.roce.jobstream import JobStream
+from mirrorckpt.parser.roce.nccl import NcclDecoder
+from mirrorckpt.parser.roce.placer import RingPlacer
+from mirrorckpt.parser.roce.reassembly import Reassembler
+from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 
 R, STEPS, COUNT, ESIZE = 4, 40, 8192, 4
@@ -107,7 +109,7 @@ class Job:
         kw = {} if merge_ns is None else {"merge_ns": merge_ns}
         ms = MirrorStreams([(f"rank{k}_egress", [b]) for k, b in enumerate(batches)],
                            nccl_version=self.config.ring.nccl_version, **kw)
-        js = JobStream(ms, model=JobModel.from_job(self.config), ranks=self.config.ring.ranks_by_address(),
+        js = JobStream(ms, model=NcclJobModel.from_job(self.config), ranks=self.config.ring.ranks_by_address(),
                        channels=None, nccl_version=self.config.ring.nccl_version)
         _, iterations, _ = collect(js)
         return js, iterations
@@ -152,7 +154,7 @@ def frame_map(config, batches: list[FrameBatch]) -> FrameMap:
                 sends.append((s.ts_ns, k, s, m, pk))
     sends.sort(key=lambda x: (x[0], x[1]))
     by_id = {id(s): (k, m, pk) for _, k, s, m, pk in sends}
-    ra = CollectiveAssembler(JobModel.from_job(config), config.ring.ranks_by_address())
+    ra = RingPlacer(NcclJobModel.from_job(config), config.ring.ranks_by_address())
     units: dict[tuple, int] = {}
     info = []
     phase = {}
@@ -275,7 +277,7 @@ def test_K_and_the_copies_come_from_the_traffic(job):
     fm = job.fmap
     K = units_per_iteration(job)
     # the plan: every chunk's fully reduced message, one unit per LL packet (PMTU 1024: 512 user bytes)
-    model = JobModel.from_job(job.config)
+    model = NcclJobModel.from_job(job.config)
     plan = model.plan(model[model.first_of_iteration(2)])
     chunks = plan.chunk_ranges(0)
     assert K == sum(math.ceil(n * ESIZE / 512) for _, _, n in chunks) == 64
@@ -368,7 +370,7 @@ def test_every_verdict_is_the_oracle(sweep, M, request):
 
 
 def first_coll(job: Job, i: int) -> int:
-    return JobModel.from_job(job.config).first_of_iteration(i)
+    return NcclJobModel.from_job(job.config).first_of_iteration(i)
 
 
 def test_frames_without_reduced_data_cost_nothing_at_the_end(job):

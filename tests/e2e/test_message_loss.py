@@ -60,7 +60,7 @@ def test_a_ring_link_that_fits_no_channel_never_fills_a_hole(tmp_path, monkeypat
     iteration came out complete (right by the luck of timing: rank 0's reduced message is the first such
     send), in the 2.18 4-QP loss sweep with another step's bytes. They are never candidates now: the
     chunk rank 0 reduces stays a hole and no iteration is complete."""
-    from mirrorckpt.parser import channels
+    from mirrorckpt.parser.roce import channels
 
     out = tmp_path / "job"
     truth = generate(GenConfig(ranks=2, channels=1, protocol="LL", nccl_version="2.18", model="linear:8192",

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser.errors import VersionMismatch
+from mirrorckpt.parser.roce import nccl_versions as nv
 from mirrorckpt.tools import cmd_replay
 from mirrorckpt.tools.cli import main
 from mirrorckpt.tools.generator import tuning

@@ -26,9 +26,9 @@ from common import collect
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.config.jobfile import load_job
-from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.pipeline import JobStream
-from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.parser.roce.collectives import NcclJobModel
+from mirrorckpt.parser.roce.jobstream import JobStream
+from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 
 STEPS, TRIALS, SEED = 20, 30, 2024
@@ -55,7 +55,7 @@ class Gen:
         """(all-reduces, iterations) of the parser on in-memory streams."""
         v = self.config.ring.nccl_version
         ms = MirrorStreams([(f"s{k}", [b]) for k, b in enumerate(batches)], nccl_version=v)
-        js = JobStream(ms, model=JobModel.from_job(self.config), ranks=self.config.ring.ranks_by_address(),
+        js = JobStream(ms, model=NcclJobModel.from_job(self.config), ranks=self.config.ring.ranks_by_address(),
                        nccl_version=v, p2p_fill=p2p_fill)
         results, its, _ = collect(js)
         return [r for r in results if r.spec.kind == "allreduce"], its

@@ -56,10 +56,10 @@ import pytest
 from mirrorckpt.config.jobfile import load_job
 from mirrorckpt.config.layout import dtype_size
 from mirrorckpt.config.training import TrainingSpec
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import schedule
 from mirrorckpt.parser.concat import Concatenator
-from mirrorckpt.parser.schedule import REDUCED
+from mirrorckpt.parser.placement import REDUCED
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import schedule
 from mirrorckpt.tools import cmd_replay
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 from mirrorckpt.tools.generator.wire import WireOptions
@@ -379,7 +379,8 @@ def test_sends_held_a_window_long_are_decided_then(held_job, monkeypatch):
     """A connection still undecided once its stream moved a whole collective window past the
     first held send is decided on what it has (as at the end of a capture), so the collectives
     behind it can close: here with a window of 2 and no count that decides, still exact."""
-    from mirrorckpt.parser import channels, concat, pipeline
+    from mirrorckpt.parser import concat, pipeline
+    from mirrorckpt.parser.roce import channels
 
     monkeypatch.setattr(pipeline, "default_collective_window", lambda model: 2)
     init = channels.ChannelResolver.__init__
@@ -401,10 +402,11 @@ def test_streams_delivered_far_apart_take_no_channel_by_guess(held_job):
     Each port split in two streams by UDP source port, as two workers split it, every stream fed
     whole, one after the other: every connection takes its true channel, every iteration exact."""
     from mirrorckpt.capture.pcapfile import open_capture
-    from mirrorckpt.parser.collectives import JobModel
     from mirrorckpt.parser.iteration import ReducedIteration
     from mirrorckpt.parser.pipeline import CollectiveAssembler
-    from mirrorckpt.parser.streams import MirrorStreams
+    from mirrorckpt.parser.roce.collectives import NcclJobModel
+    from mirrorckpt.parser.roce.placer import RingPlacer
+    from mirrorckpt.parser.roce.streams import MirrorStreams
 
     out, truth = held_job
     job = load_job(out / "job.toml")
@@ -414,14 +416,16 @@ def test_streams_delivered_far_apart_take_no_channel_by_guess(held_job):
         for s in sends:
             s.stream = 2 * s.stream + s.connection.sport % 2  # worker = source port mod 2
             by_stream.setdefault(s.stream, []).append(s)
-    asm = CollectiveAssembler(JobModel.from_job(job), job.ring.ranks_by_address(), nstreams=2 * len(caps))
+    model = NcclJobModel.from_job(job)
+    placer = RingPlacer(model, job.ring.ranks_by_address())
+    asm = CollectiveAssembler(model, placer, nstreams=2 * len(caps))
     items = []
     for k in sorted(by_stream, key=lambda k: (-(k % 2), k)):  # every port's odd worker first
         for i in range(0, len(by_stream[k]), 256):
             items += asm.add(by_stream[k][i:i + 256])[1]
     items += asm.flush()[1]
     want = {p["sport"]: p["channel"] for p in truth["wire"]["topology"]["ring"]}
-    assert {c.sport: ch for c, ch in asm.resolver.mapped.items()} == want
+    assert {c.sport: ch for c, ch in placer.resolver.mapped.items()} == want
     iterations = [x for x in items if isinstance(x, ReducedIteration)]
     assert [it.index for it in iterations] == list(range(len(truth["iterations"])))
     for it, w in zip(iterations, truth["iterations"]):

@@ -11,7 +11,7 @@ import signal
 import common
 from mirrorckpt.config.training import PersistSpec
 from mirrorckpt.control.appliance_side import AppliancePlane
-from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.testbed import harness
 from mirrorckpt.tools.testbed.follower import MirrorFollower
 from mirrorckpt.updater import ckptdir, restore

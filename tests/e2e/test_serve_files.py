@@ -99,7 +99,7 @@ def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir,
     import numpy as np
     from mirrorckpt.capture import fanout
     from mirrorckpt.capture.pcapfile import read_all
-    from mirrorckpt.parser import split
+    from mirrorckpt.parser.roce import split
 
     cfg = config(job_dir, tmp_path, workers=workers)
     job = load_job(cfg)

@@ -284,10 +284,10 @@ def run_through_mirror(job, tmp: Path, source_of, hook: str = "ingress", workers
 
         # `mirrorckpt status`: every frame, no drop, every iteration applied, replica at the last step
         if workers == 1:
-            assert f"port 0: {frames} frames," in text, text
+            assert f"port 0: {frames} frames ({frames} RoCE)," in text, text
         else:  # each worker its share: the frames of its QP pairs
             for k, n in enumerate(shares(job, hook, workers)):
-                assert f"port 0.{k}: {n} frames," in text, text
+                assert f"port 0.{k}: {n} frames ({n} RoCE)," in text, text
         assert "dropped 0 (capture) 0 (kernel), 0 ICRC failures" in text, text
         assert f"iterations: {STEPS} complete, 0 incomplete" in text, text
         assert f"replica: step {STEPS}, iteration {STEPS - 1}, lag 0, in step" in text, text

@@ -10,7 +10,7 @@ import threading
 import time
 
 from mirrorckpt.parser.iteration import ReducedIteration
-from mirrorckpt.parser.nccl_versions import AUTO
+from mirrorckpt.parser.roce.nccl_versions import AUTO
 from mirrorckpt.parser.streams import WIRE_IDLE
 from mirrorckpt.tools.daemon.streams import Prefixed
 
@@ -75,7 +75,7 @@ class ParserStage:
 
     def _pass(self):
         """This pass's job stream, or None when the wire ended (or re-armed) before it could start."""
-        from mirrorckpt.parser.pipeline import JobStream
+        from mirrorckpt.parser.roce.jobstream import JobStream
 
         model = self.model()
         if model is None:
@@ -96,7 +96,7 @@ class ParserStage:
         """The job model with what its configuration left open (the NCCL release, the protocol of
         each collective shape) read from the first INFER_WINDOW sends, and a stream that hands those
         sends on first. (None, None) when the wire ended or the job re-armed before any send."""
-        from mirrorckpt.parser.infer import infer
+        from mirrorckpt.parser.roce.infer import infer
 
         it = iter(self.streams)
         pending: list = []

@@ -33,7 +33,7 @@ class WireSeen:
         self.seen_cts = self.seen_imm = None
 
     def saw(self, cts: str | None, imm: str | None) -> None:
-        from mirrorckpt.parser.nccl_versions import CTS_LAYOUTS
+        from mirrorckpt.parser.roce.nccl_versions import CTS_LAYOUTS
 
         if cts is not None and (self.seen_cts is None or self.seen_cts.name != cts):
             self.seen_cts = next(h for h, _, _ in CTS_LAYOUTS if h.name == cts)

@@ -123,7 +123,7 @@ class CaptureWorker:
     sendring.SendRing, when given), counters through ``shared`` (an int64 array laid out as COUNTERS)."""
 
     def __init__(self, spec: WorkerSpec, out, stop, shared=None, ring=None):
-        from mirrorckpt.parser.packet_path import PacketPath
+        from mirrorckpt.parser.roce.packet_path import PacketPath
 
         self.spec, self.out, self.stop, self.shared, self.ring = spec, out, stop, shared, ring
         self.counters = dict.fromkeys(COUNTERS, 0)

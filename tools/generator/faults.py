@@ -20,7 +20,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
-from mirrorckpt.parser import opcodes
+from mirrorckpt.parser.roce import opcodes
 from mirrorckpt.tools.generator.frames import FrameSet
 
 KINDS = ("loss", "duplicate", "reorder", "corrupt", "truncate")

@@ -15,7 +15,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 from mirrorckpt.capture._pack import copy_ranges
-from mirrorckpt.parser import _fast, opcodes
 from mirrorckpt.parser.headers import (
     AETH,
     BTH,
@@ -33,6 +32,7 @@ from mirrorckpt.parser.headers import (
     UDP,
     Header,
 )
+from mirrorckpt.parser.roce import _fast, opcodes
 
 # BTH byte 1: SE(1) M(1) PadCnt(2) TVer(4). ConnectX sets M (MigReq) on RC traffic (real captures).
 BTH_MIGREQ = 0x40

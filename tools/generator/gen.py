@@ -22,7 +22,7 @@ from pathlib import Path
 from mirrorckpt.config.jobfile import JobConfig, dump_job
 from mirrorckpt.config.layout import MirrorSpec, RingSpec
 from mirrorckpt.config.training import TrainingSpec
-from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.parser.roce import nccl_versions as nv
 from mirrorckpt.tools.generator import mirrors as mirrors_mod
 from mirrorckpt.tools.generator import topology
 from mirrorckpt.tools.generator.faults import FaultOptions

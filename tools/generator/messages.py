@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
-from mirrorckpt.parser import opcodes as oc
 from mirrorckpt.parser.headers import PSN_MODULUS
+from mirrorckpt.parser.roce import opcodes as oc
 from mirrorckpt.tools.generator.frames import Packets
 
 NORMAL, SPLIT, TRAIN, PLAIN, ACK, UD = range(6)

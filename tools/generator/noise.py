@@ -20,7 +20,6 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
-from mirrorckpt.parser import _fast
 from mirrorckpt.parser.headers import (
     BTH,
     DETH,
@@ -40,6 +39,7 @@ from mirrorckpt.parser.headers import (
     Field,
     Header,
 )
+from mirrorckpt.parser.roce import _fast
 from mirrorckpt.tools.generator import frames
 from mirrorckpt.tools.generator.frames import FrameSet
 from mirrorckpt.tools.generator.messages import UD, MessageLog

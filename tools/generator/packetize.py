@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 from mirrorckpt.config.layout import RingSpec
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import ringreduce, schedule
-from mirrorckpt.parser.collectives import ring_threads
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import ringreduce, schedule
+from mirrorckpt.parser.roce.collectives import ring_threads
 from mirrorckpt.tools.generator import tuning
 from mirrorckpt.tools.generator.topology import P2P_CHUNK_BYTES, Topology
 from mirrorckpt.tools.generator.wire import Layer, P2pMsg, Wire, Work

@@ -30,7 +30,7 @@ from mirrorckpt.config import shards as shards_mod
 from mirrorckpt.config.jobfile import JobConfig, dump_job
 from mirrorckpt.config.layout import MirrorSpec, ParamSpec, RingSpec
 from mirrorckpt.config.training import TrainingSpec
-from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.parser.roce import nccl_versions as nv
 from mirrorckpt.tools.generator import mirrors as mirrors_mod
 from mirrorckpt.tools.generator import models, topology
 from mirrorckpt.tools.generator.ddp import DDP, to_wire

@@ -20,7 +20,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 import numpy as np
-from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.parser.roce import nccl_versions as nv
 
 # OUIs of NVIDIA/Mellanox ConnectX NICs (the real captures show 0c:42:a1 and 08:c0:eb).
 MELLANOX_OUIS = ((0x0C, 0x42, 0xA1), (0x08, 0xC0, 0xEB), (0xB8, 0xCE, 0xF6), (0x98, 0x03, 0x9B),

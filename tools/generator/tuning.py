@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.parser.roce import nccl_versions as nv
 
 BASE_LAT_US = {nv.LL: 6.6, nv.LL128: 14.0, nv.SIMPLE: 8.4}
 NET_LAT_US = {nv.LL: 2.7, nv.LL128: 4.0, nv.SIMPLE: 14.0}

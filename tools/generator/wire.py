@@ -31,10 +31,10 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import protocols, schedule
 from mirrorckpt.parser.headers import BTH, ETH, ICRC_BYTES, IMMDT, IPV6, PSN_MODULUS, RETH, UDP
-from mirrorckpt.parser.schedule import RingStep
+from mirrorckpt.parser.placement import RingStep
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import protocols, schedule
 from mirrorckpt.tools.generator.messages import ACK, NORMAL, PLAIN, SPLIT, TRAIN, packet_count, rdma_messages
 from mirrorckpt.tools.generator.topology import P2P_CHUNK_BYTES, QpPair
 

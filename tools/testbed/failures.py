@@ -218,9 +218,9 @@ class _Incarnation:
         return regs[self.registered_before]["step"] if len(regs) > self.registered_before else None
 
     def _run(self) -> None:
-        from mirrorckpt.parser.collectives import JobModel
-        from mirrorckpt.parser.pipeline import JobStream
-        from mirrorckpt.parser.streams import MirrorStreams
+        from mirrorckpt.parser.roce.collectives import NcclJobModel
+        from mirrorckpt.parser.roce.jobstream import JobStream
+        from mirrorckpt.parser.roce.streams import MirrorStreams
         from mirrorckpt.tools.testbed import harness
         from mirrorckpt.updater.drive import drive
 
@@ -232,7 +232,7 @@ class _Incarnation:
             streams = MirrorStreams(self.frames.sources())
             for path in getattr(streams, "paths", []):
                 path.reassembler.psn_window = 16
-            js = JobStream(streams, model=JobModel.ddp(self.ring, self.plane.layout, with_startup=False),
+            js = JobStream(streams, model=NcclJobModel.ddp(self.ring, self.plane.layout, with_startup=False),
                            ranks=self.ring.ranks_by_address(), channels=harness.channels_for(self.topo, self.ring),
                            nccl_version=self.ring.nccl_version, collective_window=1, infer_after=1)
             drive(js, self)

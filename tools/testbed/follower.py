@@ -7,9 +7,9 @@ import threading
 
 from mirrorckpt.config.layout import RingSpec
 from mirrorckpt.control.appliance_side import AppliancePlane
-from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.iteration import ReducedIteration
-from mirrorckpt.parser.pipeline import JobStream
+from mirrorckpt.parser.roce.collectives import NcclJobModel
+from mirrorckpt.parser.roce.jobstream import JobStream
 from mirrorckpt.updater.drive import drive
 
 log = logging.getLogger("mirrorckpt.testbed.follower")
@@ -39,7 +39,7 @@ class MirrorFollower(threading.Thread):
         try:
             if not self.plane.registered.wait(self.wait_timeout):
                 raise TimeoutError("no layout: nobody registered the job")
-            model = JobModel.ddp(self.ring, self.plane.layout, with_startup=self.with_startup)
+            model = NcclJobModel.ddp(self.ring, self.plane.layout, with_startup=self.with_startup)
             self.js = JobStream(self.streams, model=model, ranks=self.ring.ranks_by_address(),
                                 channels=self.channels, nccl_version=self.ring.nccl_version,
                                 collective_window=self.collective_window,

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.config.layout import MirrorSpec, RingSpec
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import ringreduce, schedule
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import ringreduce, schedule
 from mirrorckpt.tools.generator import topology as topo_mod
 from mirrorckpt.tools.generator.faults import FaultInjector, FaultOptions
 from mirrorckpt.tools.generator.mirrors import CaptureSet, MirrorFile
@@ -64,7 +64,7 @@ def channels_for(topo, ring: RingSpec) -> dict:
     """Ring connection -> channel of the simulated fabric (what the parser would otherwise infer
     from the first collectives' traffic)."""
     from mirrorckpt.config.layout import wire_address
-    from mirrorckpt.parser.nccl import ConnKey
+    from mirrorckpt.parser.roce.nccl import ConnKey
 
     def addr(rank):
         return wire_address(ring.addresses[rank])
@@ -130,7 +130,7 @@ def _gather(batch: FrameBatch) -> bytes:
 
 class FrameStreamServer:
     """The appliance's end of the frame stream: per mirror port an iterable of FrameBatches for
-    ``parser.streams.MirrorStreams``. A stream ends when the sender disconnects (``end_on_close``)
+    ``parser.roce.streams.MirrorStreams``. A stream ends when the sender disconnects (``end_on_close``)
     or at ``stop``."""
 
     def __init__(self, ports: int, host: str = "127.0.0.1", port: int = 0, end_on_close: bool = True,

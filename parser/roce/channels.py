@@ -8,11 +8,11 @@ import itertools
 from collections import defaultdict
 
 from mirrorckpt.config.layout import RingSpec
-from mirrorckpt.parser import schedule
-from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.nccl import ConnKey, NcclSend
-from mirrorckpt.parser.nccl_versions import AUTO, SIMPLE
-from mirrorckpt.parser.statemachine import RingStateMachine
+from mirrorckpt.parser.roce import schedule
+from mirrorckpt.parser.roce.collectives import NcclJobModel
+from mirrorckpt.parser.roce.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.roce.nccl_versions import AUTO, SIMPLE
+from mirrorckpt.parser.roce.statemachine import RingStateMachine
 
 
 def channel_candidates(sm: RingStateMachine, conn: ConnKey, sends: list[NcclSend], ring: RingSpec,
@@ -46,7 +46,7 @@ def channel_candidates(sm: RingStateMachine, conn: ConnKey, sends: list[NcclSend
     return out
 
 
-def resolve_channels(model: JobModel, ranks: dict[bytes, int], conns: dict[ConnKey, list[NcclSend]],
+def resolve_channels(model: NcclJobModel, ranks: dict[bytes, int], conns: dict[ConnKey, list[NcclSend]],
                      notes: list[str]) -> dict[ConnKey, int] | None:
     """Ring connection -> channel: by the plan's sizes where they decide, else by the receive
     buffer addresses (NCCL allocates the connections of a pair in channel order)."""
@@ -76,7 +76,7 @@ def resolve_channels(model: JobModel, ranks: dict[bytes, int], conns: dict[ConnK
     return out
 
 
-def _buffer_base(sends: list[NcclSend], model: JobModel) -> int:
+def _buffer_base(sends: list[NcclSend], model: NcclJobModel) -> int:
     for s in sends:  # the flag gives the connection step, hence the slot (a CTS index does not)
         if s.va and s.flag is not None and s.protocol is not None:
             return s.va - schedule.recv_slot(s.flag - 1, s.protocol, "allreduce", model.ring.nccl_version).alloc_offset
@@ -96,7 +96,7 @@ class ChannelResolver:
     collective window past a stream's first held send, its connections are decided on what they
     have (``flush``)."""
 
-    def __init__(self, model: JobModel, ranks: dict[bytes, int], mapped: dict[ConnKey, int] | None = None,
+    def __init__(self, model: NcclJobModel, ranks: dict[bytes, int], mapped: dict[ConnKey, int] | None = None,
                  hold: int = 64):
         self.model, self.ranks, self.hold = model, ranks, hold
         self.sm = RingStateMachine(model, ranks, {})

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 from mirrorckpt.capture._pack import copy_ranges
 from mirrorckpt.config.layout import address_text
-from mirrorckpt.parser import _place, _reasm, memory, opcodes
+from mirrorckpt.parser import _merge, memory
 from mirrorckpt.parser.headers import (
     LL128_FLAG_OFFSET,
     LL128_GROUP_WIRE,
@@ -42,8 +42,9 @@ from mirrorckpt.parser.headers import (
     LL_LINE_BYTES,
     PSN_MODULUS,
 )
-from mirrorckpt.parser.protocols import LL_INTACT_ARGS as _LL_ARGS
-from mirrorckpt.parser.roce import RocePackets
+from mirrorckpt.parser.roce import _place, _reasm, opcodes
+from mirrorckpt.parser.roce.frames import RocePackets
+from mirrorckpt.parser.roce.protocols import LL_INTACT_ARGS as _LL_ARGS
 
 _HALF = PSN_MODULUS // 2
 RUN_BYTES = 32 << 20  # a run's buffer at most (and a message more): from memory.Buffers, used again
@@ -216,11 +217,11 @@ class MessageRun:
             copy_ranges(p[0], p[1], dst, p[2], p[3])
 
     def place_range(self, k: int, dst, covered, start: int, n: int, es: int, ll: bool = False) -> int | None:
-        """``_place.place_agreeing_gather`` of message ``k`` (``ll``: its LL words) straight from the
+        """``_merge.place_agreeing_gather`` of message ``k`` (``ll``: its LL words) straight from the
         batch (its first ``n`` elements); None once the run is filled, or it was copied at once."""
         pend = self.ll_pending if ll else self.pending
         p = self._pieces(pend, k, True) if pend is not None else None
-        return None if p is None else _place.place_agreeing_gather(dst, covered, start, *p, n, es)
+        return None if p is None else _merge.place_agreeing_gather(dst, covered, start, *p, n, es)
 
     def message(self, k: int) -> RdmaMessage:
         """Message ``k`` alone (its bytes filled, not the run's)."""

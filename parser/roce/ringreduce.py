@@ -12,7 +12,8 @@ loops run over ring positions and chunks.
 from __future__ import annotations
 
 import numpy as np
-from mirrorckpt.parser.schedule import ALLGATHER, ALLREDUCE, BROADCAST, AllReducePlan, RingPlan, RingStep
+from mirrorckpt.parser.placement import RingStep
+from mirrorckpt.parser.roce.schedule import ALLGATHER, ALLREDUCE, BROADCAST, AllReducePlan, RingPlan
 
 BF16 = "bfloat16"
 _NUMPY_TYPES = {"float32", "float64", "float16", "int32", "int64", "uint8", "int8"}

@@ -32,8 +32,9 @@ import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser.nccl_versions import (
+from mirrorckpt.parser.placement import FORWARD, OWN, PARTIAL, REDUCED, RingStep
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce.nccl_versions import (
     ALLGATHER,
     ALLREDUCE,
     BROADCAST,
@@ -45,9 +46,7 @@ from mirrorckpt.parser.nccl_versions import (
     SIMPLE,
     WARP_SIZE,
 )
-from mirrorckpt.parser.protocols import wire_bytes
-
-OWN, PARTIAL, REDUCED, FORWARD = "own", "partial", "reduced", "forward"
+from mirrorckpt.parser.roce.protocols import wire_bytes
 
 
 def div_up(a: int, b: int) -> int:
@@ -59,21 +58,6 @@ def round_up(a: int, b: int) -> int:
 
 
 # --- messages ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RingStep:
-    """One network message of one ring position on one channel."""
-    step: int  # ring step in the loop: all-reduce 0..2R-3, all-gather 0..R-2, broadcast 0
-    loop: int
-    chunk: int  # all-reduce: chunk index c; all-gather/broadcast: ring position the data comes from
-    offset: int  # first element (all-gather: inside the origin's contribution)
-    nelem: int
-    phase: str  # own | partial | reduced (all-reduce); own | forward (all-gather, broadcast)
-    slice: int  # slice of the chunk (Simple: 0 or 1; LL/LL128: 0)
-    conn_step: int  # connection step of this message minus the collective's first step t0
-    nbytes: int
-    wire_bytes: int
 
 
 @dataclass(frozen=True)

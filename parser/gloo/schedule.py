@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST
-from mirrorckpt.parser.schedule import FORWARD, OWN, PARTIAL, REDUCED
+from mirrorckpt.parser.placement import FORWARD, OWN, PARTIAL, REDUCED
 
 MAX_SEGMENT_BYTES = 1 << 20  # gloo/allreduce.h kMaxSegmentSize
 

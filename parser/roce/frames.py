@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mirrorckpt.capture.batch import FrameBatch
-from mirrorckpt.parser import _fast, memory, opcodes
+from mirrorckpt.parser import memory
 from mirrorckpt.parser.headers import (
     AETH,
     BTH,
@@ -34,7 +34,8 @@ from mirrorckpt.parser.headers import (
     UDP,
     VLAN,
 )
-from mirrorckpt.parser.protocols import LL_INTACT_ARGS
+from mirrorckpt.parser.roce import _fast, opcodes
+from mirrorckpt.parser.roce.protocols import LL_INTACT_ARGS
 
 
 @dataclass

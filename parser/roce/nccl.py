@@ -32,11 +32,11 @@ from typing import NamedTuple
 
 import numpy as np
 from mirrorckpt.config.layout import address_text
-from mirrorckpt.parser import nccl_versions, protocols
 from mirrorckpt.parser.errors import VersionMismatch
 from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
-from mirrorckpt.parser.nccl_runs import RunLane, cts_fits, cts_plausible, cts_sized
-from mirrorckpt.parser.reassembly import Key, MessageRun, QpKey, RdmaMessage
+from mirrorckpt.parser.roce import nccl_versions, protocols
+from mirrorckpt.parser.roce.nccl_runs import RunLane, cts_fits, cts_plausible, cts_sized
+from mirrorckpt.parser.roce.reassembly import Key, MessageRun, QpKey, RdmaMessage
 
 nv_piece = nccl_versions.qp_piece_bytes
 # Messages of a cut connection held open for their missing pieces; past it the oldest goes out with holes
@@ -113,7 +113,7 @@ class NcclSend:
 
     def place_agreeing(self, dst, covered, start: int, n: int, es: int) -> int | None:
         """Its first ``n`` elements placed into a collective's buffer from where its bytes lie, as
-        ``_place.place_agreeing`` places ``data``; None: place ``data`` (already in a buffer)."""
+        ``_merge.place_agreeing`` places ``data``; None: place ``data`` (already in a buffer)."""
         return None
 
     def sha256(self) -> str | None:

@@ -21,11 +21,10 @@ from collections import Counter, defaultdict
 import numpy as np
 from mirrorckpt.config.ddp import ALLGATHER, CollSpec
 from mirrorckpt.config.layout import dtype_size
-from mirrorckpt.parser import gloo_schedule as gs
 from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.gloo import GlooOp
-from mirrorckpt.parser.schedule import RingStep
-from mirrorckpt.parser.statemachine import Placement
+from mirrorckpt.parser.gloo import schedule as gs
+from mirrorckpt.parser.gloo.framing import GlooOp
+from mirrorckpt.parser.placement import Placement, RingStep
 
 SEARCH = 64  # model collectives tried past the last mapped one when a tag does not fit
 
@@ -90,8 +89,8 @@ class TagMap:
 
 
 class GlooPlacer:
-    """Turns data ops into verified ``Placement``s; ``place`` is the ``Reassembly`` hook (the
-    units handed to ``Reassembly.add`` are those placements)."""
+    """Turns data ops into verified ``Placement``s (``parser.pipeline.Placer``: ``add`` feeds a
+    batch of ops, ``flush`` releases what is held at the end)."""
 
     def __init__(self, model: JobModel, ranks: dict[bytes, int], tag_base: int = 0,
                  max_segment: int = gs.MAX_SEGMENT_BYTES):
@@ -102,17 +101,21 @@ class GlooPlacer:
         self.tags = TagMap(model, tag_base)
         self.counts = Counter()
         self.mismatches: list[str] = []
-        self.channels: dict = {}  # Reassembly reads it for NCCL point-to-point sends only
         self.pending: dict[tuple, list[Placement]] = {}  # direction key -> verified, held
         self.broken: set[tuple] = set()  # direction keys that mismatched
         self.epoch: dict[tuple, tuple] = {}  # (source, stream) -> (generation, epoch) last seen
         self.partial: dict[tuple, dict] = defaultdict(dict)  # all-gather elements split in halves
         self._sends: dict[tuple, list[gs.Send]] = {}
 
-    # -- Reassembly hook -------------------------------------------------------------------------
+    # -- pipeline.Placer ---------------------------------------------------------------------------
 
-    def place(self, unit) -> Placement | None:
-        return unit if isinstance(unit, Placement) else None
+    def add(self, ops: list[GlooOp], concat) -> None:
+        for p in self.feed(ops):
+            concat.add(p)
+
+    def flush(self, concat) -> None:
+        for p in self.release():
+            concat.add(p)
 
     # -- ops -------------------------------------------------------------------------------------
 
@@ -138,7 +141,8 @@ class GlooPlacer:
             out += self._op(op)
         return out
 
-    def flush(self) -> list[Placement]:
+    def release(self) -> list[Placement]:
+        """Every placement still held (the end of the traffic)."""
         return self._release(lambda k: True)
 
     def _release(self, which) -> list[Placement]:

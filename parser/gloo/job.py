@@ -23,14 +23,14 @@ import numpy as np
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.config import ddp
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec, address_text, dtype_size
-from mirrorckpt.parser import gloo_schedule as gs
 from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.gloo import GlooDecoder, GlooOp
-from mirrorckpt.parser.gloo_state import GlooPlacer
-from mirrorckpt.parser.infer import InferenceError
+from mirrorckpt.parser.errors import InferenceError
+from mirrorckpt.parser.gloo import schedule as gs
+from mirrorckpt.parser.gloo.framing import GlooDecoder, GlooOp
+from mirrorckpt.parser.gloo.placer import GlooPlacer
+from mirrorckpt.parser.gloo.tcp import StreamKey
 from mirrorckpt.parser.pipeline import CollectiveAssembler, Item, JobReport
 from mirrorckpt.parser.streams import StreamStats
-from mirrorckpt.parser.tcp import StreamKey
 
 MASTER_PORT = 29500  # torch.distributed's default MASTER_PORT
 ESIZE_DTYPES = {4: "float32", 2: "bfloat16", 8: "float64"}
@@ -371,11 +371,10 @@ class GlooJobStream:
                                              + "; ".join(self._missing()))
                     continue
                 ops, held = held, []
-            yield from self.assembler.items(self.assembler.add(self.placer.feed(ops)))
+            yield from self.assembler.items(self.assembler.add(ops))
         if self.assembler is None:
             self._setup([], final=True)
-            yield from self.assembler.items(self.assembler.add(self.placer.feed(held)))
-        yield from self.assembler.items(self.assembler.add(self.placer.flush()))
+            yield from self.assembler.items(self.assembler.add(held))
         yield from self.assembler.items(self.assembler.flush())
 
     def report(self) -> JobReport:
@@ -412,7 +411,7 @@ class GlooJobStream:
             raise InferenceError(f"rank {max(self.ranks.values())} on the wire, the job has "
                                  f"{self.model.ring.nranks} ranks")
         self.placer = GlooPlacer(self.model, self.ranks, self.tag_base, self.max_segment)
-        self.assembler = CollectiveAssembler(self.model, self.ranks, {}, self.collective_window, placer=self.placer)
+        self.assembler = CollectiveAssembler(self.model, self.placer, self.collective_window)
 
 
 def open_job_stream(captures: list[str], job=None, dtype: str | None = None,

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from mirrorckpt.config.layout import address_text
-from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser.errors import InferenceError
-from mirrorckpt.parser.nccl import ConnKey, NcclDecoder, NcclSend
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce.nccl import ConnKey, NcclDecoder, NcclSend
 
 
 def sequences(sends: list[NcclSend]) -> dict[ConnKey, dict[int, NcclSend]]:

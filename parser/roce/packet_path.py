@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.parser import roce
-from mirrorckpt.parser.nccl import NcclDecoder, NcclSend
-from mirrorckpt.parser.reassembly import RdmaMessage, Reassembler
+from mirrorckpt.parser.roce.nccl import NcclDecoder, NcclSend
+from mirrorckpt.parser.roce.reassembly import RdmaMessage, Reassembler
 
 
 class PacketPath:

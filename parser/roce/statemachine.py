@@ -20,11 +20,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from mirrorckpt.config.ddp import CollSpec
-from mirrorckpt.parser import nccl_versions, schedule
-from mirrorckpt.parser.collectives import JobModel
-from mirrorckpt.parser.nccl import ConnKey, NcclSend
-from mirrorckpt.parser.reassembly import QpKey
-from mirrorckpt.parser.schedule import RingStep
+from mirrorckpt.parser.placement import Placement, RingStep
+from mirrorckpt.parser.roce import nccl_versions, schedule
+from mirrorckpt.parser.roce.collectives import NcclJobModel
+from mirrorckpt.parser.roce.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.roce.reassembly import QpKey
 
 # A send more than this many steps ahead of its connection is taken for garbage, not followed.
 MAX_AHEAD_STEPS = 1 << 20
@@ -40,17 +40,6 @@ AR_THRESHOLD = 8192
 TRACK_KEPT = 1 << 16
 # Collectives whose spec, protocol and plan are kept at hand (asked for several times per send).
 COLLS_KEPT = 1 << 10
-
-
-@dataclass(slots=True)  # one per placed send
-class Placement:
-    coll: int  # collective index in the job model
-    spec: CollSpec
-    step: RingStep
-    channel: int
-    rank_pos: int
-    send: NcclSend
-    t: int  # absolute connection step
 
 
 @dataclass(slots=True)  # one per placed send
@@ -91,7 +80,7 @@ class _Track:
 
 
 class RingStateMachine:
-    def __init__(self, model: JobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int]):
+    def __init__(self, model: NcclJobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int]):
         """``ranks``: address (16 bytes) -> global rank; ``channels``: ring connection -> channel."""
         self.model = model
         self.ranks = ranks

@@ -21,8 +21,8 @@ nothing, and the batch goes the per-message way.
 from __future__ import annotations
 
 import numpy as np
-from mirrorckpt.parser import nccl_versions, protocols
-from mirrorckpt.parser.reassembly import MessageRun
+from mirrorckpt.parser.roce import nccl_versions, protocols
+from mirrorckpt.parser.roce.reassembly import MessageRun
 
 _CTS_FIELDS = ("idx", "addr", "size", "rkey", "nreqs", "tag")  # nccl.Cts's fields, in its order
 
@@ -109,7 +109,7 @@ class RunLane:
         return plan
 
     def _apply(self, runs: list[MessageRun], plan: list) -> list:
-        from mirrorckpt.parser.nccl import LazySend, NcclSend
+        from mirrorckpt.parser.roce.nccl import LazySend, NcclSend
 
         for r in runs:  # _learn_pmtu, the run's largest message a packet standing for all of them
             sel = (r.dlen > 0) & (r.npkts > 0)

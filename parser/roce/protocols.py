@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from mirrorckpt.parser import _place
 from mirrorckpt.parser.headers import (
     LL128_FLAG_OFFSET,
     LL128_GROUP_DATA,
@@ -21,7 +20,8 @@ from mirrorckpt.parser.headers import (
     LL_LINE,
     LL_LINE_BYTES,
 )
-from mirrorckpt.parser.nccl_versions import LL, LL128, SIMPLE, protocol
+from mirrorckpt.parser.roce import _place
+from mirrorckpt.parser.roce.nccl_versions import LL, LL128, SIMPLE, protocol
 
 _U32 = np.dtype("<u4")
 _U64 = np.dtype("<u8")

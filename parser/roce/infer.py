@@ -24,14 +24,14 @@ from dataclasses import dataclass
 import numpy as np
 from mirrorckpt.config import ddp
 from mirrorckpt.config.layout import BucketSpec, JobLayout, RingSpec, address_text, dtype_size
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import protocols, protowalk, schedule
-from mirrorckpt.parser.channels import ChannelResolver, channel_candidates, resolve_channels  # noqa: F401
-from mirrorckpt.parser.collectives import JobModel, ring_threads, shape
 from mirrorckpt.parser.errors import InferenceError, VersionMismatch
-from mirrorckpt.parser.nccl import ConnKey, NcclDecoder, NcclSend
-from mirrorckpt.parser.ringfind import find_ring, sequences
-from mirrorckpt.parser.statemachine import RingStateMachine
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import protocols, protowalk, schedule
+from mirrorckpt.parser.roce.channels import ChannelResolver, channel_candidates, resolve_channels  # noqa: F401
+from mirrorckpt.parser.roce.collectives import NcclJobModel, ring_threads, shape
+from mirrorckpt.parser.roce.nccl import ConnKey, NcclDecoder, NcclSend
+from mirrorckpt.parser.roce.ringfind import find_ring, sequences
+from mirrorckpt.parser.roce.statemachine import RingStateMachine
 
 __all__ = ["ChannelResolver", "InferenceError", "Inferred", "infer", "infer_from_streams", "wire_family"]
 
@@ -40,7 +40,7 @@ ESIZE_DTYPES = {4: "float32", 2: "bfloat16", 8: "float64"}
 
 @dataclass
 class Inferred:
-    model: JobModel
+    model: NcclJobModel
     ranks: dict[bytes, int]  # address -> rank
     channels: dict[ConnKey, int]  # ring connection -> channel
     notes: list[str]
@@ -77,7 +77,7 @@ def versions_to_try(decoders, stated: str | None) -> tuple[list[str], nv.WireFam
     return cands, fam
 
 
-def check(model: JobModel, ranks, channels, sends: list[NcclSend], why: list | None = None) -> tuple[int, int]:
+def check(model: NcclJobModel, ranks, channels, sends: list[NcclSend], why: list | None = None) -> tuple[int, int]:
     """(placed, mismatched) when every ring send is placed with this model, in arrival order;
     ``why`` gets the first size mismatch, if any."""
     sm = RingStateMachine(model, ranks, channels)
@@ -93,7 +93,7 @@ def check(model: JobModel, ranks, channels, sends: list[NcclSend], why: list | N
                                  + sm.counts["protocol_mismatch"])
 
 
-def _payload(seqs, ranks, channels, model: JobModel, coll: int) -> np.ndarray | None:
+def _payload(seqs, ranks, channels, model: NcclJobModel, coll: int) -> np.ndarray | None:
     """The result bytes of broadcast ``coll`` as the ring connections carry them."""
     sm = RingStateMachine(model, ranks, channels)
     c = model[coll]
@@ -119,7 +119,7 @@ def _payload(seqs, ranks, channels, model: JobModel, coll: int) -> np.ndarray | 
     return out if got.all() else None
 
 
-def _learn(model: JobModel, seqs, ranks, upto=None) -> tuple[dict, int | None] | None:
+def _learn(model: NcclJobModel, seqs, ranks, upto=None) -> tuple[dict, int | None] | None:
     """Protocols per shape from the walk of a rank-0 connection taken as channel 0, and the time
     that connection's first message of collective ``upto`` was sent (None: not seen)."""
     for k, seq in seqs.items():
@@ -133,9 +133,9 @@ def _learn(model: JobModel, seqs, ranks, upto=None) -> tuple[dict, int | None] |
 
 
 def infer_from_streams(streams, dtype: str | None = None, nccl_version: str | None = None,
-                       hint: JobModel | None = None, window: int = 20000,
+                       hint: NcclJobModel | None = None, window: int = 20000,
                        known: RingSpec | None = None) -> Inferred:
-    """``infer`` over the first ``window`` sends of ``streams`` (parser.streams.MirrorStreams)."""
+    """``infer`` over the first ``window`` sends of ``streams`` (parser.roce.streams.MirrorStreams)."""
     sends: list[NcclSend] = []
     for batch in streams:
         sends += batch
@@ -144,14 +144,14 @@ def infer_from_streams(streams, dtype: str | None = None, nccl_version: str | No
     return infer(sends, streams.decoders, dtype, nccl_version, hint, known)
 
 
-def _with_version(hint: JobModel, ring: RingSpec) -> JobModel:
-    m = JobModel(ring, hint.layout, list(hint.startup), list(hint.before_iteration_1), hint.per_iteration,
+def _with_version(hint: NcclJobModel, ring: RingSpec) -> NcclJobModel:
+    m = NcclJobModel(ring, hint.layout, list(hint.startup), list(hint.before_iteration_1), hint.per_iteration,
                  hint.iterations, hint.from_start)
     m.protocols.update(hint.protocols)
     return m
 
 
-def _fit_hint(hint: JobModel, conns, ranks, ring, ring_list, notes, why=None):
+def _fit_hint(hint: NcclJobModel, conns, ranks, ring, ring_list, notes, why=None):
     """The configured collective sequence, with what the configuration left open from the wire."""
     model = _with_version(hint, ring)
     got = _learn(model, conns, ranks)
@@ -169,7 +169,7 @@ def _fit_hint(hint: JobModel, conns, ranks, ring, ring_list, notes, why=None):
 
 
 def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | None = None,
-          nccl_version: str | None = None, hint: JobModel | None = None,
+          nccl_version: str | None = None, hint: NcclJobModel | None = None,
           known: RingSpec | None = None) -> Inferred:
     """The job from its first sends. ``hint``: a configured collective sequence (its ring's protocol
     may be "auto" and its release None: those are read from the wire). ``known``: a configured ring
@@ -233,7 +233,7 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
                          f"{tried}{threads} (give the job configuration)")
 
 
-def _thread_verdict(model: JobModel, ranks, channels, ring_list, stated, shows_simple) -> tuple[int | None, str]:
+def _thread_verdict(model: NcclJobModel, ranks, channels, ring_list, stated, shows_simple) -> tuple[int | None, str]:
     """(Simple thread count the wire proves, note). The model fits the wire with its count; the
     count is proved when the other candidate's plans leave a size mismatch."""
     if stated:
@@ -265,14 +265,14 @@ def _known(ring: RingSpec | None) -> tuple[dict[bytes, int], list[tuple[bytes, b
     return ranks, links
 
 
-def _settle_protocol(model: JobModel) -> None:
+def _settle_protocol(model: NcclJobModel) -> None:
     """A job whose collectives all ran one protocol is that protocol's job (its later shapes too)."""
     used = set(model.protocols.values())
     if len(used) == 1:
         model.ring.protocol = used.pop()
 
 
-def _protocols_note(model: JobModel) -> str:
+def _protocols_note(model: NcclJobModel) -> str:
     if model.ring.protocol != nv.AUTO:
         return f"{model.ring.protocol} for every collective"
     by = {}
@@ -334,7 +334,7 @@ def _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes, why=None):
 
 def _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes, why=None):
     layout = ddp.layout_from_wire(shapes, dt)
-    model = JobModel.ddp(ring, layout)
+    model = NcclJobModel.ddp(ring, layout)
     it1 = model.first_of_iteration(1)
     # Up to the rebuild broadcasts the sequence does not depend on the rebuilt buckets.
     got = _learn(model, conns, ranks, upto=it1 + 2)
@@ -354,7 +354,8 @@ def _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes,
     nb = int(idx.view("<i4")[-1]) if idx is not None else 0
     if 1 <= nb <= nparams:  # the indices end with the bucket count: the sizes broadcast's length
         parts = [(i,) for i in range(nb - 1)] + [tuple(range(nb - 1, nparams))]
-        sized = JobModel.ddp(ring, JobLayout(layout.params, [BucketSpec(b) for b in parts], layout.first_buckets, dt))
+        sized = NcclJobModel.ddp(ring, JobLayout(layout.params, [BucketSpec(b) for b in parts], layout.first_buckets,
+                                                 dt))
         sized.protocols.update(model.protocols)
         _fill_unseen(sized)
         sizes = _payload(conns, ranks, channels, sized, it1 + 1)
@@ -365,7 +366,7 @@ def _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes,
             notes.append(f"rebuild broadcasts unreadable: {e}")
             return None
         layout = JobLayout(layout.params, buckets, layout.first_buckets, dt)
-        model = JobModel.ddp(ring, layout)
+        model = NcclJobModel.ddp(ring, layout)
         got = _learn(model, conns, ranks)
         if got is None:
             return None
@@ -381,7 +382,7 @@ def _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes,
     return None
 
 
-def _misfit(model: JobModel, conns, ranks, upto: int) -> list[str]:
+def _misfit(model: NcclJobModel, conns, ranks, upto: int) -> list[str]:
     """Where the model's plans first part from rank 0's sends (each of its connections taken as
     channel 0, the furthest one kept): the collective, what it expects, what the wire has."""
     best = (-1, "")
@@ -411,7 +412,7 @@ def _misfit(model: JobModel, conns, ranks, upto: int) -> list[str]:
     return [best[1]] if best[1] else []
 
 
-def _fill_unseen(model: JobModel) -> None:
+def _fill_unseen(model: NcclJobModel) -> None:
     """Shapes of the sequence the window did not reach (later buckets) take the protocol of the
     nearest size of the same kind that it showed: NCCL's choice grows with the size."""
     for i in range(model.first_of_iteration(3)):
@@ -437,7 +438,7 @@ def _infer_allreduces(conns, ranks, ring, dtype, ring_list, notes, why=None):
         if not counts:
             continue
         period = _period(list(zip(counts, protos)))
-        model = JobModel.allreduces(ring, [n for n, _ in period], dt)
+        model = NcclJobModel.allreduces(ring, [n for n, _ in period], dt)
         model.protocols.update({(nv.ALLREDUCE, n, dt): p for n, p in period})
         channels = resolve_channels(model, ranks, conns_lists(conns), notes)
         if channels is None:

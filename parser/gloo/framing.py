@@ -20,10 +20,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-from mirrorckpt.parser import tcp
-from mirrorckpt.parser.gloo_schedule import slot_parts
+from mirrorckpt.parser.gloo import tcp
+from mirrorckpt.parser.gloo.schedule import slot_parts
+from mirrorckpt.parser.gloo.tcp import StreamKey, TcpStream
 from mirrorckpt.parser.headers import GLOO_OP
-from mirrorckpt.parser.tcp import StreamKey, TcpStream
 
 SEND_BUFFER, SEND_UNBOUND_BUFFER, NOTIFY_SEND_READY, NOTIFY_RECV_READY = 0, 1, 2, 3
 OPCODE_NAMES = {0: "SEND_BUFFER", 1: "SEND_UNBOUND_BUFFER", 2: "NOTIFY_SEND_READY", 3: "NOTIFY_RECV_READY"}

@@ -12,10 +12,10 @@ channel 0, decides every shape that has a message there.
 
 from __future__ import annotations
 
-from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.parser import schedule
-from mirrorckpt.parser.collectives import JobModel, shape
-from mirrorckpt.parser.nccl import NcclSend
+from mirrorckpt.parser.roce import nccl_versions as nv
+from mirrorckpt.parser.roce import schedule
+from mirrorckpt.parser.roce.collectives import NcclJobModel, shape
+from mirrorckpt.parser.roce.nccl import NcclSend
 
 _FLAG_MOD = 1 << 32
 
@@ -39,7 +39,7 @@ def _guesses(seq: dict[int, NcclSend], m: int) -> list[str]:
     return list(nv.PROTOCOLS)
 
 
-def walk(model: JobModel, seq: dict[int, NcclSend], channel: int, pos: int, upto: int | None = None,
+def walk(model: NcclJobModel, seq: dict[int, NcclSend], channel: int, pos: int, upto: int | None = None,
          known: dict[tuple, str] | None = None) -> tuple[dict[tuple, str], int] | None:
     """(shape -> protocol, messages walked) that fits every message of ``seq`` (message number ->
     send) on (``channel``, ``pos``), for collectives before ``upto``; None when nothing fits."""
