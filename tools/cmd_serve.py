@@ -154,9 +154,6 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
         log.warning("no [persist] table: the replica is kept in memory only and no checkpoint is ever committed")
     pace_v = None if pace is None else ("recorded" if pace == "recorded" else float(pace))
     metrics = Metrics()
-    if job.metrics.get("listen"):
-        host, port = metrics.serve(job.metrics["listen"])
-        log.info("metrics endpoint up", extra={"listen": f"{host}:{port}"})
     control = None
     if job.control.get("listen"):
         from mirrorckpt.control.appliance_side import AppliancePlane
@@ -190,6 +187,10 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
     daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control, pipelined=pipelined,
                     limits=limits, control_only=control_only)
     metrics.follow_persister(lambda: getattr(daemon.appliance, "persister", None))
+    daemon.judge()  # the endpoint answers with a verdict from its first request
+    if job.metrics.get("listen"):
+        host, port = metrics.serve(job.metrics["listen"])
+        log.info("metrics endpoint up", extra={"listen": f"{host}:{port}"})
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     code = daemon.run()
