@@ -176,6 +176,14 @@ class AppliancePlane:
     def restore_hold(self, seconds: float) -> None:
         self.restores.hold_seconds = seconds
 
+    def listen(self, on_commit=None, on_rearm=None) -> None:
+        """Who hears of each committed checkpoint (its path, from the persister's thread) and of each
+        re-arm (the new run's number, from a connection thread)."""
+        with self.lock:
+            self.on_commit, self.on_rearm = on_commit, on_rearm
+            if self.app is not None:
+                self.app.on_commit = on_commit
+
     def _event(self, kind: str, detail) -> None:
         self.stats.events.append((kind, detail))
 

@@ -308,10 +308,7 @@ class Daemon:
         if self.control is not None:
             # the plane owns the appliance (created when the layout is known; resyncs replace its
             # replica); it tells the parser when the job restarted on a new communicator
-            self.control.on_commit = self._on_commit
-            self.control.on_rearm = self._on_rearm
-            if self.control.app is not None:
-                self.control.app.on_commit = self._on_commit
+            self.control.listen(on_commit=self._on_commit, on_rearm=self._on_rearm)
             self.control.start()
             log.info("control plane listening", extra={"port": self.control.port})
         else:
