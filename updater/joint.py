@@ -108,10 +108,13 @@ def shard_chunks(layout: ShardedLayout, group: str, flat: dict) -> tuple[list[Ch
             continue
         fqn = fqn_of(key)
         s = g.shard(fqn) if fqn is not None and any(x.fqn == fqn for x in g.shards) else None
-        if s is not None and not s.whole and tuple(v.shape) == tuple(s.shape):
-            chunks.append(Chunk(key, tuple(s.offset), tuple(s.global_shape), v))
+        if s is not None and not s.whole and tuple(v.shape) == s.local_shape:
+            flat = v.reshape(-1)
+            for off, shape, a, b in s.boxes():  # a flat range: the boxes of the global tensor it covers
+                piece = v if s.flat is None else flat[a:b].view(shape)
+                chunks.append(Chunk(key, off, tuple(s.global_shape), piece))
         elif s is not None and not s.whole and v.dim() > 0:
-            raise ValueError(f"group {group}: {key} has shape {list(v.shape)}, its slice {list(s.shape)}")
+            raise ValueError(f"group {group}: {key} has shape {list(v.shape)}, its slice {list(s.local_shape)}")
         else:  # whole tensors: unsharded parameters, scalar step counts, RNG states
             chunks.append(Chunk(key, (0,) * v.dim(), tuple(v.shape), v))
     return chunks, objects
