@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from mirrorckpt.config import shard_rules
-from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
+from mirrorckpt.config.layout import ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.sharded import NotFollowable, attach_sharded, check_followable
 from mirrorckpt.control.sharded_appliance import ShardedAppliance
 from mirrorckpt.control.wire import SchemaError
+from mirrorckpt.tools.testbed.joint import register_message
 
 SECRET = "unit-secret-0123456789abcdef-xyz"
 TRAINING = TrainingSpec(optimizer=OptimizerSpec(name="adamw", lr=0.1))
@@ -46,19 +47,6 @@ def test_attach_refuses_one_instance_megatron_naming_the_setting():
     check_followable(shard_rules.hsdp(MLP, 2, 2))  # HSDP passes
 
 
-def register(lay, group: str, full: dict) -> m.Message:
-    """The sharded REGISTER of ``group`` with its slices of ``full`` as the initial state."""
-    g = lay.group(group)
-    params = lay.group_params(group)
-    state = {}
-    for s in g.shards:
-        block = full[s.fqn][tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape))]
-        state[f"p:{s.fqn}"] = (block if s.flat is None else block.reshape(-1)[s.flat[0]:s.flat[1]]).clone()
-    layout = JobLayout(params, [BucketSpec(tuple(i for i, _ in seg if i >= 0)) for seg in g.wire])
-    return m.make(m.REGISTER, state, job="j", step=0, run="r1", layout=layout.to_dict(), ring=None,
-                  training=TRAINING.to_dict(), shards=lay.to_dict(), group=group)
-
-
 @pytest.mark.parametrize("lay", [shard_rules.megatron(MLP, 4, 2, bucket_size=300), shard_rules.hsdp(MLP, 2, 2)],
                          ids=["megatron", "hsdp"])
 def test_appliance_takes_a_sharded_optimizer_groups_registration(lay):
@@ -68,7 +56,7 @@ def test_appliance_takes_a_sharded_optimizer_groups_registration(lay):
     one = shard_rules.megatron(MLP, 4, 2, bucket_size=300, appliances=["appliance-0"]) if lay.scheme == "megatron" \
         else shard_rules.hsdp(MLP, 2, 2, appliances=["appliance-0"])
     for name in names:
-        sa.planes[name]._on_register(register(one, name, full), None)
+        sa.planes[name]._on_register(register_message(one, name, full, TRAINING.to_dict()), None)
     assert sa.wait_registered(0) and sa.steps() == {n: 0 for n in names}
     for name in names:  # each replica holds its slices: 1-d flat ranges or dim-0 blocks, as laid out
         held = sa.planes[name].replica.named_tensors(optimizer=False)
@@ -78,3 +66,35 @@ def test_appliance_takes_a_sharded_optimizer_groups_registration(lay):
     with pytest.raises(SchemaError, match="not the ring of DP group"):  # global shapes are not a group's ring
         m.make(m.REGISTER, job="j", step=0, layout=lay.global_layout().to_dict(), training=TRAINING.to_dict(),
                shards=lay.to_dict(), group=names[1])
+
+
+@pytest.mark.parametrize("lay", [shard_rules.zero(MLP, 3, reduce_bucket_size=600, appliances=["appliance-0"]),
+                                 shard_rules.megatron(MLP, 4, 2, bucket_size=300, appliances=["appliance-0"])],
+                         ids=["zero", "megatron"])
+def test_joint_checkpoint_of_flat_slices_loads_into_the_unsharded_model(tmp_path, lay):
+    """One appliance process registers every partition (flat ranges cutting rows in two) and writes
+    the joint checkpoint; dcp.load (restore.load_into) puts each range back at its place."""
+    from mirrorckpt.tools.testbed.harness import free_port
+    from mirrorckpt.tools.testbed.joint import registered_joint_main
+    from mirrorckpt.tools.testbed.sharded_rig import CTX, wait_file
+    from mirrorckpt.updater import restore
+    from mirrorckpt.updater.manifest import read_manifest
+
+    model, _ = plain_job()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.save(full, tmp_path / "weights.pt")
+    proc = CTX.Process(target=registered_joint_main, args=(lay.to_dict(), str(tmp_path / "weights.pt"),
+                                                           f"127.0.0.1:{free_port()}", str(tmp_path / "root"),
+                                                           str(tmp_path / "result.json")))
+    proc.start()
+    out = wait_file(tmp_path / "result.json", 60, [proc])
+    proc.join(30)
+    assert "fatal" not in out, out.get("fatal")
+    sel = restore.select(tmp_path / "root", verify_data=True)
+    assert str(sel.path) == out["committed"] and not sel.problems
+    tensors = read_manifest(sel.path)["tensors"]
+    assert max(len(tensors[f"model.{p.name}"]["chunks"]) for p in MLP) > 2  # ranges cutting rows: several boxes
+    fresh, opt = plain_job()
+    restore.load_into(fresh, opt, tmp_path / "root")
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p, full[n]), n

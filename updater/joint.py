@@ -122,19 +122,25 @@ def shard_chunks(layout: ShardedLayout, group: str, flat: dict) -> tuple[list[Ch
 
 def merge_objects(layout: ShardedLayout, per_group: list[dict]) -> dict:
     """The non-tensor values of the joint checkpoint from every group's: param groups list every
-    FQN (model order), extras describe the whole model; any other disagreement is an error."""
+    FQN (model order), the parameters no step has touched are every group's together,
+    extras describe the whole model; any other disagreement is an error."""
     order = {p.name: i for i, p in enumerate(layout.params)}
     out: dict = {}
+    unstepped: set | None = None
     for objs in per_group:
         for k, v in objs.items():
             if k.startswith("optim.param_groups.") and k.endswith(".params"):
                 out[k] = sorted(set(out.get(k, [])) | set(v), key=order.__getitem__)
+            elif k == "extra.unstepped":  # each group lists its own slices' parameters
+                unstepped = (unstepped or set()) | set(loads(v))
             elif k == "extra.layout":
                 continue
             elif k in out and out[k] != v:
                 raise JointSaveError(f"groups disagree on {k}: {str(out[k])[:80]} vs {str(v)[:80]}")
             else:
                 out[k] = v
+    if unstepped is not None:
+        out["extra.unstepped"] = dumps(sorted(unstepped), "unstepped")
     out["extra.layout"] = dumps(layout.global_layout().to_dict(), "layout")
     out["extra.shards"] = dumps(layout.to_dict(), "shards")
     return out
