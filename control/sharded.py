@@ -123,6 +123,11 @@ def fsdp_units(module) -> list[list[str]] | None:
         if isinstance(m, FSDPModule):
             found = True
             for group in m._get_fsdp_state()._fsdp_param_groups:
+                mp = group.mp_policy
+                reduce = mp.reduce_dtype or mp.param_dtype or torch.float32
+                if reduce != torch.float32:
+                    raise ValueError(f"FSDP2 unit {type(m).__name__} reduces its gradients in {reduce}; the sharded "
+                                     "link follows float32 reduction (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
                 unit = [names[id(fp.sharded_param)] for fp in group.fsdp_params if id(fp.sharded_param) in names]
                 (root if m is module else inner).append(unit)
     if not found:

@@ -5,8 +5,8 @@ both shards followed through their GoCkpt fallbacks, one joint checkpoint equal 
 full state, and a resumed job that restores it rank after rank (no collective): from the
 appliances and from disk into HSDP 2 x 2 (the appliance-restored job then trains on bit-exactly),
 into FSDP2 with 4 shards, into HSDP with 4 replicas, and in this process into the unsharded model.
-The resumed job also reports that attach refuses pure FSDP (naming dp_replicate) and that plain
-``attach`` refuses the HSDP model (it names attach_sharded)."""
+The resumed job also reports that attach refuses pure FSDP (naming dp_replicate) and HSDP reducing
+in bf16, and that plain ``attach`` refuses the HSDP model (it names attach_sharded)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ def test_pure_fsdp_and_plain_attach_are_refused_in_words(run):
         said = r["refused"]
         assert "pure FSDP" in said["pure_fsdp"] and "dp_replicate >= 2" in said["pure_fsdp"]
         assert "attach_sharded" in said["plain_attach"]
+        assert "reduces its gradients in torch.bfloat16" in said["bf16_reduce"]
 
 
 def test_job_restored_from_the_appliances_trains_on_bit_exactly(run):

@@ -18,8 +18,8 @@ rank after rank (each waits for the previous one: a collective inside a restore 
 from its group's appliance (``restore_sharded`` with the step), and from disk into a second HSDP
 model (``restore.load_into``); then, together, from disk into FSDP2 on a 1-d mesh of 4 ranks and
 into HSDP with 4 replicas of 1 shard; it saves each full state (``<how>_<step>.pt``), reports what
-``attach_sharded`` says to the pure FSDP model and plain ``attach`` to an HSDP one, and trains the
-appliance-restored model on to ``steps``.
+``attach_sharded`` says to the pure FSDP model and to HSDP reducing in bf16, and plain ``attach``
+to an HSDP one, and trains the appliance-restored model on to ``steps``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ MAX_NORM = 0.05  # below the gradients' norm: every step clips
 MESH = ("dp_replicate", "dp_shard")
 
 
-def build(mesh, seed: int = 3):
+def build(mesh, seed: int = 3, **fsdp):
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
@@ -43,8 +43,8 @@ def build(mesh, seed: int = 3):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(DIMS[0], DIMS[1]), nn.ReLU(), nn.Linear(DIMS[1], DIMS[2]))
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **fsdp)
+    fully_shard(model, mesh=mesh, **fsdp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     return model, opt
 
@@ -103,12 +103,19 @@ def _save(out: Path, rank: int, name: str, state: dict) -> None:
         torch.save(state, out / f"{name}.pt")
 
 
-def _refusals(pure_fsdp, hsdp, addrs) -> dict:
-    """What attach says to a pure FSDP job, and plain ``attach`` to an HSDP one."""
+def _refusals(pure_fsdp, hsdp, addrs, mesh) -> dict:
+    """What attach says to a pure FSDP job, to HSDP reducing in bf16, and plain ``attach`` to HSDP."""
+    import torch
     from mirrorckpt.control.sharded import NotFollowable, attach_sharded
     from mirrorckpt.control.trainer import attach
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     out = {}
+    try:
+        attach_sharded(*build(mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), appliances=addrs,
+                       secret=SECRET)
+    except ValueError as e:
+        out["bf16_reduce"] = str(e)
     try:
         attach_sharded(*pure_fsdp, appliances=addrs, secret=SECRET)
     except NotFollowable as e:
@@ -159,7 +166,7 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
                 others[name] = build(init_device_mesh("cpu", shape, mesh_dim_names=MESH[-len(shape):]), seed=97)
                 load_into(*others[name], restore)
                 _save(outd, rank, f"{name}_{start}", full_state(*others[name]))
-            res["refused"] = _refusals(others["fsdp4"], (disk, disk_opt), addrs)
+            res["refused"] = _refusals(others["fsdp4"], (disk, disk_opt), addrs, mesh)
             _save(outd, rank, f"state_{start}", full_state(model, opt))
         else:
             link = attach_sharded(model, opt, mesh, appliances=addrs, secret=SECRET, parts=parts, job="hsdp-rig",
