@@ -60,7 +60,8 @@ def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tupl
     rest = (0,) * (len(shape) - 1)
 
     def rows(row: int, lo: int, hi: int) -> list:
-        return [((row, *o), (1, *sh), row * inner + a, row * inner + b) for o, sh, a, b in flat_boxes(shape[1:], lo, hi)]
+        return [((row, *o), (1, *sh), row * inner + a, row * inner + b)
+                for o, sh, a, b in flat_boxes(shape[1:], lo, hi)]
 
     if first == last:
         return rows(first, first_col, last_col)

@@ -119,17 +119,18 @@ def fsdp_units(module) -> list[list[str]] | None:
 
     names = {id(p): n for n, p in reducer_params(module)}
     inner, root, found = [], [], False
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
             found = True
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            for group in sub._get_fsdp_state()._fsdp_param_groups:
                 mp = group.mp_policy
                 reduce = mp.reduce_dtype or mp.param_dtype or torch.float32
                 if reduce != torch.float32:
-                    raise ValueError(f"FSDP2 unit {type(m).__name__} reduces its gradients in {reduce}; the sharded "
-                                     "link follows float32 reduction (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
+                    raise ValueError(f"FSDP2 unit {type(sub).__name__} reduces its gradients in {reduce}; the "
+                                     "sharded link follows float32 reduction "
+                                     "(MixedPrecisionPolicy(reduce_dtype=torch.float32))")
                 unit = [names[id(fp.sharded_param)] for fp in group.fsdp_params if id(fp.sharded_param) in names]
-                (root if m is module else inner).append(unit)
+                (root if sub is module else inner).append(unit)
     if not found:
         return None
     return [u for u in list(reversed(inner)) + root if u]
@@ -283,7 +284,7 @@ class ShardLink(TrainerLink):
             raise ValueError(f"rank {dist.get_rank()} is not in DP group {group} (ranks {g.ranks})")
         named = reducer_params(unwrap(model))
         have = [(n, tuple(local(p).shape)) for n, p in named]
-        want = [(s.fqn, tuple(s.shape)) for s in g.shards]
+        want = [(s.fqn, s.local_shape) for s in g.shards]
         if have != want:
             raise ValueError(f"the module's parameters are not DP group {group}'s slices: {have[:3]}... vs "
                              f"{want[:3]}...")

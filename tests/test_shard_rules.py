@@ -68,6 +68,13 @@ def test_hsdp_cuts_dim0_as_fsdp2_and_pads_its_reduce_buffer():
     assert lay.group_params("pp0-tp0-sh1")[0] == ParamSpec("0.weight", (16, 16))
     back = shards.ShardedLayout.from_dict(lay.to_dict())
     assert back.to_dict() == lay.to_dict() and back.digest() == lay.digest()
+    # "avg": FSDP2 on GPUs reduce-scatters and all-reduces float32 gradients with ncclAvg
+    from torch.distributed import ReduceOp
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    group = type("Group", (), {"size": lambda self: 2})()
+    assert _get_gradient_divide_factors(group, group, torch.float32, "cuda") == (None, None, ReduceOp.AVG,
+                                                                                 ReduceOp.AVG)
     with pytest.raises(ValueError, match="leaves FSDP shard 3 of 4 empty"):
         shard_rules.hsdp([ParamSpec("w", (3, 2))], 2, 4)
     with pytest.raises(ValueError, match="every parameter exactly once"):

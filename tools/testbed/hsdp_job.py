@@ -81,7 +81,8 @@ class WireCheck:
                 piece = buf[pos:pos + n]
                 want = torch.zeros(n) if i < 0 else self.params[self.group.shards[i].fqn].grad.to_local().reshape(-1)
                 if not torch.equal(piece, want):
-                    raise AssertionError(f"segment ({i}, {n}) at {pos} is not {'padding' if i < 0 else 'that gradient'}")
+                    what = "padding" if i < 0 else "that gradient"
+                    raise AssertionError(f"segment ({i}, {n}) at {pos} is not {what}")
                 pos += n
         self.seen.clear()
         self.checked += 1
@@ -136,7 +137,7 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
         import torch
         import torch.distributed as dist
         from mirrorckpt.control.sharded import attach_sharded, restore_sharded
-        from mirrorckpt.tools.testbed.sharded_rig import hold_for_fallback
+        from mirrorckpt.tools.testbed.sharded_rig import end_rank, hold_for_fallback
         from mirrorckpt.updater import ckptdir
         from mirrorckpt.updater.restore import load_into
         from torch import nn
@@ -195,11 +196,8 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
             _save(outd, rank, f"state_{step + 1}", full_state(model, opt))
         res["clipped_steps"] = clipped
         res["wire_checked"] = wire.checked if wire is not None else 0
-        if link is not None:
-            link.close()
-            res["fallbacks"] = link.stats.fallbacks
         res["steps_done"] = steps
-        dist.destroy_process_group()
+        end_rank(link, res)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         res["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     _write(result, res)
