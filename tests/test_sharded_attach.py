@@ -68,33 +68,35 @@ def test_appliance_takes_a_sharded_optimizer_groups_registration(lay):
                shards=lay.to_dict(), group=names[1])
 
 
-@pytest.mark.parametrize("lay", [shard_rules.zero(MLP, 3, reduce_bucket_size=600, appliances=["appliance-0"]),
-                                 shard_rules.megatron(MLP, 4, 2, bucket_size=300, appliances=["appliance-0"])],
-                         ids=["zero", "megatron"])
-def test_joint_checkpoint_of_flat_slices_loads_into_the_unsharded_model(tmp_path, lay):
-    """One appliance process registers every partition (flat ranges cutting rows in two) and writes
-    the joint checkpoint; dcp.load (restore.load_into) puts each range back at its place."""
+def test_joint_checkpoint_of_flat_slices_loads_into_the_unsharded_model(tmp_path):
+    """One appliance process registers every ZeRO partition, then every Megatron shard (flat ranges
+    cutting rows in two), and writes a joint checkpoint of each; dcp.load (restore.load_into) puts
+    each range back at its place."""
     from mirrorckpt.tools.testbed.harness import free_port
     from mirrorckpt.tools.testbed.joint import registered_joint_main
     from mirrorckpt.tools.testbed.sharded_rig import CTX, wait_file
     from mirrorckpt.updater import restore
     from mirrorckpt.updater.manifest import read_manifest
 
+    layouts = [shard_rules.zero(MLP, 3, reduce_bucket_size=600, appliances=["appliance-0"]),
+               shard_rules.megatron(MLP, 4, 2, bucket_size=300, appliances=["appliance-0"])]
+    roots = [tmp_path / "zero", tmp_path / "megatron"]
     model, _ = plain_job()
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.save(full, tmp_path / "weights.pt")
-    proc = CTX.Process(target=registered_joint_main, args=(lay.to_dict(), str(tmp_path / "weights.pt"),
-                                                           f"127.0.0.1:{free_port()}", str(tmp_path / "root"),
-                                                           str(tmp_path / "result.json")))
+    proc = CTX.Process(target=registered_joint_main, args=([lay.to_dict() for lay in layouts],
+                                                           str(tmp_path / "weights.pt"), f"127.0.0.1:{free_port()}",
+                                                           [str(r) for r in roots], str(tmp_path / "result.json")))
     proc.start()
-    out = wait_file(tmp_path / "result.json", 60, [proc])
+    out = wait_file(tmp_path / "result.json", 90, [proc])
     proc.join(30)
     assert "fatal" not in out, out.get("fatal")
-    sel = restore.select(tmp_path / "root", verify_data=True)
-    assert str(sel.path) == out["committed"] and not sel.problems
-    tensors = read_manifest(sel.path)["tensors"]
-    assert max(len(tensors[f"model.{p.name}"]["chunks"]) for p in MLP) > 2  # ranges cutting rows: several boxes
-    fresh, opt = plain_job()
-    restore.load_into(fresh, opt, tmp_path / "root")
-    for n, p in fresh.named_parameters():
-        assert torch.equal(p, full[n]), n
+    for root, committed in zip(roots, out["committed"], strict=True):
+        sel = restore.select(root, verify_data=True)
+        assert str(sel.path) == committed and not sel.problems
+        tensors = read_manifest(sel.path)["tensors"]
+        assert max(len(tensors[f"model.{p.name}"]["chunks"]) for p in MLP) > 2  # ranges cutting rows: several boxes
+        fresh, opt = plain_job()
+        restore.load_into(fresh, opt, root)
+        for n, p in fresh.named_parameters():
+            assert torch.equal(p, full[n]), (root.name, n)

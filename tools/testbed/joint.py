@@ -155,11 +155,11 @@ def register_message(layout, group: str, full: dict, training: dict):
                   shards=layout.to_dict(), group=group)
 
 
-def registered_joint_main(layout: dict, weights: str, address: str, root: str, result: str):
-    """One appliance process following every group of ``layout``: each group's plane takes its
-    registration with its slices of the weights saved at ``weights`` (FQN -> tensor), then one joint
-    round writes them (step 0)."""
-    out: dict = {}
+def registered_joint_main(layouts: list[dict], weights: str, address: str, roots: list[str], result: str):
+    """One appliance process following every group of each of ``layouts`` in turn: each group's
+    plane takes its registration with its slices of the weights saved at ``weights`` (FQN ->
+    tensor), then one joint round writes them (step 0) under that layout's root."""
+    out: dict = {"committed": []}
     try:
         import torch
         from mirrorckpt.config.shards import ShardedLayout
@@ -167,16 +167,17 @@ def registered_joint_main(layout: dict, weights: str, address: str, root: str, r
         from mirrorckpt.control.sharded_appliance import ShardedAppliance
         from mirrorckpt.updater.joint import init_group
 
-        lay = ShardedLayout.from_dict(layout)
         init_group(address, 0, 1, timeout_s=30)
         full = torch.load(weights)
         training = TrainingSpec(optimizer=OptimizerSpec(name="adamw", lr=0.01)).to_dict()
-        sa = ShardedAppliance(SECRET, lay.appliances[0], [g.name for g in lay.groups])
-        for g in lay.groups:
-            sa.planes[g.name]._on_register(register_message(lay, g.name, full, training), None)
-        sa.open_joint(root)
-        out["committed"] = str(sa.save_round())
-        sa.stop()
+        for layout, root in zip(layouts, roots):
+            lay = ShardedLayout.from_dict(layout)
+            sa = ShardedAppliance(SECRET, lay.appliances[0], [g.name for g in lay.groups])
+            for g in lay.groups:
+                sa.planes[g.name]._on_register(register_message(lay, g.name, full, training), None)
+            sa.open_joint(root)
+            out["committed"].append(str(sa.save_round()))
+            sa.stop()
     except BaseException as e:  # noqa: BLE001
         out["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     _write(result, out)
