@@ -1,12 +1,20 @@
-"""The layout of a sharded job: TP x PP model shards, each trained by one data-parallel group.
+"""The layout of a sharded job: model shards, each trained by the ranks of one all-reduce ring.
 
-A job with TP x PP model shards has TP*PP DP groups; group (stage s, TP rank t) all-reduces only the
-gradients of its own slices over its own ring. For each group this says where every slice sits
-in the global model (parameter FQN, global shape, TP dimension and offset), which global ranks
-form its ring and which appliance follows it. Slices follow DTensor's ``Shard(dim)`` placement
-(``torch.chunk``: ceil-sized pieces, the last may be smaller), so a checkpoint cut this way loads
-into a DTensor layout unchanged. A parameter that is not TP-sharded (``tp_dim`` None, e.g. a
-row-parallel layer's bias) is held whole by every TP group of its stage.
+A job with TP x PP model shards, and within each of them ``shards`` optimizer shard indices
+(FSDP2 HSDP, DeepSpeed ZeRO-1/2, Megatron's distributed optimizer: ``config.shard_rules``), has
+TP*PP*shards groups; a group all-reduces only the gradients of its own slices over its ring.
+For each group this says where every slice sits in the global model (parameter FQN, global
+shape, offset), which global ranks form its ring, which appliance follows it and, when the
+framework pads or packs them, how its all-reduces lay out their flat buffers (``wire``).
+
+A slice is a block of the global tensor cut as DTensor's ``Shard(dim)`` cuts it (``torch.chunk``:
+ceil-sized pieces, the last may be smaller; TP's Shard(d), FSDP2's Shard(0)), so a checkpoint cut
+this way loads into a DTensor layout unchanged; or, for optimizers that flatten parameters into
+one buffer and partition that (ZeRO, Megatron), a flat range of such a block (``flat``: start and
+stop in the block's row-major order), which the group holds as a 1-d tensor and a checkpoint
+stores as the few boxes of the global tensor the range covers (``flat_boxes``). A parameter that
+is not TP-sharded (``tp_dim`` None, e.g. a row-parallel layer's bias) is held whole by every TP
+group of its stage.
 
 Global ranks are laid out as torch's DeviceMesh(["pp", "dp", "tp"]) does: the TP rank varies
 fastest, then the DP rank, then the stage. Everything round-trips through plain dicts.
@@ -31,41 +39,130 @@ def tp_range(size: int, tp: int, rank: int) -> tuple[int, int]:
     return lo, min(lo + step, size) - lo
 
 
+def group_name(pp_stage: int, tp_rank: int, shard: int | None = None) -> str:
+    """"pp<s>-tp<t>", and "-sh<k>" for optimizer shard index k of a job with several."""
+    return f"pp{pp_stage}-tp{tp_rank}" + (f"-sh{shard}" if shard is not None else "")
+
+
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple, tuple, int, int]]:
+    """Elements [start, stop) of a row-major tensor of ``shape`` as boxes (offset, shape, start,
+    stop): at most 2*ndim-1, each contiguous in row-major order (fixed leading indices, a range on
+    one dimension, the trailing dimensions whole), in order."""
+    if not 0 <= start <= stop <= math.prod(shape):
+        raise ValueError(f"flat range [{start}, {stop}) outside a tensor of shape {list(shape)}")
+    if start == stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,) if shape else (), (stop - start,) if shape else (), start, stop)]
+    inner = math.prod(shape[1:])
+    first, first_col = divmod(start, inner)
+    last, last_col = divmod(stop, inner)
+    rest = (0,) * (len(shape) - 1)
+
+    def rows(row: int, lo: int, hi: int) -> list:
+        return [((row, *o), (1, *sh), row * inner + a, row * inner + b)
+                for o, sh, a, b in flat_boxes(shape[1:], lo, hi)]
+
+    if first == last:
+        return rows(first, first_col, last_col)
+    out = []
+    if first_col:
+        out += rows(first, first_col, inner)
+        first += 1
+    if last > first:
+        out.append(((first, *rest), (last - first, *shape[1:]), first * inner, last * inner))
+    if last_col:
+        out += rows(last, 0, last_col)
+    return out
+
+
+def boxes_disjoint(a: tuple[tuple, tuple], b: tuple[tuple, tuple]) -> bool:
+    """Two boxes (offset, shape) of one tensor share no element."""
+    return any(oa + na <= ob or ob + nb <= oa for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1]))
+
+
 @dataclass(frozen=True)
 class Shard:
-    """One DP group's slice of a global parameter."""
+    """One group's slice of a global parameter: a block, or a flat range of one."""
 
     fqn: str
     global_shape: tuple[int, ...]
-    tp_dim: int | None  # None: the whole tensor (replicated across TP ranks)
-    offset: tuple[int, ...]  # start of the slice in the global tensor
-    shape: tuple[int, ...]  # the slice's shape (the group's parameter shape)
+    tp_dim: int | None  # the dimension the block is cut along (TP's or FSDP2's Shard(d)); None: whole
+    offset: tuple[int, ...]  # start of the block in the global tensor
+    shape: tuple[int, ...]  # the block's shape
     dtype: str = "float32"
+    flat: tuple[int, int] | None = None  # (start, stop) in the block's row-major order: the group holds that range
 
     @property
     def whole(self) -> bool:
-        return tuple(self.shape) == tuple(self.global_shape)
+        return self.flat is None and tuple(self.shape) == tuple(self.global_shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape the group holds (its parameter's shape on the ring and in the replica)."""
+        return tuple(self.shape) if self.flat is None else (self.flat[1] - self.flat[0],)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def boxes(self) -> list[tuple[tuple, tuple, int, int]]:
+        """The slice as boxes of the global tensor: (global offset, shape, start, stop), start and
+        stop counted in the slice's own (flattened) elements."""
+        if self.flat is None:
+            return [(tuple(self.offset), tuple(self.shape), 0, self.numel)]
+        lo = self.flat[0]
+        return [(tuple(o + p for o, p in zip(self.offset, off)), sh, a - lo, b - lo)
+                for off, sh, a, b in flat_boxes(tuple(self.shape), *self.flat)]
 
     def to_dict(self) -> dict:
-        return {"fqn": self.fqn, "global_shape": list(self.global_shape), "tp_dim": self.tp_dim,
-                "offset": list(self.offset), "shape": list(self.shape), "dtype": self.dtype}
+        d = {"fqn": self.fqn, "global_shape": list(self.global_shape), "tp_dim": self.tp_dim,
+             "offset": list(self.offset), "shape": list(self.shape), "dtype": self.dtype}
+        if self.flat is not None:
+            d["flat"] = list(self.flat)
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> Shard:
+        flat = d.get("flat")
         return Shard(d["fqn"], tuple(d["global_shape"]), d.get("tp_dim"), tuple(d["offset"]), tuple(d["shape"]),
-                     d.get("dtype", "float32"))
+                     d.get("dtype", "float32"), (int(flat[0]), int(flat[1])) if flat is not None else None)
+
+
+PAD = -1  # a wire segment that is none of the group's slices (padding, or another group's slice)
 
 
 @dataclass
 class DpGroup:
-    """A DP group: the ring of one model shard."""
+    """A group: the ring of one model shard (one optimizer shard index of it)."""
 
     name: str
     pp_stage: int
     tp_rank: int
-    ranks: list[int]  # global ranks, in DP order (DP rank i is ranks[i])
+    ranks: list[int]  # global ranks of its all-reduce ring, in ring (DP) order
     appliance: str  # which appliance follows this ring
     shards: list[Shard]  # in the group's parameter order
+    shard_index: int = 0  # the optimizer shard index (0 when the optimizer is not sharded)
+    # The ring's all-reduces, in order, each its flat buffer as segments (slice index or PAD,
+    # elements); None: DDP's buckets over the slices (registered by the trainer)
+    wire: list[list[tuple[int, int]]] | None = None
+
+    def __post_init__(self):
+        if self.wire is None:
+            return
+        seen: dict[int, int] = {}
+        for b, segments in enumerate(self.wire):
+            for i, n in segments:
+                if n <= 0 or not (i == PAD or 0 <= i < len(self.shards)):
+                    raise ValueError(f"group {self.name}: all-reduce {b} has segment ({i}, {n})")
+                if i != PAD:
+                    if i in seen or n != self.shards[i].numel:
+                        raise ValueError(f"group {self.name}: slice {self.shards[i].fqn} sits in the all-reduces "
+                                         f"more than once or with {n} of its {self.shards[i].numel} elements")
+                    seen[i] = n
+        if len(seen) != len(self.shards):
+            missing = [s.fqn for i, s in enumerate(self.shards) if i not in seen]
+            raise ValueError(f"group {self.name}: slices in no all-reduce: {missing[:3]}")
 
     def shard(self, fqn: str) -> Shard:
         for s in self.shards:
@@ -73,30 +170,54 @@ class DpGroup:
                 return s
         raise KeyError(f"group {self.name} holds no slice of {fqn}")
 
+    def wire_numel(self) -> list[int]:
+        """Elements of each all-reduce of the ring (padding included)."""
+        return [sum(n for _, n in segments) for segments in self.wire or []]
+
     def to_dict(self) -> dict:
-        return {"name": self.name, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "ranks": list(self.ranks),
-                "appliance": self.appliance, "shards": [s.to_dict() for s in self.shards]}
+        d = {"name": self.name, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "ranks": list(self.ranks),
+             "appliance": self.appliance, "shards": [s.to_dict() for s in self.shards]}
+        if self.shard_index:
+            d["shard_index"] = self.shard_index
+        if self.wire is not None:
+            d["wire"] = [[[i, n] for i, n in segments] for segments in self.wire]
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> DpGroup:
+        wire = d.get("wire")
         return DpGroup(d["name"], int(d["pp_stage"]), int(d["tp_rank"]), [int(r) for r in d["ranks"]],
-                       d["appliance"], [Shard.from_dict(s) for s in d["shards"]])
+                       d["appliance"], [Shard.from_dict(s) for s in d["shards"]], int(d.get("shard_index", 0)),
+                       [[(int(i), int(n)) for i, n in segments] for segments in wire] if wire is not None else None)
+
+
+# how a ring all-reduce averages: x*(1/N) then SUM; x/N then SUM; NCCL's ncclAvg; SUM then x*(1/N)
+AVERAGES = ("premul", "prediv", "avg", "postmul")
 
 
 @dataclass
 class ShardedLayout:
     tp: int
     pp: int
-    dp: int
+    dp: int  # ranks in each group's ring
     params: list[ParamSpec]  # the global model, in its parameter order
     groups: list[DpGroup]
     appliances: list[str] = field(default_factory=list)  # rank in the appliances' group = index here
+    shards: int = 1  # optimizer shard indices per (stage, TP rank)
+    scheme: str = "dtensor"  # who laid it out: dtensor (TP/PP), fsdp2, zero, megatron (config.shard_rules)
+    average: str = "premul"  # how the ring's all-reduce averages (AVERAGES)
+    # why the job's optimizer state cannot be followed exactly from its all-reduces, and the setting
+    # that makes it followable; None: it can
+    refusal: str | None = None
 
     def __post_init__(self):
-        if min(self.tp, self.pp, self.dp) < 1:
-            raise ValueError(f"tp, pp and dp must be >= 1, got {self.tp}, {self.pp}, {self.dp}")
-        if len(self.groups) != self.tp * self.pp:
-            raise ValueError(f"{len(self.groups)} DP groups for TP={self.tp} x PP={self.pp}")
+        if min(self.tp, self.pp, self.dp, self.shards) < 1:
+            raise ValueError(f"tp, pp, dp and shards must be >= 1, got {self.tp}, {self.pp}, {self.dp}, {self.shards}")
+        if len(self.groups) != self.tp * self.pp * self.shards:
+            raise ValueError(f"{len(self.groups)} groups for TP={self.tp} x PP={self.pp} x {self.shards} optimizer "
+                             "shards")
+        if self.average not in AVERAGES:
+            raise ValueError(f"average {self.average!r} is not one of {', '.join(AVERAGES)}")
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
             raise ValueError(f"DP group names repeat: {names}")
@@ -107,12 +228,15 @@ class ShardedLayout:
                 raise ValueError(f"group {g.name} is followed by {g.appliance!r}, not one of {self.appliances}")
             if len(g.ranks) != self.dp:
                 raise ValueError(f"group {g.name} lists {len(g.ranks)} ranks for DP={self.dp}")
+            if not 0 <= g.shard_index < self.shards:
+                raise ValueError(f"group {g.name}: optimizer shard index {g.shard_index} outside 0..{self.shards - 1}")
         self._check_cover()
 
     def _check_cover(self) -> None:
-        """Every global parameter is cut into disjoint slices that cover it, once per stage."""
+        """Every global parameter is cut into disjoint slices that cover it, once per stage (TP
+        groups may each hold the same whole or FSDP-cut piece: those count once)."""
         by_name = {p.name: p for p in self.params}
-        pieces: dict[str, list[Shard]] = {}
+        pieces: dict[str, set] = {}
         for g in self.groups:
             for s in g.shards:
                 p = by_name.get(s.fqn)
@@ -121,15 +245,21 @@ class ShardedLayout:
                 if tuple(s.global_shape) != tuple(p.shape):
                     raise ValueError(f"group {g.name}: {s.fqn} has global shape {list(s.global_shape)}, "
                                      f"the model {list(p.shape)}")
-                if len(s.offset) != len(p.shape) or any(o + n > m for o, n, m in zip(s.offset, s.shape, p.shape)):
+                if len(s.offset) != len(p.shape) or len(s.shape) != len(p.shape) or \
+                        any(o + n > m for o, n, m in zip(s.offset, s.shape, p.shape)):
                     raise ValueError(f"group {g.name}: slice {list(s.offset)}+{list(s.shape)} of {s.fqn} "
                                      f"lies outside {list(p.shape)}")
-                pieces.setdefault(s.fqn, []).append(s)
+                if s.flat is not None and not 0 <= s.flat[0] < s.flat[1] <= math.prod(s.shape):
+                    raise ValueError(f"group {g.name}: flat range {list(s.flat)} of {s.fqn}'s block {list(s.shape)}")
+                pieces.setdefault(s.fqn, set()).update((g.shard_index, off, sh) for off, sh, _, _ in s.boxes())
         for p in self.params:
-            got = {(tuple(s.offset), tuple(s.shape)) for s in pieces.get(p.name, [])}
-            if sum(math.prod(shape) for _, shape in got) != p.numel:
+            held = pieces.get(p.name, set())
+            got = sorted({(off, sh) for _, off, sh in held})
+            overlap = next(((a, b) for i, a in enumerate(got) for b in got[i + 1:] if not boxes_disjoint(a, b)), None)
+            # a box two optimizer shard indices both claim is held twice
+            if overlap is not None or len(held) != len(got) or sum(math.prod(sh) for _, sh in got) != p.numel:
                 raise ValueError(f"the groups' slices of {p.name} do not cover it exactly once: "
-                                 f"{sorted(got)} of {list(p.shape)}")
+                                 f"{got[:6]} of {list(p.shape)}")
 
     # ---- views ---------------------------------------------------------------------------
 
@@ -147,22 +277,31 @@ class ShardedLayout:
         return JobLayout(params=list(self.params), buckets=[BucketSpec(tuple(range(len(self.params))))])
 
     def group_params(self, name: str) -> list[ParamSpec]:
-        """The group's parameters as its ring carries them: global FQNs, slice shapes."""
-        return [ParamSpec(s.fqn, tuple(s.shape), s.dtype) for s in self.group(name).shards]
+        """The group's parameters as its ring carries them: global FQNs, slice shapes (1-d for a
+        flat range)."""
+        return [ParamSpec(s.fqn, s.local_shape, s.dtype) for s in self.group(name).shards]
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp,
-                "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.params],
-                "groups": [g.to_dict() for g in self.groups], "appliances": list(self.appliances)}
+        d = {"tp": self.tp, "pp": self.pp, "dp": self.dp,
+             "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.params],
+             "groups": [g.to_dict() for g in self.groups], "appliances": list(self.appliances)}
+        # only what differs from a TP/PP layout: such a layout keeps its dict (and digest)
+        extra = {"shards": self.shards, "scheme": self.scheme, "average": self.average, "refusal": self.refusal}
+        d.update({k: v for k, v in extra.items() if v != _DEFAULTS[k]})
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> ShardedLayout:
         return ShardedLayout(int(d["tp"]), int(d["pp"]), int(d["dp"]),
                              [ParamSpec(p["name"], tuple(p["shape"]), p.get("dtype", "float32")) for p in d["params"]],
-                             [DpGroup.from_dict(g) for g in d["groups"]], list(d.get("appliances") or []))
+                             [DpGroup.from_dict(g) for g in d["groups"]], list(d.get("appliances") or []),
+                             **{k: d.get(k, v) for k, v in _DEFAULTS.items()})
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+_DEFAULTS = {"shards": 1, "scheme": "dtensor", "average": "premul", "refusal": None}
 
 
 def global_rank(pp_stage: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
@@ -179,7 +318,7 @@ def build(params: list[ParamSpec], plan: dict[str, tuple[int | None, int]], tp: 
     if missing:
         raise ValueError(f"no TP/PP placement for {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1
                                                                    else ""))
-    names = [f"pp{s}-tp{t}" for s in range(pp) for t in range(tp)]
+    names = [group_name(s, t) for s in range(pp) for t in range(tp)]
     appliances = list(appliances) if appliances else [f"appliance-{i}" for i in range(len(names))]
     groups = []
     for k, name in enumerate(names):

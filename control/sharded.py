@@ -1,5 +1,6 @@
-"""Trainer side of a sharded (TP x PP x DP) job: its layout read from the DTensor modules, one
-control link per DP group, and a restore in which every rank pulls its own shard.
+"""Trainer side of a sharded job (TP x PP x DP, or a sharded optimizer: FSDP2 HSDP): its layout read
+from the DTensor modules, one control link per group, and a restore in which every rank pulls its
+own shard.
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {...ColwiseParallel()/RowwiseParallel()...})
@@ -15,26 +16,40 @@ dimension (or ``pp_stage``/``pp``) and holds only its own modules, named by thei
 reports form a ``config.shards.ShardedLayout``: one DP group per (stage, TP rank), its global ranks
 in DP order (read from the mesh's DP process group), its slices, and the appliance that follows it.
 
+An FSDP2 model (``fully_shard`` units) is read from its parameters alone, on each rank without a
+collective: the placements on its mesh (``Replicate()`` on the replicate dimension, ``Shard(0)``
+on the shard dimension), the mesh's ranks and each unit's parameters give the layout
+(``config.shard_rules.hsdp``): one group per shard index, whose ring is the replicate group. A
+job whose optimizer state its all-reduces do not carry (pure FSDP on a 1-d mesh; a layout with
+``refusal``, e.g. one-instance Megatron from ``config.shard_rules``) is refused at attach with the
+reason and the setting that makes it followable (``NotFollowable``); ``weights_only=True`` is the
+hook for per-step weight snapshots of such jobs (not available in this version).
+
 ``ShardLink`` is a ``TrainerLink`` on one DP group's shard: the group's DP-rank-0 process talks to
 the control plane that follows the group (``appliances[group]``), registering the group's ring
 (its slices under their global FQNs, local shapes) with the whole sharded layout and the group's
 name (a sharded REGISTER); the other ranks only count steps. GoCkpt parts, fingerprints and
 gradients are the local shards (``to_local()``). The DP all-reduce of the gradients is the
-training loop's (a DDP-style mean over the mesh's DP dimension); its buckets matter only to an
-appliance that follows the ring on the wire.
+training loop's (a DDP-style mean over the mesh's DP dimension, or FSDP2's); its buckets matter
+only to an appliance that follows the ring on the wire (a group with ``wire`` registers one
+bucket per all-reduce, its padding left out). ``link.clip_grad_norm_`` clips by the norm of the
+whole model as torch computes it over DTensor gradients (no pipeline stages) and sends every
+group the coefficient it applied.
 
 ``restore_sharded`` is ``restore_from_appliance`` per shard: each rank sends RESTORE_REQUEST to
 its own group's control plane and loads the reply into its DTensors (local shards); the ranks
-then agree (``all_gather_object``) that every group's state is the same step.
+then agree (``all_gather_object``) that every group's state is the same step, unless the caller
+names the ``step``: then no rank waits for another (an FSDP2 job restores without a collective).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from mirrorckpt.config import shard_rules
 from mirrorckpt.config.ddp import reducer_params
-from mirrorckpt.config.layout import JobLayout, ParamSpec
-from mirrorckpt.config.shards import DpGroup, Shard, ShardedLayout
+from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
+from mirrorckpt.config.shards import PAD, DpGroup, Shard, ShardedLayout, group_name
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.endpoint import ControlClient
 from mirrorckpt.control.trainer import (
@@ -91,18 +106,98 @@ def _mesh_rank(mesh, dim: str | None) -> tuple[int, int, list[int]]:
         dist.get_process_group_ranks(mesh.get_group(dim))
 
 
-def group_name(pp_stage: int, tp_rank: int) -> str:
-    return f"pp{pp_stage}-tp{tp_rank}"
+class NotFollowable(ValueError):
+    """The job's optimizer state cannot be followed exactly from its all-reduces; the message
+    says why and which setting makes the job followable."""
 
 
-def describe(model, mesh, *, appliances: dict[str, str] | None = None, pp_stage: int | None = None,
+def fsdp_units(module) -> list[list[str]] | None:
+    """The FQNs of each FSDP2 ``fully_shard`` unit's parameters (its reduce buffer's order), in
+    the order backward reduces them: the inner units in reverse registration order (the reverse
+    of the forward), the root's own last. None: no FSDP2 unit in ``module``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(p): n for n, p in reducer_params(module)}
+    inner, root, found = [], [], False
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            found = True
+            for group in sub._get_fsdp_state()._fsdp_param_groups:
+                mp = group.mp_policy
+                reduce = mp.reduce_dtype or mp.param_dtype or torch.float32
+                if reduce != torch.float32:
+                    raise ValueError(f"FSDP2 unit {type(sub).__name__} reduces its gradients in {reduce}; the "
+                                     "sharded link follows float32 reduction "
+                                     "(MixedPrecisionPolicy(reduce_dtype=torch.float32))")
+                unit = [names[id(fp.sharded_param)] for fp in group.fsdp_params if id(fp.sharded_param) in names]
+                (root if sub is module else inner).append(unit)
+    if not found:
+        return None
+    return [u for u in list(reversed(inner)) + root if u]
+
+
+def describe_fsdp(model, units: list[list[str]], appliances: dict[str, str] | None = None) -> ShardedLayout:
+    """The layout of an FSDP2 job, from this rank's parameters (no collective): every parameter a
+    DTensor on one mesh, ``(Shard(0),)`` (pure FSDP: the layout comes back with its refusal) or
+    ``(Replicate(), Shard(0))`` (HSDP)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    named = reducer_params(unwrap(model))
+    first = named[0][1]
+    for n, p in named:
+        if p.dtype != torch.float32:
+            raise ValueError(f"{n}: {p.dtype} parameters; the sharded link follows float32 models")
+        if not _is_dtensor(p) or p.device_mesh != first.device_mesh or p.placements != first.placements:
+            raise ValueError(f"{n}: not a DTensor on the FSDP mesh with placements {first.placements} (every "
+                             "parameter must be in a fully_shard unit of one mesh)")
+    place, mesh = tuple(first.placements), first.device_mesh
+    if place == (DShard(0),):
+        ranks = [mesh.mesh.tolist()]
+    elif place == (Replicate(), DShard(0)):
+        ranks = mesh.mesh.tolist()
+    else:
+        raise ValueError(f"FSDP2 parameters placed {place} on mesh {mesh.mesh_dim_names}: the sharded link follows "
+                         "fully_shard on a 1-d mesh (Shard(0)) or a 2-d (replicate, shard) mesh (Replicate(), "
+                         "Shard(0)); TP inside FSDP2 is not supported")
+    params = [ParamSpec(n, tuple(p.shape), "float32") for n, p in named]
+    lay = shard_rules.hsdp(params, len(ranks), len(ranks[0]), units=units, ranks=ranks)
+    if appliances:
+        names = [g.name for g in lay.groups]
+        if sorted(appliances) != sorted(names):
+            raise ValueError(f"appliances name groups {sorted(appliances)}, the job's groups are {names}")
+        lay = shard_rules.hsdp(params, len(ranks), len(ranks[0]), units=units, ranks=ranks,
+                               appliances=[appliances[n] for n in names])
+    return lay
+
+
+def check_followable(layout: ShardedLayout, weights_only: bool = False) -> None:
+    """NotFollowable when the layout's optimizer state cannot be followed exactly; with
+    ``weights_only`` the job asks for weight snapshots instead (not available in this version)."""
+    if layout.refusal is None:
+        return
+    if weights_only:
+        raise NotImplementedError("weights-only protection (per-step weight snapshots from the parameter "
+                                  f"all-gathers) is not available in this version; the job as it is: {layout.refusal}")
+    raise NotFollowable(f"{layout.refusal}. attach refuses the job rather than leave it unprotected")
+
+
+def describe(model, mesh=None, *, appliances: dict[str, str] | None = None, pp_stage: int | None = None,
              pp: int | None = None, dp_dim: str = "dp", tp_dim: str | None = "tp",
              pp_dim: str = "pp") -> ShardedLayout:
-    """The job's ShardedLayout from every rank's parameters (collective: every rank calls it).
-    ``appliances``: DP group name -> name of the appliance that follows it (default: one appliance
-    per group, "appliance-<i>" in group order). ``mesh`` names the DP and (optional) TP dimensions;
-    the stage is the mesh's ``pp_dim`` coordinate when it has one (``pp_stage``/``pp``, if given,
-    must agree), else ``pp_stage`` of ``pp`` (default 0 of 1)."""
+    """The job's ShardedLayout from every rank's parameters (collective: every rank calls it;
+    an FSDP2 model's is read locally, ``describe_fsdp``). ``appliances``: DP group name -> name of
+    the appliance that follows it (default: one appliance per group, "appliance-<i>" in group
+    order). ``mesh`` names the DP and (optional) TP dimensions; the stage is the mesh's ``pp_dim``
+    coordinate when it has one (``pp_stage``/``pp``, if given, must agree), else ``pp_stage`` of
+    ``pp`` (default 0 of 1)."""
+    units = fsdp_units(unwrap(model))
+    if units is not None:
+        if (pp_stage or 0) != 0 or (pp or 1) != 1 or (mesh is not None and pp_dim in (mesh.mesh_dim_names or ())):
+            raise ValueError("FSDP2 with pipeline stages is not supported by the sharded link")
+        return describe_fsdp(model, units, appliances)
+    if mesh is None:
+        raise ValueError("describe needs the job's DeviceMesh (dims named dp, tp, pp)")
     names = mesh.mesh_dim_names or ()
     if dp_dim not in names:
         raise ValueError(f"the mesh has no {dp_dim!r} dimension (dims {mesh.mesh_dim_names})")
@@ -189,7 +284,7 @@ class ShardLink(TrainerLink):
             raise ValueError(f"rank {dist.get_rank()} is not in DP group {group} (ranks {g.ranks})")
         named = reducer_params(unwrap(model))
         have = [(n, tuple(local(p).shape)) for n, p in named]
-        want = [(s.fqn, tuple(s.shape)) for s in g.shards]
+        want = [(s.fqn, s.local_shape) for s in g.shards]
         if have != want:
             raise ValueError(f"the module's parameters are not DP group {group}'s slices: {have[:3]}... vs "
                              f"{want[:3]}...")
@@ -197,27 +292,58 @@ class ShardLink(TrainerLink):
         super().__init__(model, optimizer, appliance=appliance, secret=secret, leader=g.ranks[0], **kw)
 
     def _job_layout(self, order: list[int]) -> JobLayout:
-        return ddp_layout(self.ddp_model, [local(p) for p in self.model_params], self.names, order)
+        g = self.shards.group(self.group)
+        if g.wire is None:
+            return ddp_layout(self.ddp_model, [local(p) for p in self.model_params], self.names, order)
+        # the framework's own all-reduces (config.shard_rules), one bucket each; their padding is in ``shards``
+        return JobLayout([ParamSpec(s.fqn, s.local_shape, "float32") for s in g.shards],
+                         [BucketSpec(tuple(i for i, _ in segments if i != PAD)) for segments in g.wire],
+                         grad_dtype=self.grad_dtype)
 
     def _register_extra(self) -> dict:
         return {"shards": self.shards.to_dict(), "group": self.group}
 
-    def clip_grad_norm_(self, *a, **kw):
-        raise ValueError("clipping through a sharded link is not supported: the norm spans every TP/PP group")
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every group's
+        DTensor gradients as torch reduces it over the mesh (the same on every rank), and the
+        coefficient applied sent to every group's appliance. Returns the total norm (a plain tensor)."""
+        if self.shards.pp > 1:
+            raise ValueError("clipping through a sharded link with pipeline stages is not supported: the norm spans "
+                             "every stage, which no DTensor reduces")
+        if not all(_is_dtensor(p) for p in self.masters):
+            raise ValueError("clipping through a sharded link needs every parameter a DTensor (its norm is then "
+                             "reduced over the mesh)")
+        grads = [p.grad for p in self.masters if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(self.masters, max_norm, total, foreach)
+        total = total.full_tensor() if _is_dtensor(total) else total
+        self.note_clip(total, max_norm, norm_type)
+        return total
 
 
-def attach_sharded(model, optimizer, mesh, *, appliances: dict[str, tuple[str, int]], secret,
-                   follows: dict[str, str] | None = None, pp_stage: int | None = None, pp: int | None = None,
+def attach_sharded(model, optimizer, mesh=None, *, appliances: dict[str, tuple[str, int]], secret,
+                   follows: dict[str, str] | None = None, layout: ShardedLayout | None = None,
+                   weights_only: bool = False, pp_stage: int | None = None, pp: int | None = None,
                    dp_dim: str = "dp", tp_dim: str | None = "tp", pp_dim: str = "pp", restore: str | None = None,
                    connect_timeout: float = 0.0, **kw) -> ShardLink:
-    """Attach a TP-sharded (DTensor) model, or a pipeline stage's, to the appliances that follow its DP
-    groups; collective: every rank calls it. ``appliances``: DP group name ("pp<s>-tp<t>") -> the
-    address of the control plane following that group; ``follows``: group -> appliance name (which
-    appliance process, for joint checkpoints). ``restore="appliance"``: every rank first pulls its
-    shard (``restore_sharded``). ``connect_timeout``: seconds the leaders wait for their first
-    connection. Other keywords go to TrainerLink (scheduler, data, parts, job...)."""
-    shards = describe(model, mesh, appliances=follows, pp_stage=pp_stage, pp=pp, dp_dim=dp_dim, tp_dim=tp_dim,
-                      pp_dim=pp_dim)
+    """Attach a TP-sharded (DTensor) model, a pipeline stage's, or an FSDP2 HSDP model to the appliances
+    that follow its groups; every rank calls it (collective for TP/PP). ``appliances``: group name
+    ("pp<s>-tp<t>", "pp0-tp0-sh<k>" for shard index k) -> the address of the control plane following
+    that group; ``follows``: group -> appliance name (which appliance process, for joint checkpoints).
+    ``layout``: the job's layout when the framework's rules give it (``config.shard_rules``) instead
+    of reading it from the model. A job whose optimizer state cannot be followed exactly raises
+    NotFollowable (reason and setting); ``weights_only=True`` is the hook for weight snapshots of such
+    jobs. ``restore="appliance"``: every rank first pulls its shard (``restore_sharded``).
+    ``connect_timeout``: seconds the leaders wait for their first connection. Other keywords go to
+    TrainerLink (scheduler, data, parts, job...)."""
+    shards = layout if layout is not None else describe(model, mesh, appliances=follows, pp_stage=pp_stage, pp=pp,
+                                                        dp_dim=dp_dim, tp_dim=tp_dim, pp_dim=pp_dim)
+    check_followable(shards, weights_only)
+    if shards.scheme in ("zero", "megatron"):
+        raise ValueError(f"the {shards.scheme} layout can be followed, but attaching such a job needs that "
+                         "framework's integration (the optimizer's flat partitions as the link's tensors), which "
+                         "this version does not have")
     g = group_of(shards, dist.get_rank())
     if g.name not in appliances:
         raise ValueError(f"no control-plane address for DP group {g.name} (appliances= names {sorted(appliances)})")
@@ -243,15 +369,16 @@ def _as_dtensor(src: torch.Tensor, like):
 
 
 def restore_sharded(model, optimizer, *, appliances: dict[str, tuple[str, int]], secret, mesh=None,
-                    shards: ShardedLayout | None = None, scheduler=None, data=None, timeout: float = 60.0,
-                    role: str = "trainer", client_options: dict | None = None, **describe_kw) -> Restored:
+                    shards: ShardedLayout | None = None, step: int | None = None, scheduler=None, data=None,
+                    timeout: float = 60.0, role: str = "trainer", client_options: dict | None = None,
+                    **describe_kw) -> Restored:
     """Every rank pulls its own shard from the control plane of its DP group (RESTORE_REQUEST) and
-    loads it into its DTensors (parameters and optimizer state), scheduler, RNG and ``data``;
-    collective. The ranks check that all groups' states are the same step (else ValueError: the
-    appliances hold different steps; restore from a joint checkpoint instead)."""
+    loads it into its DTensors (parameters and optimizer state), scheduler, RNG and ``data``.
+    Without ``step`` it is collective: the ranks check that all groups' states are the same step
+    (else ValueError: the appliances hold different steps; restore from a joint checkpoint instead).
+    With ``step`` every rank asks its plane for that step and none waits for another (with an FSDP2
+    model, whose layout each rank reads alone, or ``shards`` given: no collective at all)."""
     if shards is None:
-        if mesh is None:
-            raise ValueError("restore_sharded needs the mesh (or the layout from describe)")
         shards = describe(model, mesh, **describe_kw)
     g = group_of(shards, dist.get_rank())
     module = unwrap(model)
@@ -260,20 +387,24 @@ def restore_sharded(model, optimizer, *, appliances: dict[str, tuple[str, int]],
     with ControlClient(host, port, secret, role, **{"backoff_max": 0.5, **(client_options or {})}) as cli:
         if not cli.wait_connected(timeout):
             raise ConnectionError(f"appliance {host}:{port} of DP group {g.name} not reachable in {timeout:g} s")
-        reply = cli.request(m.make(m.RESTORE_REQUEST, step=None), timeout=timeout)
+        reply = cli.request(m.make(m.RESTORE_REQUEST, step=step), timeout=timeout)
     if reply.type != m.RESTORE_STATE:
         raise ValueError(f"appliance of DP group {g.name} answered {reply.type}, not RESTORE_STATE")
     params, ostate, rng, meta = parse_restore(reply)
     got = sorted((n, tuple(v.shape)) for n, v in params.items())
-    want = sorted((s.fqn, tuple(s.shape)) for s in g.shards)
+    want = sorted((s.fqn, s.local_shape) for s in g.shards)
     if got != want:
         raise ValueError(f"the appliance of DP group {g.name} holds {got[:3]}..., the group's slices are "
                          f"{want[:3]}...")
-    steps: list = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, (g.name, int(meta["iterations_done"])))
-    if len({s for _, s in steps}) != 1:
-        raise ValueError(f"the DP groups' appliances hold different steps {sorted(set(steps))}: no consistent "
-                         "sharded state to resume from (load the joint checkpoint instead)")
+    if step is not None:
+        if int(meta["iterations_done"]) != step:
+            raise ValueError(f"the appliance of DP group {g.name} sent step {meta['iterations_done']}, not {step}")
+    else:
+        steps: list = [None] * dist.get_world_size()
+        dist.all_gather_object(steps, (g.name, int(meta["iterations_done"])))
+        if len({s for _, s in steps}) != 1:
+            raise ValueError(f"the DP groups' appliances hold different steps {sorted(set(steps))}: no consistent "
+                             "sharded state to resume from (load the joint checkpoint instead)")
     by_name = dict(named)
     params = {n: _as_dtensor(v, by_name[n]) for n, v in params.items()}
     for n, st in ostate.items():

@@ -875,6 +875,10 @@ def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, s
     ``data``: an object with ``state_dict()``/``load_state_dict()`` for the data position (JSON).
     ``restore``: None, "appliance" (pull the appliance's state), or a checkpoint root on disk;
     every rank restores. ``connect_timeout``: seconds to wait for the first connection."""
+    if any(hasattr(p, "placements") for p in unwrap(ddp_model).parameters()):
+        # its local shards are not the parameters a single ring registers: refused here, not at its first fallback
+        raise ValueError("the model's parameters are DTensors (TP, FSDP2): attach a sharded job with "
+                         "mirrorckpt.control.sharded.attach_sharded")
     restored = None
     if restore == "appliance":
         restored = restore_from_appliance(ddp_model, optimizer, appliance=appliance, secret=secret,

@@ -108,10 +108,13 @@ def shard_chunks(layout: ShardedLayout, group: str, flat: dict) -> tuple[list[Ch
             continue
         fqn = fqn_of(key)
         s = g.shard(fqn) if fqn is not None and any(x.fqn == fqn for x in g.shards) else None
-        if s is not None and not s.whole and tuple(v.shape) == tuple(s.shape):
-            chunks.append(Chunk(key, tuple(s.offset), tuple(s.global_shape), v))
+        if s is not None and not s.whole and tuple(v.shape) == s.local_shape:
+            flat = v.reshape(-1)
+            for off, shape, a, b in s.boxes():  # a flat range: the boxes of the global tensor it covers
+                piece = v if s.flat is None else flat[a:b].view(shape)
+                chunks.append(Chunk(key, off, tuple(s.global_shape), piece))
         elif s is not None and not s.whole and v.dim() > 0:
-            raise ValueError(f"group {group}: {key} has shape {list(v.shape)}, its slice {list(s.shape)}")
+            raise ValueError(f"group {group}: {key} has shape {list(v.shape)}, its slice {list(s.local_shape)}")
         else:  # whole tensors: unsharded parameters, scalar step counts, RNG states
             chunks.append(Chunk(key, (0,) * v.dim(), tuple(v.shape), v))
     return chunks, objects
@@ -119,19 +122,25 @@ def shard_chunks(layout: ShardedLayout, group: str, flat: dict) -> tuple[list[Ch
 
 def merge_objects(layout: ShardedLayout, per_group: list[dict]) -> dict:
     """The non-tensor values of the joint checkpoint from every group's: param groups list every
-    FQN (model order), extras describe the whole model; any other disagreement is an error."""
+    FQN (model order), the parameters no step has touched are every group's together,
+    extras describe the whole model; any other disagreement is an error."""
     order = {p.name: i for i, p in enumerate(layout.params)}
     out: dict = {}
+    unstepped: set | None = None
     for objs in per_group:
         for k, v in objs.items():
             if k.startswith("optim.param_groups.") and k.endswith(".params"):
                 out[k] = sorted(set(out.get(k, [])) | set(v), key=order.__getitem__)
+            elif k == "extra.unstepped":  # each group lists its own slices' parameters
+                unstepped = (unstepped or set()) | set(loads(v))
             elif k == "extra.layout":
                 continue
             elif k in out and out[k] != v:
                 raise JointSaveError(f"groups disagree on {k}: {str(out[k])[:80]} vs {str(v)[:80]}")
             else:
                 out[k] = v
+    if unstepped is not None:
+        out["extra.unstepped"] = dumps(sorted(unstepped), "unstepped")
     out["extra.layout"] = dumps(layout.global_layout().to_dict(), "layout")
     out["extra.shards"] = dumps(layout.to_dict(), "shards")
     return out

@@ -132,3 +132,52 @@ def dtensor_load_main(rank: int, world: int, address: str, root: str, result: st
     except BaseException as e:  # noqa: BLE001
         out["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     _write(result, out)
+
+
+SECRET = "joint-rig-secret-0123456789abcdef"
+
+
+def register_message(layout, group: str, full: dict, training: dict):
+    """The sharded REGISTER of ``group`` (config.shards.ShardedLayout) at step 0, its initial state
+    its slices of ``full`` (FQN -> global tensor): blocks, or flat ranges of them."""
+    from mirrorckpt.config.layout import BucketSpec, JobLayout
+    from mirrorckpt.control import messages as m
+
+    g = layout.group(group)
+    state = {}
+    for s in g.shards:
+        block = full[s.fqn][tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape))]
+        state[f"p:{s.fqn}"] = (block if s.flat is None else block.reshape(-1)[s.flat[0]:s.flat[1]]).clone()
+    buckets = [BucketSpec(tuple(i for i, _ in seg if i >= 0)) for seg in g.wire] if g.wire is not None \
+        else [BucketSpec(tuple(range(len(g.shards))))]
+    job = JobLayout(layout.group_params(group), buckets)
+    return m.make(m.REGISTER, state, job="j", step=0, run="r1", layout=job.to_dict(), ring=None, training=training,
+                  shards=layout.to_dict(), group=group)
+
+
+def registered_joint_main(layouts: list[dict], weights: str, address: str, roots: list[str], result: str):
+    """One appliance process following every group of each of ``layouts`` in turn: each group's
+    plane takes its registration with its slices of the weights saved at ``weights`` (FQN ->
+    tensor), then one joint round writes them (step 0) under that layout's root."""
+    out: dict = {"committed": []}
+    try:
+        import torch
+        from mirrorckpt.config.shards import ShardedLayout
+        from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
+        from mirrorckpt.control.sharded_appliance import ShardedAppliance
+        from mirrorckpt.updater.joint import init_group
+
+        init_group(address, 0, 1, timeout_s=30)
+        full = torch.load(weights)
+        training = TrainingSpec(optimizer=OptimizerSpec(name="adamw", lr=0.01)).to_dict()
+        for layout, root in zip(layouts, roots):
+            lay = ShardedLayout.from_dict(layout)
+            sa = ShardedAppliance(SECRET, lay.appliances[0], [g.name for g in lay.groups])
+            for g in lay.groups:
+                sa.planes[g.name]._on_register(register_message(lay, g.name, full, training), None)
+            sa.open_joint(root)
+            out["committed"].append(str(sa.save_round()))
+            sa.stop()
+    except BaseException as e:  # noqa: BLE001
+        out["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    _write(result, out)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
-from mirrorckpt.tools.testbed.sharded_rig import hold_for_fallback
+from mirrorckpt.tools.testbed.sharded_rig import end_rank, hold_for_fallback
 from mirrorckpt.tools.testbed.tp_dp_job import SECRET, _write
 
 DIMS = (16, 32, 8)
@@ -120,10 +120,7 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
             opt.step()
             if dp_rank == 0:
                 torch.save(stage_state(model, opt), outd / f"state_{step + 1}_stage{s}.pt")
-        if link is not None:
-            link.close()
-            res["fallbacks"] = link.stats.fallbacks
-        dist.destroy_process_group()
+        end_rank(link, res)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         res["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     _write(result, res)

@@ -103,3 +103,14 @@ def assert_model_and_optimizer_equal(path: Path, want: dict) -> None:
     assert set(got) == set(want)
     for k, v in want.items():
         assert torch.equal(got[k], v.reshape(got[k].shape)), k
+
+
+def end_rank(link, report: dict) -> None:
+    """A rank's run is over: its link closed (``report["fallbacks"]``: the checkpoints it made)
+    and the process group left."""
+    import torch.distributed as dist
+
+    if link is not None:
+        link.close()
+        report["fallbacks"] = link.stats.fallbacks
+    dist.destroy_process_group()

@@ -78,7 +78,7 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
         import torch
         import torch.distributed as dist
         from mirrorckpt.control.sharded import attach_sharded, restore_sharded
-        from mirrorckpt.tools.testbed.sharded_rig import hold_for_fallback
+        from mirrorckpt.tools.testbed.sharded_rig import end_rank, hold_for_fallback
         from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -127,11 +127,8 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
             st = full_state(model, opt)
             if rank == 0:
                 torch.save(st, outd / f"state_{step + 1}.pt")
-        if link is not None:
-            link.close()
-            res["fallbacks"] = link.stats.fallbacks
         res["steps_done"] = steps
-        dist.destroy_process_group()
+        end_rank(link, res)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         res["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     _write(result, res)
