@@ -10,7 +10,7 @@ crc32_gzip_refl computes it with carry-less multiplies and is used when setup.py
 """
 
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 include "_ll.pxi"
 
@@ -96,12 +96,13 @@ def icrc_check(const uint8_t[::1] data, const int64_t[::1] ip_off, const int64_t
 
 
 # --- Frame decode ---------------------------------------------------------------------------
-# One pass per frame over Ethernet/VLAN/IP/UDP/BTH and the extended transport headers. Field
-# offsets are not written here: parser.roce passes them from the tables of parser.headers.
+# One pass per frame over Ethernet/VLAN/IP/UDP/BTH and the extended transport headers, through at
+# most one mirror encapsulation (GRE/ERSPAN, VXLAN) in front of the mirrored frame. Field offsets
+# are not written here: parser.roce passes them from the tables of parser.headers.
 
 
 
-cdef int64_t[64] K  # field offsets and EtherTypes, indexed by the K_* constants below
+cdef int64_t[96] K  # field offsets, EtherTypes and protocol numbers, indexed by the K_* constants below
 DEF K_ETH_TYPE = 0
 DEF K_ETH_SIZE = 1
 DEF K_VLAN_TYPE = 2
@@ -148,7 +149,37 @@ DEF K_ET_QINQ = 42
 DEF K_ET_ARP = 43
 DEF K_ET_LLDP = 44
 DEF K_ET_PTP = 45
-DEF K_NKEYS = 46
+DEF K_IP_TCP = 46
+DEF K_IP_UDP = 47
+DEF K_IP_GRE = 48
+DEF K_GRE_FLAGS = 49
+DEF K_GRE_PROTO = 50
+DEF K_GRE_SIZE = 51
+DEF K_GRE_WORD = 52
+DEF K_GRE_CSUM = 53
+DEF K_GRE_ROUTING = 54
+DEF K_GRE_KEY = 55
+DEF K_GRE_SEQ = 56
+DEF K_GRE_VERSION = 57
+DEF K_GP_ERSPAN = 58
+DEF K_GP_ERSPAN3 = 59
+DEF K_GP_TEB = 60
+DEF K_ER_VERVLAN = 61
+DEF K_ER_SESSION = 62
+DEF K_ER2_SIZE = 63
+DEF K_ER3_FLAGS = 64
+DEF K_ER3_SIZE = 65
+DEF K_ER3_SUB_SIZE = 66
+DEF K_ER_VER_SHIFT = 67
+DEF K_ER_V2 = 68
+DEF K_ER_V3 = 69
+DEF K_ER_T = 70
+DEF K_ER_SESSION_MASK = 71
+DEF K_ER3_O = 72
+DEF K_VX_FLAGS = 73
+DEF K_VX_SIZE = 74
+DEF K_VX_VALID = 75
+DEF K_NKEYS = 76
 
 cdef uint8_t[256] HAS_RETH, HAS_IMM, HAS_AETH, HAS_DETH
 
@@ -158,12 +189,16 @@ cdef uint8_t[256] HAS_RETH, HAS_IMM, HAS_AETH, HAS_DETH
 # prefetches cost a few percent.
 DEF PREFETCH_ABOVE = 2048
 
-# Frame classes counted by decode (index into the `classes` output).
+# Frame classes counted by decode (index into the `classes` output). "mirror_truncated": the IP
+# header says more than arrived, though the capture kept the whole frame (a mirror session's MTU
+# cut it); "gre_other": GRE not taken as a mirror encapsulation.
 CLASSES = ("roce", "truncated", "not_ethernet", "arp", "lldp", "llc_stp", "ptp_l2", "ethertype_other",
            "ipv4_fragment", "tcp", "ip_other", "udp_ptp_event", "udp_ptp_general", "udp_other",
            "malformed:short_ethernet", "malformed:short_vlan", "malformed:bad_ipv4_header",
            "malformed:short_ip", "malformed:short_udp", "malformed:bad_udp_length",
-           "malformed:short_roce_headers")
+           "malformed:short_roce_headers", "mirror_truncated", "gre_other", "malformed:short_gre",
+           "malformed:bad_gre", "malformed:short_erspan", "malformed:bad_erspan_version",
+           "malformed:bad_vxlan")
 DEF C_ROCE = 0
 DEF C_TRUNC = 1
 DEF C_NOT_ETH = 2
@@ -185,11 +220,65 @@ DEF M_SHORT_IP = 17
 DEF M_SHORT_UDP = 18
 DEF M_BAD_ULEN = 19
 DEF M_SHORT_ROCE = 20
-DEF NCLASSES = 21
+DEF C_MIRROR_TRUNC = 21
+DEF C_GRE_OTHER = 22
+DEF M_SHORT_GRE = 23
+DEF M_BAD_GRE = 24
+DEF M_SHORT_ERSPAN = 25
+DEF M_BAD_ERSPAN = 26
+DEF M_BAD_VXLAN = 27
+DEF NCLASSES = 28
+
+# The encapsulations a call may take off (parser.encap.table), indexed by E_*: ERSPAN I/II/III on
+# or off, gretap on or off, a vendor's GRE protocol (-1: none) and its header bytes, the VXLAN
+# UDP port (-1: none).
+DEF E_ERSPAN = 0
+DEF E_GRETAP = 1
+DEF E_VENDOR_PROTO = 2
+DEF E_VENDOR_BYTES = 3
+DEF E_VXLAN_PORT = 4
+DEF E_SIZE = 5
+
+# What the encapsulations showed (the `mirror` output): frames per encapsulation, frames whose
+# ERSPAN T bit says the switch cut them, sequenced frames of sessions beyond the session table.
+MIRROR = ("erspan1", "erspan2", "erspan3", "gretap", "gre_vendor", "vxlan", "erspan_truncated",
+          "sessions_untracked")
+DEF X_ERSPAN1 = 0
+DEF X_ERSPAN2 = 1
+DEF X_ERSPAN3 = 2
+DEF X_GRETAP = 3
+DEF X_VENDOR = 4
+DEF X_VXLAN = 5
+DEF X_TBIT = 6
+DEF X_UNTRACKED = 7
+DEF NMIRROR = 8
+
+# Mirror sessions with GRE sequence numbers, one row each: the key (outer source and destination
+# as IPv6 or IPv4-mapped, GRE protocol, encapsulation, GRE key, ERSPAN session id) and the counts.
+SESSION_KEY_BYTES = 48
+SESSION_KEY = {"src": 0, "dst": 16, "gre_protocol": 32, "kind": 34, "gre_key": 36, "erspan_session": 40}
+SESSION_COLUMNS = ("frames", "last_seq", "lost", "late", "duplicate", "restarts")
+DEF KEY_BYTES = 48
+DEF KEY_PROTO = 32
+DEF KEY_KIND = 34
+DEF KEY_GRE = 36
+DEF KEY_ERSPAN = 40
+DEF KEY_REST = 42
+DEF S_FRAMES = 0
+DEF S_LAST = 1
+DEF S_LOST = 2
+DEF S_LATE = 3
+DEF S_DUP = 4
+DEF S_RESTART = 5
+DEF NSCOLS = 6
+# A sequence number this far behind the session's newest is a late (reordered) frame; further
+# behind, the session restarted its numbering.
+DEF REORDER_WINDOW = 4096
 
 
 def configure(offsets, has_reth, has_imm, has_aeth, has_deth):
-    """Field offsets and EtherTypes (a sequence in K_* order) and opcode lookup tables, from parser.headers."""
+    """Field offsets, EtherTypes and protocol numbers (a sequence in K_* order) and opcode lookup
+    tables, from parser.headers."""
     if len(offsets) != K_NKEYS:
         raise ValueError(f"expected {K_NKEYS} offsets, got {len(offsets)}")
     for i in range(K_NKEYS):
@@ -232,6 +321,250 @@ cdef inline uint64_t be(const uint8_t *p, int n) noexcept nogil:
     return mck_be(p, n)
 
 
+cdef struct Walk:
+    int64_t l2  # the (innermost) Ethernet header
+    int64_t end  # where that frame's bytes end (an encapsulated frame: its outer IP's or UDP's end)
+    int64_t l3
+    int64_t hl
+    int64_t ip_end  # where the IP header says the packet ends
+    int64_t l4
+    int64_t etype
+    int64_t proto
+    int64_t outer_l3  # the outer IP header of an encapsulated frame (-1: none)
+    bint v6
+    bint outer_v6
+
+
+cdef struct Sessions:
+    uint8_t *keys  # cap x KEY_BYTES
+    int64_t *rows  # cap x NSCOLS
+    int64_t *used  # [0]: rows in use
+    int64_t cap
+    int64_t last  # the row matched last (a mirror's frames come from one session in runs)
+
+
+cdef inline void _addr_key(uint8_t *key, const uint8_t *p, int64_t l3, bint v6) noexcept nogil:
+    """The IP header's source and destination into key[0:32], IPv4 as mapped IPv6."""
+    cdef int k
+    if v6:
+        memcpy(key, p + l3 + K[K_V6_SRC], 16)
+        memcpy(key + 16, p + l3 + K[K_V6_DST], 16)
+        return
+    for k in range(10):
+        key[k] = 0
+        key[16 + k] = 0
+    key[10] = key[11] = key[26] = key[27] = 0xFF
+    memcpy(key + 12, p + l3 + K[K_V4_SRC], 4)
+    memcpy(key + 28, p + l3 + K[K_V4_DST], 4)
+
+
+cdef inline void _sequence(Sessions *ss, int64_t *mirror, const uint8_t *key, uint32_t seq) noexcept nogil:
+    """One sequenced frame of the session ``key``: a gap is frames the mirror lost on its way here."""
+    cdef int64_t i = ss.last, n = ss.used[0], k
+    cdef int64_t *row
+    cdef uint32_t ahead, behind
+    if i < 0 or i >= n or memcmp(ss.keys + i * KEY_BYTES, key, KEY_BYTES) != 0:
+        i = -1
+        for k in range(n):
+            if memcmp(ss.keys + k * KEY_BYTES, key, KEY_BYTES) == 0:
+                i = k
+                break
+        if i < 0:
+            if n >= ss.cap:
+                mirror[X_UNTRACKED] += 1
+                return
+            i = n
+            ss.used[0] = n + 1
+            memcpy(ss.keys + i * KEY_BYTES, key, KEY_BYTES)
+            memset(ss.rows + i * NSCOLS, 0, NSCOLS * sizeof(int64_t))
+        ss.last = i
+    row = ss.rows + i * NSCOLS
+    if row[S_FRAMES] == 0:
+        row[S_LAST] = seq
+    else:
+        ahead = seq - <uint32_t>row[S_LAST]
+        behind = <uint32_t>row[S_LAST] - seq
+        if ahead == 0:
+            row[S_DUP] += 1
+        elif ahead < 0x80000000u:
+            row[S_LOST] += ahead - 1
+            row[S_LAST] = seq
+        elif behind <= REORDER_WINDOW:
+            row[S_LATE] += 1  # counted lost when its successors came: it was not
+            if row[S_LOST] > 0:
+                row[S_LOST] -= 1
+        else:
+            row[S_RESTART] += 1
+            row[S_LAST] = seq
+    row[S_FRAMES] += 1
+
+
+cdef inline int64_t _gre(const uint8_t *p, int64_t l3, bint v6, int64_t g, int64_t end,
+                         const int64_t *enc, int64_t *mirror, Sessions *ss) noexcept nogil:
+    """The mirrored frame inside the GRE packet at ``g`` (its IP header at ``l3``, its bytes up to
+    ``end``): the offset of its Ethernet header, or minus the class of a GRE packet not taken off."""
+    cdef int64_t flags, proto, h, seq_at = -1, key_at = -1, inner, er, kind, sess = 0
+    cdef uint8_t key[KEY_BYTES]
+    if g + K[K_GRE_SIZE] > end:
+        return -M_SHORT_GRE
+    flags = be(p + g + K[K_GRE_FLAGS], 2)
+    proto = be(p + g + K[K_GRE_PROTO], 2)
+    if flags & (K[K_GRE_VERSION] | K[K_GRE_ROUTING]):
+        return -M_BAD_GRE  # GRE version 1 (PPTP) or source routing: not a mirror's
+    h = g + K[K_GRE_SIZE]
+    if flags & K[K_GRE_CSUM]:
+        h += K[K_GRE_WORD]
+    if flags & K[K_GRE_KEY]:
+        key_at = h
+        h += K[K_GRE_WORD]
+    if flags & K[K_GRE_SEQ]:
+        seq_at = h
+        h += K[K_GRE_WORD]
+    if h > end:
+        return -M_SHORT_GRE
+    if proto == K[K_GP_ERSPAN] and enc[E_ERSPAN]:
+        if seq_at < 0:  # type I: no sequence number, no ERSPAN header
+            kind, inner = X_ERSPAN1, h
+        else:
+            if h + K[K_ER2_SIZE] > end:
+                return -M_SHORT_ERSPAN
+            if (be(p + h + K[K_ER_VERVLAN], 2) >> K[K_ER_VER_SHIFT]) != K[K_ER_V2]:
+                return -M_BAD_ERSPAN
+            kind, inner, sess = X_ERSPAN2, h + K[K_ER2_SIZE], be(p + h + K[K_ER_SESSION], 2)
+    elif proto == K[K_GP_ERSPAN3] and enc[E_ERSPAN]:
+        if h + K[K_ER3_SIZE] > end:
+            return -M_SHORT_ERSPAN
+        if (be(p + h + K[K_ER_VERVLAN], 2) >> K[K_ER_VER_SHIFT]) != K[K_ER_V3]:
+            return -M_BAD_ERSPAN
+        kind, inner, sess = X_ERSPAN3, h + K[K_ER3_SIZE], be(p + h + K[K_ER_SESSION], 2)
+        if be(p + h + K[K_ER3_FLAGS], 2) & K[K_ER3_O]:
+            inner += K[K_ER3_SUB_SIZE]
+        if inner > end:
+            return -M_SHORT_ERSPAN
+    elif proto == K[K_GP_TEB] and enc[E_GRETAP]:
+        kind, inner = X_GRETAP, h
+    elif proto == enc[E_VENDOR_PROTO]:
+        kind, inner = X_VENDOR, h + enc[E_VENDOR_BYTES]
+        if inner > end:
+            return -M_SHORT_GRE
+    else:
+        return -C_GRE_OTHER
+    mirror[kind] += 1
+    if sess & K[K_ER_T]:
+        mirror[X_TBIT] += 1
+    if seq_at >= 0 and ss != NULL:
+        _addr_key(key, p, l3, v6)  # [0, 32)
+        key[KEY_PROTO] = <uint8_t>(proto >> 8)
+        key[KEY_PROTO + 1] = <uint8_t>proto
+        key[KEY_KIND] = <uint8_t>kind
+        key[KEY_KIND + 1] = 0
+        if key_at >= 0:
+            memcpy(key + KEY_GRE, p + key_at, 4)
+        else:
+            memset(key + KEY_GRE, 0, 4)
+        er = sess & K[K_ER_SESSION_MASK]
+        key[KEY_ERSPAN] = <uint8_t>(er >> 8)
+        key[KEY_ERSPAN + 1] = <uint8_t>er
+        memset(key + KEY_REST, 0, KEY_BYTES - KEY_REST)
+        _sequence(ss, mirror, key, <uint32_t>be(p + seq_at, 4))
+    return inner
+
+
+cdef inline int _walk(const uint8_t *p, int64_t base, int64_t end, const int64_t *enc, int64_t *mirror,
+                      Sessions *ss, Walk *w) noexcept nogil:
+    """Walks the frame at ``base`` (its bytes up to ``end``) from Ethernet to its transport header,
+    through one mirror encapsulation that ``enc`` allows; returns its class. C_ROCE: a UDP datagram
+    to the RoCEv2 port; ``w`` then holds the innermost frame's offsets (l4 also for other UDP and
+    TCP). Encapsulations and GRE sequence numbers are counted into ``mirror`` and ``ss`` (NULL: no
+    sessions followed)."""
+    cdef int64_t l2 = base, l3, etype, hl, ip_end, proto, l4, dport, ulen, inner, h
+    cdef int depth, k
+    cdef bint v6
+    w.outer_l3 = -1
+    for depth in range(2):
+        w.l2, w.end = l2, end
+        if l2 + K[K_ETH_SIZE] > end:
+            return M_SHORT_ETH
+        etype = be(p + l2 + K[K_ETH_TYPE], 2)
+        l3 = l2 + K[K_ETH_SIZE]
+        for k in range(2):  # up to two VLAN tags (802.1Q, 802.1ad)
+            if etype != K[K_ET_VLAN] and etype != K[K_ET_QINQ]:
+                break
+            if l3 + K[K_VLAN_SIZE] > end:
+                return M_SHORT_VLAN
+            etype = be(p + l3 + K[K_VLAN_TYPE], 2)
+            l3 += K[K_VLAN_SIZE]
+        w.etype = etype
+        if etype == K[K_ET_IPV4]:
+            if l3 + K[K_V4_SIZE] > end:
+                return M_SHORT_IP
+            h = p[l3 + K[K_V4_VIHL]]
+            if (h >> 4) != 4 or (h & 15) < 5:
+                return M_BAD_V4
+            hl = (h & 15) * 4
+            if be(p + l3 + K[K_V4_FRAG], 2) & 0x3FFF:
+                return C_FRAG
+            proto = p[l3 + K[K_V4_PROTO]]
+            ip_end = l3 + <int64_t>be(p + l3 + K[K_V4_TOTLEN], 2)
+            v6 = False
+        elif etype == K[K_ET_IPV6]:
+            if l3 + K[K_V6_SIZE] > end:
+                return M_SHORT_IP
+            hl = K[K_V6_SIZE]
+            proto = p[l3 + K[K_V6_NEXT]]
+            ip_end = l3 + hl + <int64_t>be(p + l3 + K[K_V6_PLEN], 2)
+            v6 = True
+        elif etype < 0x0600:
+            return C_LLC
+        elif etype == K[K_ET_ARP]:
+            return C_ARP
+        elif etype == K[K_ET_LLDP]:
+            return C_LLDP
+        elif etype == K[K_ET_PTP]:
+            return C_PTP_L2
+        else:
+            return C_ETYPE_OTHER
+        l4 = l3 + hl
+        w.l3, w.hl, w.ip_end, w.l4, w.proto, w.v6 = l3, hl, ip_end, l4, proto, v6
+        if proto == K[K_IP_UDP]:
+            if l4 + K[K_UDP_SIZE] > end:
+                return M_SHORT_UDP
+            dport = be(p + l4 + K[K_UDP_DPORT], 2)
+            if dport == K[K_ROCE_PORT]:
+                return C_ROCE
+            if depth == 0 and dport == enc[E_VXLAN_PORT]:
+                if ip_end > end:
+                    return C_MIRROR_TRUNC
+                ulen = be(p + l4 + K[K_UDP_LEN], 2)
+                if ulen < K[K_UDP_SIZE] + K[K_VX_SIZE] or l4 + ulen > ip_end:
+                    return M_BAD_ULEN
+                if not (p[l4 + K[K_UDP_SIZE] + K[K_VX_FLAGS]] & K[K_VX_VALID]):
+                    return M_BAD_VXLAN
+                mirror[X_VXLAN] += 1
+                w.outer_l3, w.outer_v6 = l3, v6
+                l2, end = l4 + K[K_UDP_SIZE] + K[K_VX_SIZE], l4 + ulen
+                continue
+            if dport == K[K_PTP_EVENT]:
+                return C_PTP_EV
+            if dport == K[K_PTP_GENERAL]:
+                return C_PTP_GEN
+            return C_UDP_OTHER
+        if proto == K[K_IP_TCP]:
+            return C_TCP
+        if proto != K[K_IP_GRE]:
+            return C_IP_OTHER
+        if depth > 0 or not (enc[E_ERSPAN] or enc[E_GRETAP] or enc[E_VENDOR_PROTO] >= 0):
+            return C_GRE_OTHER  # one encapsulation is taken off, not two
+        if ip_end > end:
+            return C_MIRROR_TRUNC
+        inner = _gre(p, l3, v6, l4, ip_end, enc, mirror, ss)
+        if inner < 0:
+            return <int>(-inner)
+        w.outer_l3, w.outer_v6 = l3, v6
+        l2, end = inner, ip_end
+    return C_GRE_OTHER
+
+
 def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int64_t[::1] caplen,
                   const int64_t[::1] wirelen, const uint8_t[::1] eth_ok, bint check_icrc,
                   int64_t[::1] frame, uint8_t[:, ::1] src, uint8_t[:, ::1] dst, int64_t[::1] sport,
@@ -240,8 +573,15 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
                   uint8_t[::1] has_reth, uint8_t[::1] has_imm, int64_t[::1] imm, int64_t[::1] syndrome,
                   int64_t[::1] msn, int64_t[::1] pay_off, int64_t[::1] pay_len, uint8_t[::1] icrc_ok,
                   int64_t[::1] classes, int64_t[::1] other_etype, const uint8_t[::1] is_write,
-                  uint8_t[::1] llu, uint32_t[::1] llf, int ll_line, int ll_lo, int ll_f1, int ll_hi, int ll_f2):
+                  uint8_t[::1] llu, uint32_t[::1] llf, int ll_line, int ll_lo, int ll_f1, int ll_hi, int ll_f2,
+                  const int64_t[::1] enc, int64_t[::1] mirror, uint8_t[:, ::1] session_keys,
+                  int64_t[:, ::1] session_rows, int64_t[::1] sessions_used):
     """Decodes every frame; writes one row per RoCEv2 packet. Returns (packets, other ethertypes).
+
+    ``enc`` (parser.encap.table) says which mirror encapsulations are taken off; what they showed
+    is added to ``mirror`` (MIRROR order) and, per GRE-sequenced session, to ``session_rows``
+    (SESSION_COLUMNS, keys in ``session_keys``, ``sessions_used[0]`` rows in use): state a
+    stream keeps from batch to batch.
 
     With ``llu`` (not empty: at least half the batch's bytes), each RDMA WRITE payload of whole LL
     lines is read as LL right after its ICRC, while it is in cache: llf[row] its flag (0: not
@@ -252,12 +592,18 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
     if want_ll and (llf.shape[0] < n or llu.shape[0] < data.shape[0] // 2 or is_write.shape[0] < 256
                     or ll_line < 16 or ll_line % 16):
         raise ValueError("decode_frames: LL outputs too small")
+    _check_walk_state(enc, mirror, session_keys, session_rows, sessions_used)
     cdef int64_t r = 0, no = 0, nbytes = data.shape[0]
-    cdef int64_t base, end, l3, l4, hl, ip_end, etype, proto, ulen, udp_end, bth, h, icrc_at, po, pl, k
-    cdef int64_t dport, op
+    cdef int64_t base, end, l3, l4, hl, ulen, udp_end, bth, h, icrc_at, po, pl, k
+    cdef int64_t op
+    cdef int c
     cdef const uint8_t *p
     cdef bint v6
     cdef uint32_t want, got
+    cdef Walk w
+    cdef Sessions ss
+    ss.keys, ss.rows, ss.used = &session_keys[0, 0], &session_rows[0, 0], &sessions_used[0]
+    ss.cap, ss.last = session_rows.shape[0], -1
     with nogil:
         for f in range(n):
             if caplen[f] < wirelen[f]:
@@ -272,81 +618,20 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
             if check_icrc and f + 1 < n and caplen[f + 1] > PREFETCH_ABOVE \
                     and offset[f + 1] + caplen[f + 1] <= nbytes:
                 mck_prefetch(p + offset[f + 1], caplen[f + 1])
-            if caplen[f] < K[K_ETH_SIZE]:
-                classes[M_SHORT_ETH] += 1
-                continue
-            etype = be(p + base + K[K_ETH_TYPE], 2)
-            l3 = base + K[K_ETH_SIZE]
-            for k in range(2):  # up to two VLAN tags (802.1Q, 802.1ad)
-                if etype != K[K_ET_VLAN] and etype != K[K_ET_QINQ]:
-                    break
-                if l3 + K[K_VLAN_SIZE] > end:
-                    etype = -1
-                    break
-                etype = be(p + l3 + K[K_VLAN_TYPE], 2)
-                l3 += K[K_VLAN_SIZE]
-            if etype == -1:
-                classes[M_SHORT_VLAN] += 1
-                continue
-            if etype == K[K_ET_IPV4]:
-                if l3 + K[K_V4_SIZE] > end:
-                    classes[M_SHORT_IP] += 1
-                    continue
-                h = p[l3 + K[K_V4_VIHL]]
-                if (h >> 4) != 4 or (h & 15) < 5:
-                    classes[M_BAD_V4] += 1
-                    continue
-                hl = (h & 15) * 4
-                if be(p + l3 + K[K_V4_FRAG], 2) & 0x3FFF:
-                    classes[C_FRAG] += 1
-                    continue
-                proto = p[l3 + K[K_V4_PROTO]]
-                ip_end = l3 + <int64_t>be(p + l3 + K[K_V4_TOTLEN], 2)
-                v6 = False
-            elif etype == K[K_ET_IPV6]:
-                if l3 + K[K_V6_SIZE] > end:
-                    classes[M_SHORT_IP] += 1
-                    continue
-                hl = K[K_V6_SIZE]
-                proto = p[l3 + K[K_V6_NEXT]]
-                ip_end = l3 + hl + <int64_t>be(p + l3 + K[K_V6_PLEN], 2)
-                v6 = True
-            else:
-                if etype < 0x0600:
-                    classes[C_LLC] += 1
-                elif etype == K[K_ET_ARP]:
-                    classes[C_ARP] += 1
-                elif etype == K[K_ET_LLDP]:
-                    classes[C_LLDP] += 1
-                elif etype == K[K_ET_PTP]:
-                    classes[C_PTP_L2] += 1
-                else:
-                    classes[C_ETYPE_OTHER] += 1
-                    other_etype[no] = etype
+            c = _walk(p, base, end, &enc[0], &mirror[0], &ss, &w)
+            if c != C_ROCE:
+                classes[c] += 1
+                if c == C_ETYPE_OTHER:
+                    other_etype[no] = w.etype
                     no += 1
                 continue
-            if proto == 6:
-                classes[C_TCP] += 1
-                continue
-            if proto != 17:
-                classes[C_IP_OTHER] += 1
-                continue
-            l4 = l3 + hl
-            if l4 + K[K_UDP_SIZE] > end:
-                classes[M_SHORT_UDP] += 1
-                continue
-            dport = be(p + l4 + K[K_UDP_DPORT], 2)
-            if dport != K[K_ROCE_PORT]:
-                if dport == K[K_PTP_EVENT]:
-                    classes[C_PTP_EV] += 1
-                elif dport == K[K_PTP_GENERAL]:
-                    classes[C_PTP_GEN] += 1
-                else:
-                    classes[C_UDP_OTHER] += 1
+            l3, l4, hl, v6, end = w.l3, w.l4, w.hl, w.v6, w.end
+            if w.ip_end > end:  # whole as captured, yet shorter than its IP header says
+                classes[C_MIRROR_TRUNC] += 1
                 continue
             ulen = be(p + l4 + K[K_UDP_LEN], 2)
             udp_end = l4 + ulen
-            if ulen < K[K_UDP_SIZE] + K[K_BTH_SIZE] + K[K_ICRC] or udp_end > ip_end or udp_end > end:
+            if ulen < K[K_UDP_SIZE] + K[K_BTH_SIZE] + K[K_ICRC] or udp_end > w.ip_end or udp_end > end:
                 classes[M_BAD_ULEN] += 1
                 continue
             bth = l4 + K[K_UDP_SIZE]
@@ -408,3 +693,70 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
                     if is_write[op] and pl >= ll_line and pl % ll_line == 0 else 0
             r += 1
     return r, no
+
+
+def _check_walk_state(const int64_t[::1] enc, int64_t[::1] mirror, uint8_t[:, ::1] session_keys,
+                      int64_t[:, ::1] session_rows, int64_t[::1] sessions_used):
+    if enc.shape[0] != E_SIZE or mirror.shape[0] != NMIRROR or sessions_used.shape[0] < 1 \
+            or session_keys.shape[1] != KEY_BYTES or session_rows.shape[1] != NSCOLS \
+            or session_keys.shape[0] != session_rows.shape[0] or session_rows.shape[0] < 1 \
+            or not 0 <= sessions_used[0] <= session_rows.shape[0]:
+        raise ValueError("decode_frames: encapsulation table or mirror state of the wrong shape")
+
+
+def flow_ports(const uint8_t[::1] data, const int64_t[::1] offset, const int64_t[::1] caplen,
+               const int64_t[::1] enc, int64_t[::1] out):
+    """out[i]: the UDP source port of frame i as the decode walks it (through a mirror
+    encapsulation ``enc`` allows: the mirrored flow's), -1 where it has no UDP header."""
+    cdef Py_ssize_t n = offset.shape[0], i
+    cdef int64_t nd = data.shape[0], scratch[NMIRROR]
+    cdef int c
+    cdef Walk w
+    if caplen.shape[0] != n or out.shape[0] != n:
+        raise ValueError(f"flow_ports: {n} offsets, {caplen.shape[0]} lengths, {out.shape[0]} outputs")
+    if enc.shape[0] != E_SIZE:
+        raise ValueError("flow_ports: encapsulation table of the wrong shape")
+    for i in range(n):
+        if offset[i] < 0 or caplen[i] < 0 or offset[i] + caplen[i] > nd:
+            raise IndexError(f"frame {i}: {offset[i]}+{caplen[i]} of {nd} bytes")
+    if n == 0:
+        return
+    memset(scratch, 0, sizeof(scratch))
+    with nogil:
+        for i in range(n):
+            c = _walk(&data[0], offset[i], offset[i] + caplen[i], &enc[0], scratch, NULL, &w)
+            out[i] = be(&data[0] + w.l4 + K[K_UDP_SPORT], 2) \
+                if c == C_ROCE or c == C_UDP_OTHER or c == C_PTP_EV or c == C_PTP_GEN else -1
+
+
+def inner_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int64_t[::1] caplen,
+                 int64_t[::1] inner_offset, int64_t[::1] inner_caplen, const int64_t[::1] enc,
+                 int64_t[::1] mirror, uint8_t[:, ::1] session_keys, int64_t[:, ::1] session_rows,
+                 int64_t[::1] sessions_used):
+    """Where each frame's mirrored frame starts and how many of its bytes arrived: the frame itself,
+    or the frame inside the mirror encapsulation ``enc`` allows (counted as decode_frames counts).
+    Returns the frames taken out of an encapsulation."""
+    cdef Py_ssize_t n = offset.shape[0], i
+    cdef int64_t nd = data.shape[0], taken = 0
+    cdef Walk w
+    cdef Sessions ss
+    if caplen.shape[0] != n or inner_offset.shape[0] != n or inner_caplen.shape[0] != n:
+        raise ValueError(f"inner_frames: {n} offsets, {caplen.shape[0]} lengths, outputs "
+                         f"{inner_offset.shape[0]} and {inner_caplen.shape[0]}")
+    _check_walk_state(enc, mirror, session_keys, session_rows, sessions_used)
+    for i in range(n):
+        if offset[i] < 0 or caplen[i] < 0 or offset[i] + caplen[i] > nd:
+            raise IndexError(f"frame {i}: {offset[i]}+{caplen[i]} of {nd} bytes")
+    if n == 0:
+        return 0
+    ss.keys, ss.rows, ss.used = &session_keys[0, 0], &session_rows[0, 0], &sessions_used[0]
+    ss.cap, ss.last = session_rows.shape[0], -1
+    with nogil:
+        for i in range(n):
+            _walk(&data[0], offset[i], offset[i] + caplen[i], &enc[0], &mirror[0], &ss, &w)
+            if w.outer_l3 >= 0:
+                inner_offset[i], inner_caplen[i] = w.l2, w.end - w.l2
+                taken += 1
+            else:
+                inner_offset[i], inner_caplen[i] = offset[i], caplen[i]
+    return taken

@@ -1,8 +1,9 @@
 """Vectorised RoCEv2 decode: a FrameBatch in, one row per RoCE packet out.
 
-Every stage works on index arrays of the frames still in play, so a frame too short for the next
-header simply drops out (counted as malformed) and nothing reads past a frame's captured bytes.
-Non-RoCE frames are only classified and counted (ARP, LLDP, STP, PTP, TCP, other UDP...).
+The compiled walk (``_fast.decode_frames``) reads each frame once, through a mirror encapsulation
+(ERSPAN, GRE, VXLAN: ``parser.encap``) to the RoCEv2 packet; a frame too short for the next header
+drops out (counted as malformed) and nothing reads past a frame's captured bytes. Non-RoCE frames
+are only classified and counted (ARP, LLDP, STP, PTP, TCP, other UDP...).
 """
 
 from __future__ import annotations
@@ -12,11 +13,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mirrorckpt.capture.batch import FrameBatch
-from mirrorckpt.parser import _fast, memory, opcodes
+from mirrorckpt.config.encap import EncapSpec
+from mirrorckpt.parser import _fast, encap, memory, opcodes
 from mirrorckpt.parser.headers import (
     AETH,
     BTH,
     DETH,
+    ERSPAN2,
+    ERSPAN3,
+    ERSPAN3_O,
+    ERSPAN3_PLATFORM,
+    ERSPAN_SESSION,
+    ERSPAN_TRUNCATED,
+    ERSPAN_VERSION_II,
+    ERSPAN_VERSION_III,
+    ERSPAN_VERSION_SHIFT,
     ETH,
     ETHERTYPE_ARP,
     ETHERTYPE_IPV4,
@@ -24,8 +35,21 @@ from mirrorckpt.parser.headers import (
     ETHERTYPE_LLDP,
     ETHERTYPE_PTP,
     ETHERTYPE_VLAN,
+    GRE,
+    GRE_CHECKSUM,
+    GRE_KEY,
+    GRE_PROTO_ERSPAN,
+    GRE_PROTO_ERSPAN3,
+    GRE_PROTO_TEB,
+    GRE_ROUTING,
+    GRE_SEQUENCE,
+    GRE_VERSION,
+    GRE_WORD,
     ICRC_BYTES,
     IMMDT,
+    IPPROTO_GRE,
+    IPPROTO_TCP,
+    IPPROTO_UDP,
     IPV4,
     IPV6,
     PTP_PORTS,
@@ -33,6 +57,8 @@ from mirrorckpt.parser.headers import (
     ROCEV2_PORT,
     UDP,
     VLAN,
+    VXLAN,
+    VXLAN_VALID_VNI,
 )
 from mirrorckpt.parser.protocols import LL_INTACT_ARGS
 
@@ -47,6 +73,8 @@ class Counters:
     classes: Counter = field(default_factory=Counter)  # "arp", "tcp", "roce:RC_ACKNOWLEDGE", ...
     icrc: Counter = field(default_factory=Counter)  # "RC_RDMA_WRITE_FIRST:ok", "0xaa:BAD"
     malformed: Counter = field(default_factory=Counter)  # reason -> frames
+    # encapsulations taken off, mirror sessions' loss, frames the switch cut (kept across batches)
+    mirror: encap.MirrorHealth = field(default_factory=encap.MirrorHealth)
 
     def add(self, other: Counters) -> None:
         self.frames += other.frames
@@ -55,6 +83,7 @@ class Counters:
         self.classes.update(other.classes)
         self.icrc.update(other.icrc)
         self.malformed.update(other.malformed)
+        self.mirror.merge(other.mirror)
 
     @property
     def icrc_failed(self) -> int:
@@ -115,7 +144,8 @@ SLOW_ICRC: str | None = None if ICRC_BACKEND == "isa-l" else (
     "(tools/install-system-deps.sh) and rebuild (python setup.py build_ext --inplace --force)")
 
 
-# Field offsets and EtherTypes for the compiled frame walk, in its K_* order, taken from the header tables.
+# Field offsets, EtherTypes and protocol numbers for the compiled frame walk, in its K_* order,
+# taken from the header tables.
 _fast.configure(
     [ETH["type"].offset, ETH.size, VLAN["type"].offset, VLAN.size,
      IPV4["ver_ihl"].offset, IPV4["total_len"].offset, IPV4["frag"].offset, IPV4["proto"].offset,
@@ -126,16 +156,24 @@ _fast.configure(
      BTH.size, RETH["va"].offset, RETH["rkey"].offset, RETH["dlen"].offset, RETH.size, IMMDT.size,
      AETH["syndrome"].offset, AETH["msn"].offset, AETH.size, DETH.size, ICRC_BYTES,
      ROCEV2_PORT, PTP_PORTS[0], PTP_PORTS[1],
-     ETHERTYPE_IPV4, ETHERTYPE_IPV6, *ETHERTYPE_VLAN, ETHERTYPE_ARP, ETHERTYPE_LLDP, ETHERTYPE_PTP],
+     ETHERTYPE_IPV4, ETHERTYPE_IPV6, *ETHERTYPE_VLAN, ETHERTYPE_ARP, ETHERTYPE_LLDP, ETHERTYPE_PTP,
+     IPPROTO_TCP, IPPROTO_UDP, IPPROTO_GRE,
+     GRE["flags"].offset, GRE["proto"].offset, GRE.size, GRE_WORD, GRE_CHECKSUM, GRE_ROUTING, GRE_KEY,
+     GRE_SEQUENCE, GRE_VERSION, GRE_PROTO_ERSPAN, GRE_PROTO_ERSPAN3, GRE_PROTO_TEB,
+     ERSPAN2["ver_vlan"].offset, ERSPAN2["session"].offset, ERSPAN2.size, ERSPAN3["flags"].offset, ERSPAN3.size,
+     ERSPAN3_PLATFORM.size, ERSPAN_VERSION_SHIFT, ERSPAN_VERSION_II, ERSPAN_VERSION_III, ERSPAN_TRUNCATED,
+     ERSPAN_SESSION, ERSPAN3_O, VXLAN["flags"].offset, VXLAN.size, VXLAN_VALID_VNI],
     opcodes.HAS_RETH.astype(np.uint8), opcodes.HAS_IMMDT.astype(np.uint8),
     opcodes.HAS_AETH.astype(np.uint8), opcodes.HAS_DETH.astype(np.uint8))
 
 
 def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None,
-           ll: bool = False) -> tuple[RocePackets, Counters]:
+           ll: bool = False, encapsulation: EncapSpec | None = None) -> tuple[RocePackets, Counters]:
     """Decodes the RoCEv2 packets of ``batch``; returns them with the batch's counters (added to
-    ``into`` and returned as it, when given: a stream's running counts, without a merge per batch).
-    ``ll``: each WRITE payload is also read as LL while the ICRC has it in cache (``llf``, ``llu``)."""
+    ``into`` and returned as it, when given: a stream's running counts, without a merge per batch,
+    and the sequence numbers of its mirror sessions followed from batch to batch).
+    ``ll``: each WRITE payload is also read as LL while the ICRC has it in cache (``llf``, ``llu``).
+    ``encapsulation``: the mirror encapsulations taken off (None: whichever a frame carries)."""
     n = len(batch)
     c = into if into is not None else Counters()
     c.frames += n
@@ -154,7 +192,9 @@ def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None,
     r, no = _fast.decode_frames(
         data, np.ascontiguousarray(batch.offset, np.int64), np.ascontiguousarray(batch.caplen, np.int64),
         np.ascontiguousarray(batch.wirelen, np.int64), batch.ethernet_mask().view(np.uint8), icrc,
-        *cols.values(), classes, other, _IS_WRITE, llu, llf, *LL_INTACT_ARGS)
+        *cols.values(), classes, other, _IS_WRITE, llu, llf, *LL_INTACT_ARGS,
+        encap.table(encapsulation), *c.mirror.state())
+    c.mirror.cut += int(classes[_MIRROR_CUT])
     for name, k in zip(_fast.CLASSES, classes.tolist()):
         if not k or name in ("roce", "ethertype_other"):
             continue
@@ -186,6 +226,7 @@ def _count_roce(c: Counters, op: np.ndarray, icrc_ok: np.ndarray, checked: bool)
 
 # Counter keys per opcode x ICRC verdict (the index _count_roce counts), made once
 _IS_WRITE = opcodes.IS_WRITE.view(np.uint8)  # whose payloads decode(ll=True) reads as LL
+_MIRROR_CUT = _fast.CLASSES.index("mirror_truncated")
 # decode(ll=True)'s words: a pool of their own. Taken from the one of run and result buffers, they
 # held its free mappings (untouched where the traffic is not LL), and those buffers were mapped
 # and faulted in anew (a Simple replay's system time and RSS grew).
