@@ -179,7 +179,8 @@ DEF K_ER3_O = 72
 DEF K_VX_FLAGS = 73
 DEF K_VX_SIZE = 74
 DEF K_VX_VALID = 75
-DEF K_NKEYS = 76
+DEF K_V4_FRAGMENT = 76
+DEF K_NKEYS = 77
 
 cdef uint8_t[256] HAS_RETH, HAS_IMM, HAS_AETH, HAS_DETH
 
@@ -240,9 +241,10 @@ DEF E_VXLAN_PORT = 4
 DEF E_SIZE = 5
 
 # What the encapsulations showed (the `mirror` output): frames per encapsulation, frames whose
-# ERSPAN T bit says the switch cut them, sequenced frames of sessions beyond the session table.
+# ERSPAN T bit says the switch cut them, sequenced frames of sessions beyond the session table,
+# frames shorter than their IP header without a T bit (with the T bits: every frame cut).
 MIRROR = ("erspan1", "erspan2", "erspan3", "gretap", "gre_vendor", "vxlan", "erspan_truncated",
-          "sessions_untracked")
+          "sessions_untracked", "cut_unmarked")
 DEF X_ERSPAN1 = 0
 DEF X_ERSPAN2 = 1
 DEF X_ERSPAN3 = 2
@@ -251,7 +253,8 @@ DEF X_VENDOR = 4
 DEF X_VXLAN = 5
 DEF X_TBIT = 6
 DEF X_UNTRACKED = 7
-DEF NMIRROR = 8
+DEF X_CUT_UNMARKED = 8
+DEF NMIRROR = 9
 
 # Mirror sessions with GRE sequence numbers, one row each: the key (outer source and destination
 # as IPv6 or IPv4-mapped, GRE protocol, encapsulation, GRE key, ERSPAN session id) and the counts.
@@ -333,6 +336,7 @@ cdef struct Walk:
     int64_t outer_l3  # the outer IP header of an encapsulated frame (-1: none)
     bint v6
     bint outer_v6
+    bint marked  # ERSPAN's T bit: the switch says it cut the frame
 
 
 cdef struct Sessions:
@@ -400,7 +404,7 @@ cdef inline void _sequence(Sessions *ss, int64_t *mirror, const uint8_t *key, ui
 
 
 cdef inline int64_t _gre(const uint8_t *p, int64_t l3, bint v6, int64_t g, int64_t end,
-                         const int64_t *enc, int64_t *mirror, Sessions *ss) noexcept nogil:
+                         const int64_t *enc, int64_t *mirror, Sessions *ss, Walk *w) noexcept nogil:
     """The mirrored frame inside the GRE packet at ``g`` (its IP header at ``l3``, its bytes up to
     ``end``): the offset of its Ethernet header, or minus the class of a GRE packet not taken off."""
     cdef int64_t flags, proto, h, seq_at = -1, key_at = -1, inner, er, kind, sess = 0
@@ -452,6 +456,7 @@ cdef inline int64_t _gre(const uint8_t *p, int64_t l3, bint v6, int64_t g, int64
     mirror[kind] += 1
     if sess & K[K_ER_T]:
         mirror[X_TBIT] += 1
+        w.marked = True
     if seq_at >= 0 and ss != NULL:
         _addr_key(key, p, l3, v6)  # [0, 32)
         key[KEY_PROTO] = <uint8_t>(proto >> 8)
@@ -481,6 +486,7 @@ cdef inline int _walk(const uint8_t *p, int64_t base, int64_t end, const int64_t
     cdef int depth, k
     cdef bint v6
     w.outer_l3 = -1
+    w.marked = False
     for depth in range(2):
         w.l2, w.end = l2, end
         if l2 + K[K_ETH_SIZE] > end:
@@ -502,7 +508,7 @@ cdef inline int _walk(const uint8_t *p, int64_t base, int64_t end, const int64_t
             if (h >> 4) != 4 or (h & 15) < 5:
                 return M_BAD_V4
             hl = (h & 15) * 4
-            if be(p + l3 + K[K_V4_FRAG], 2) & 0x3FFF:
+            if be(p + l3 + K[K_V4_FRAG], 2) & K[K_V4_FRAGMENT]:
                 return C_FRAG
             proto = p[l3 + K[K_V4_PROTO]]
             ip_end = l3 + <int64_t>be(p + l3 + K[K_V4_TOTLEN], 2)
@@ -557,7 +563,7 @@ cdef inline int _walk(const uint8_t *p, int64_t base, int64_t end, const int64_t
             return C_GRE_OTHER  # one encapsulation is taken off, not two
         if ip_end > end:
             return C_MIRROR_TRUNC
-        inner = _gre(p, l3, v6, l4, ip_end, enc, mirror, ss)
+        inner = _gre(p, l3, v6, l4, ip_end, enc, mirror, ss, w)
         if inner < 0:
             return <int>(-inner)
         w.outer_l3, w.outer_v6 = l3, v6
@@ -619,16 +625,17 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
                     and offset[f + 1] + caplen[f + 1] <= nbytes:
                 mck_prefetch(p + offset[f + 1], caplen[f + 1])
             c = _walk(p, base, end, &enc[0], &mirror[0], &ss, &w)
+            if c == C_ROCE and w.ip_end > w.end:  # whole as captured, yet shorter than its IP header says
+                c = C_MIRROR_TRUNC
             if c != C_ROCE:
                 classes[c] += 1
                 if c == C_ETYPE_OTHER:
                     other_etype[no] = w.etype
                     no += 1
+                elif c == C_MIRROR_TRUNC and not w.marked:
+                    mirror[X_CUT_UNMARKED] += 1
                 continue
             l3, l4, hl, v6, end = w.l3, w.l4, w.hl, w.v6, w.end
-            if w.ip_end > end:  # whole as captured, yet shorter than its IP header says
-                classes[C_MIRROR_TRUNC] += 1
-                continue
             ulen = be(p + l4 + K[K_UDP_LEN], 2)
             udp_end = l4 + ulen
             if ulen < K[K_UDP_SIZE] + K[K_BTH_SIZE] + K[K_ICRC] or udp_end > w.ip_end or udp_end > end:

@@ -19,16 +19,78 @@ from functools import lru_cache
 import numpy as np
 from mirrorckpt.config.encap import EncapSpec
 from mirrorckpt.config.jobfile import ConfigError
-from mirrorckpt.parser import _fast
+from mirrorckpt.parser import _fast, opcodes
 from mirrorckpt.parser.headers import (
+    AETH,
+    BTH,
+    DETH,
+    ERSPAN2,
+    ERSPAN3,
+    ERSPAN3_O,
+    ERSPAN3_PLATFORM,
+    ERSPAN_SESSION,
+    ERSPAN_TRUNCATED,
+    ERSPAN_VERSION_II,
+    ERSPAN_VERSION_III,
+    ERSPAN_VERSION_SHIFT,
+    ETH,
+    ETHERTYPE_ARP,
+    ETHERTYPE_IPV4,
+    ETHERTYPE_IPV6,
+    ETHERTYPE_LLDP,
+    ETHERTYPE_PTP,
+    ETHERTYPE_VLAN,
+    GRE,
+    GRE_CHECKSUM,
+    GRE_KEY,
     GRE_PROTO_ERSPAN,
     GRE_PROTO_ERSPAN3,
     GRE_PROTO_SPECTRUM,
     GRE_PROTO_TEB,
+    GRE_ROUTING,
+    GRE_SEQUENCE,
     GRE_SPECTRUM_BYTES,
+    GRE_VERSION,
+    GRE_WORD,
+    ICRC_BYTES,
+    IMMDT,
+    IPPROTO_GRE,
+    IPPROTO_TCP,
+    IPPROTO_UDP,
+    IPV4,
+    IPV4_FRAGMENT,
+    IPV6,
+    PTP_PORTS,
+    RETH,
     ROCEV2_PORT,
+    UDP,
+    VLAN,
+    VXLAN,
     VXLAN_PORT,
+    VXLAN_VALID_VNI,
 )
+
+# Field offsets, EtherTypes and protocol numbers for the compiled frame walk (decode, the split's
+# ports, the TCP path's mirrored frames), in its K_* order, taken from the header tables.
+_fast.configure(
+    [ETH["type"].offset, ETH.size, VLAN["type"].offset, VLAN.size,
+     IPV4["ver_ihl"].offset, IPV4["total_len"].offset, IPV4["frag"].offset, IPV4["proto"].offset,
+     IPV4["src"].offset, IPV4["dst"].offset, IPV4.size,
+     IPV6["payload_len"].offset, IPV6["next"].offset, IPV6["src"].offset, IPV6["dst"].offset, IPV6.size,
+     UDP["sport"].offset, UDP["dport"].offset, UDP["len"].offset, UDP.size,
+     BTH["opcode"].offset, BTH["flags"].offset, BTH["dqp"].offset, BTH["ackreq"].offset, BTH["psn"].offset,
+     BTH.size, RETH["va"].offset, RETH["rkey"].offset, RETH["dlen"].offset, RETH.size, IMMDT.size,
+     AETH["syndrome"].offset, AETH["msn"].offset, AETH.size, DETH.size, ICRC_BYTES,
+     ROCEV2_PORT, PTP_PORTS[0], PTP_PORTS[1],
+     ETHERTYPE_IPV4, ETHERTYPE_IPV6, *ETHERTYPE_VLAN, ETHERTYPE_ARP, ETHERTYPE_LLDP, ETHERTYPE_PTP,
+     IPPROTO_TCP, IPPROTO_UDP, IPPROTO_GRE,
+     GRE["flags"].offset, GRE["proto"].offset, GRE.size, GRE_WORD, GRE_CHECKSUM, GRE_ROUTING, GRE_KEY,
+     GRE_SEQUENCE, GRE_VERSION, GRE_PROTO_ERSPAN, GRE_PROTO_ERSPAN3, GRE_PROTO_TEB,
+     ERSPAN2["ver_vlan"].offset, ERSPAN2["session"].offset, ERSPAN2.size, ERSPAN3["flags"].offset, ERSPAN3.size,
+     ERSPAN3_PLATFORM.size, ERSPAN_VERSION_SHIFT, ERSPAN_VERSION_II, ERSPAN_VERSION_III, ERSPAN_TRUNCATED,
+     ERSPAN_SESSION, ERSPAN3_O, VXLAN["flags"].offset, VXLAN.size, VXLAN_VALID_VNI, IPV4_FRAGMENT],
+    opcodes.HAS_RETH.astype(np.uint8), opcodes.HAS_IMMDT.astype(np.uint8),
+    opcodes.HAS_AETH.astype(np.uint8), opcodes.HAS_DETH.astype(np.uint8))
 
 # Mirror sessions followed per capture stream (switches offer a handful: Spectrum 0-7, NX-OS 1-32);
 # sequenced frames of sessions beyond these are counted as untracked.
@@ -63,6 +125,32 @@ def table(spec: EncapSpec | None = None) -> np.ndarray:
     """The compiled walk's encapsulation switches for ``spec`` (None: detect every one); a
     ConfigError when the spec names a protocol or port that is not free for it."""
     return _table(spec if spec is not None else EncapSpec())
+
+
+def split_walk(spec: EncapSpec | None = None) -> dict:
+    """The facts the AF_PACKET split's BPF program walks by (capture.fanout_bpf): the decoder's
+    headers and, per ``spec``, the encapsulations it takes off, so both split frames alike."""
+    enc = table(spec).tolist()
+    return {
+        "eth_size": ETH.size, "eth_type_at": ETH["type"].offset, "vlan_size": VLAN.size,
+        "vlan_type_at": VLAN["type"].offset, "tpids": list(ETHERTYPE_VLAN), "ipv4": ETHERTYPE_IPV4,
+        "ipv6": ETHERTYPE_IPV6, "ipv4_size": IPV4.size, "ipv4_vihl_at": IPV4["ver_ihl"].offset,
+        "ipv4_frag_at": IPV4["frag"].offset, "ipv4_frag_mask": IPV4_FRAGMENT,
+        "ipv4_total_len_at": IPV4["total_len"].offset, "ipv4_proto_at": IPV4["proto"].offset,
+        "ipv6_size": IPV6.size, "ipv6_payload_len_at": IPV6["payload_len"].offset, "ipv6_next_at": IPV6["next"].offset,
+        "udp": IPPROTO_UDP, "gre": IPPROTO_GRE, "udp_size": UDP.size, "udp_sport_at": UDP["sport"].offset,
+        "udp_dport_at": UDP["dport"].offset, "udp_len_at": UDP["len"].offset, "roce_port": ROCEV2_PORT,
+        "vxlan_port": enc[4], "vxlan_size": VXLAN.size, "vxlan_flags_at": VXLAN["flags"].offset,
+        "vxlan_valid": VXLAN_VALID_VNI, "erspan": bool(enc[0]), "gretap": bool(enc[1]), "vendor_protocol": enc[2],
+        "vendor_bytes": enc[3], "gre_size": GRE.size, "gre_proto_at": GRE["proto"].offset,
+        "gre_flags_at": GRE["flags"].offset, "gre_reject": GRE_ROUTING | GRE_VERSION,
+        "gre_words": [GRE_CHECKSUM, GRE_KEY, GRE_SEQUENCE], "gre_word": GRE_WORD, "gre_sequence": GRE_SEQUENCE,
+        "erspan_protocol": GRE_PROTO_ERSPAN, "erspan3_protocol": GRE_PROTO_ERSPAN3, "gretap_protocol": GRE_PROTO_TEB,
+        "erspan_ver_at": ERSPAN2["ver_vlan"].offset, "erspan_ver_shift": ERSPAN_VERSION_SHIFT,
+        "erspan2_size": ERSPAN2.size, "erspan2_version": ERSPAN_VERSION_II, "erspan3_size": ERSPAN3.size,
+        "erspan3_version": ERSPAN_VERSION_III, "erspan3_flags_at": ERSPAN3["flags"].offset, "erspan3_o": ERSPAN3_O,
+        "erspan3_platform_size": ERSPAN3_PLATFORM.size,
+    }
 
 
 def check(spec: EncapSpec) -> None:
@@ -122,30 +210,38 @@ class MirrorHealth:
 
     @property
     def truncated(self) -> int:
-        """Frames the switch cut: ERSPAN T bits and frames shorter than their IP header."""
-        return self.count("erspan_truncated") + self.cut
+        """Frames the switch cut: with ERSPAN's T bit, or shorter than their IP header."""
+        return self.count("erspan_truncated") + self.count("cut_unmarked")
 
     def to_dict(self) -> dict:
+        """The report's form (replay --json, inspect --json; ``lines`` and ``truncation_advice`` read it)."""
         return {"encapsulated": self.encapsulated, "lost_frames": self.lost, "truncated_frames": self.truncated,
                 "erspan_truncated": self.count("erspan_truncated"), "mirror_truncated": self.cut,
                 "sessions": self.sessions(), "sessions_untracked": self.count("sessions_untracked")}
 
     def lines(self) -> list[str]:
-        """The report's text: nothing for a bare mirror that lost and cut nothing."""
-        out = []
-        if self.encapsulated:
-            out.append("mirror encapsulation: " + ", ".join(f"{k} {v}" for k, v in self.encapsulated.items()))
-        for s in self.sessions():
-            extra = "".join(f", {s[k]} {k}" for k in ("late", "duplicate", "restarts") if s[k])
-            out.append(f"mirror session {s['session']}: {s['frames']} frames, {s['lost']} lost on the way{extra}")
-        if self.count("sessions_untracked"):
-            out.append(f"mirror sessions beyond {MAX_SESSIONS}: {self.count('sessions_untracked')} sequenced frames "
-                       "not checked for loss")
-        if self.truncated:
-            out.append(f"mirror truncation: {self.truncated} frames cut by the switch "
-                       f"({self.count('erspan_truncated')} with ERSPAN's T bit, {self.cut} shorter than their "
-                       "IP header)")
-        return out
+        return lines(self.to_dict())
+
+
+def lines(health: dict) -> list[str]:
+    """A stream's ``MirrorHealth.to_dict()`` as text: nothing for a bare mirror that lost and cut nothing."""
+    out = []
+    if health["encapsulated"]:
+        out.append("mirror encapsulation: " + ", ".join(f"{k} {v}" for k, v in health["encapsulated"].items()))
+    for s in health["sessions"]:
+        extra = "".join(f", {s[k]} {k}" for k in ("late", "duplicate", "restarts") if s[k])
+        out.append(f"mirror session {s['session']}: {s['frames']} frames, {s['lost']} lost on the way{extra}")
+    if health["sessions_untracked"]:
+        out.append(f"mirror sessions beyond {MAX_SESSIONS}: {health['sessions_untracked']} sequenced frames "
+                   "not checked for loss")
+    if health["truncated_frames"]:
+        out.append(f"mirror truncation: {health['truncated_frames']} frames cut by the switch ({_cut_text(health)})")
+    return out
+
+
+def _cut_text(health: dict) -> str:
+    return (f"ERSPAN's truncated bit on {health['erspan_truncated']}, {health['mirror_truncated']} frames shorter "
+            "than their IP header")
 
 
 def session_name(key: np.ndarray) -> str:
@@ -168,14 +264,14 @@ def session_name(key: np.ndarray) -> str:
     return name + (f" key {number('gre_key', 4)}" if number("gre_key", 4) else "")
 
 
-def truncation_advice(health: MirrorHealth) -> str | None:
+def truncation_advice(health: MirrorHealth | dict) -> str | None:
     """What to tell the operator, once, when the switch cuts mirror copies: a cut RoCE packet
     can never be followed, so every iteration it carries is lost to the replica."""
-    if not health.truncated:
+    d = health.to_dict() if isinstance(health, MirrorHealth) else health
+    if not d["truncated_frames"]:
         return None
-    return (f"the mirror truncates: {health.truncated} frames arrived cut by the switch "
-            f"({health.count('erspan_truncated')} with ERSPAN's truncated bit, {health.cut} shorter than their IP "
-            "header); a cut RoCE packet can never be followed, so no iteration it carries can be checkpointed. "
+    return (f"the mirror truncates: {d['truncated_frames']} frames arrived cut by the switch ({_cut_text(d)}); "
+            "a cut RoCE packet can never be followed, so no iteration it carries can be checkpointed. "
             "Let the mirror session carry whole frames: raise its MTU to the RoCE frame size plus the encapsulation "
             "(NX-OS: `monitor session N` / `mtu 9216`, or no `mtu` line; Arista: no `truncate` on the monitor "
             "session; SONiC/Cumulus: the session's destination and underlay MTU at least 4096 + 62 bytes), and "

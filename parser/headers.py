@@ -152,6 +152,7 @@ IPV4 = Header("ipv4", 20, [
     Field("frag", 6, 2), Field("ttl", 8, 1), Field("proto", 9, 1), Field("csum", 10, 2),
     Field("src", 12, 4), Field("dst", 16, 4),
 ])
+IPV4_FRAGMENT = 0x3FFF  # frag: MF and the fragment offset (a fragment when any is set)
 IPV6 = Header("ipv6", 40, [
     Field("ver_tc_fl", 0, 4), Field("payload_len", 4, 2), Field("next", 6, 1), Field("hop", 7, 1),
     Field("src", 8, 16), Field("dst", 24, 16),

@@ -15,51 +15,6 @@ import numpy as np
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.config.encap import EncapSpec
 from mirrorckpt.parser import _fast, encap, memory, opcodes
-from mirrorckpt.parser.headers import (
-    AETH,
-    BTH,
-    DETH,
-    ERSPAN2,
-    ERSPAN3,
-    ERSPAN3_O,
-    ERSPAN3_PLATFORM,
-    ERSPAN_SESSION,
-    ERSPAN_TRUNCATED,
-    ERSPAN_VERSION_II,
-    ERSPAN_VERSION_III,
-    ERSPAN_VERSION_SHIFT,
-    ETH,
-    ETHERTYPE_ARP,
-    ETHERTYPE_IPV4,
-    ETHERTYPE_IPV6,
-    ETHERTYPE_LLDP,
-    ETHERTYPE_PTP,
-    ETHERTYPE_VLAN,
-    GRE,
-    GRE_CHECKSUM,
-    GRE_KEY,
-    GRE_PROTO_ERSPAN,
-    GRE_PROTO_ERSPAN3,
-    GRE_PROTO_TEB,
-    GRE_ROUTING,
-    GRE_SEQUENCE,
-    GRE_VERSION,
-    GRE_WORD,
-    ICRC_BYTES,
-    IMMDT,
-    IPPROTO_GRE,
-    IPPROTO_TCP,
-    IPPROTO_UDP,
-    IPV4,
-    IPV6,
-    PTP_PORTS,
-    RETH,
-    ROCEV2_PORT,
-    UDP,
-    VLAN,
-    VXLAN,
-    VXLAN_VALID_VNI,
-)
 from mirrorckpt.parser.protocols import LL_INTACT_ARGS
 
 
@@ -142,29 +97,6 @@ ICRC_BACKEND: str = _fast.ICRC_BACKEND
 SLOW_ICRC: str | None = None if ICRC_BACKEND == "isa-l" else (
     f"the ICRC check runs on {ICRC_BACKEND}'s crc32, several times slower than ISA-L's: install libisal-dev "
     "(tools/install-system-deps.sh) and rebuild (python setup.py build_ext --inplace --force)")
-
-
-# Field offsets, EtherTypes and protocol numbers for the compiled frame walk, in its K_* order,
-# taken from the header tables.
-_fast.configure(
-    [ETH["type"].offset, ETH.size, VLAN["type"].offset, VLAN.size,
-     IPV4["ver_ihl"].offset, IPV4["total_len"].offset, IPV4["frag"].offset, IPV4["proto"].offset,
-     IPV4["src"].offset, IPV4["dst"].offset, IPV4.size,
-     IPV6["payload_len"].offset, IPV6["next"].offset, IPV6["src"].offset, IPV6["dst"].offset, IPV6.size,
-     UDP["sport"].offset, UDP["dport"].offset, UDP["len"].offset, UDP.size,
-     BTH["opcode"].offset, BTH["flags"].offset, BTH["dqp"].offset, BTH["ackreq"].offset, BTH["psn"].offset,
-     BTH.size, RETH["va"].offset, RETH["rkey"].offset, RETH["dlen"].offset, RETH.size, IMMDT.size,
-     AETH["syndrome"].offset, AETH["msn"].offset, AETH.size, DETH.size, ICRC_BYTES,
-     ROCEV2_PORT, PTP_PORTS[0], PTP_PORTS[1],
-     ETHERTYPE_IPV4, ETHERTYPE_IPV6, *ETHERTYPE_VLAN, ETHERTYPE_ARP, ETHERTYPE_LLDP, ETHERTYPE_PTP,
-     IPPROTO_TCP, IPPROTO_UDP, IPPROTO_GRE,
-     GRE["flags"].offset, GRE["proto"].offset, GRE.size, GRE_WORD, GRE_CHECKSUM, GRE_ROUTING, GRE_KEY,
-     GRE_SEQUENCE, GRE_VERSION, GRE_PROTO_ERSPAN, GRE_PROTO_ERSPAN3, GRE_PROTO_TEB,
-     ERSPAN2["ver_vlan"].offset, ERSPAN2["session"].offset, ERSPAN2.size, ERSPAN3["flags"].offset, ERSPAN3.size,
-     ERSPAN3_PLATFORM.size, ERSPAN_VERSION_SHIFT, ERSPAN_VERSION_II, ERSPAN_VERSION_III, ERSPAN_TRUNCATED,
-     ERSPAN_SESSION, ERSPAN3_O, VXLAN["flags"].offset, VXLAN.size, VXLAN_VALID_VNI],
-    opcodes.HAS_RETH.astype(np.uint8), opcodes.HAS_IMMDT.astype(np.uint8),
-    opcodes.HAS_AETH.astype(np.uint8), opcodes.HAS_DETH.astype(np.uint8))
 
 
 def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None,

@@ -53,7 +53,8 @@ from typing import Protocol
 
 import numpy as np
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
-from mirrorckpt.parser import roce
+from mirrorckpt.config.encap import EncapSpec
+from mirrorckpt.parser import encap, roce
 from mirrorckpt.parser.nccl import NcclSend
 from mirrorckpt.parser.packet_path import PacketPath
 
@@ -69,6 +70,7 @@ class StreamStats:
     frames: int = 0
     bytes: int = 0
     damage: str | None = None  # why the source ended early (None: a clean end)
+    mirror: encap.MirrorHealth | None = None  # what its mirror encapsulation showed (RoCE sources)
 
 
 class WireIdle:
@@ -101,13 +103,14 @@ class SendStream(Protocol):
 class MirrorStreams:
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], icrc: bool = True,
                  nccl_version: str | None = None, protocol: str | None = None, merge_ns: int = 4_000_000,
-                 ahead: int = 0):
-        self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k, messages=False)
+                 ahead: int = 0, encapsulation: EncapSpec | None = None):
+        self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k, messages=False,
+                                 encapsulation=encapsulation)
                       for k in range(len(sources))]
         self.ended: set[int] = set()  # streams with nothing more to come
         self.nstreams = len(sources)
         self.merge_ns = merge_ns
-        self.stats = [StreamStats(name) for name, _ in sources]
+        self.stats = [StreamStats(name, mirror=p.counters.mirror) for (name, _), p in zip(sources, self.paths)]
         self._iters = [iter(b) for _, b in sources]
         self.ahead = ahead
         self._fed: dict[int, FrameBatch] = {}  # per stream, the last part fed since the last list

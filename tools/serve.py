@@ -92,6 +92,7 @@ class WorkerSpec:
     # the daemon so every worker of the port holds the same); None: port mod N, as a live port's kernel
     lut: object = None
     share: tuple[int, int] = (0, 1)  # worker k of N on this port: the frames of its QP pairs (capture.fanout)
+    encap: object = None  # config.encap.EncapSpec: the mirror encapsulations taken off (None: any)
 
 
 # A file-fed worker's frames interleave with its siblings' in the file's pages: walking every other
@@ -123,18 +124,19 @@ def split_connection(decoder) -> str | None:
 # "capturing": 1 once the source is open (and a port's fanout group whole): frames sent before
 # then are not seen, so a port is reported only from then on. "cpu_*_ns": the CPU time of the
 # worker's capture thread (with its compact thread, when it has one) and decode thread so far (which of
-# its stages limits the port).
+# its stages limits the port). "mirror_*": frames the mirror lost on its way (GRE sequence gaps) and
+# frames the switch cut (parser.encap.MirrorHealth).
 COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc", "capturing", "cpu_capture_ns",
-            "cpu_decode_ns")
+            "cpu_decode_ns", "mirror_lost", "mirror_truncated")
 
 
 def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ring=None) -> None:
     """Capture thread + packet-path thread; sends go to the main process through ``out`` (their
     bytes through ``ring``, a sendring.SendRing, when given), counters through ``shared`` (an
     int64 array laid out as COUNTERS)."""
-    from mirrorckpt.capture import fanout
     from mirrorckpt.capture.batch import CaptureError
     from mirrorckpt.capture.source import open_source, paced
+    from mirrorckpt.parser import encap, split
     from mirrorckpt.parser.packet_path import PacketPath
 
     memory.freeze_startup_heap()
@@ -148,7 +150,8 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
     def publish():
         if shared is not None:
             shared[:] = [int(counters[k]) for k in COUNTERS]
-    pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port, messages=False)
+    pp = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port, messages=False,
+                    encapsulation=spec.encap)
     if ring is not None:
         # Every batch the decode thread gets stays valid (a file's mapping, or a live batch's own
         # copy): a Simple send's bytes, or an LL send's words as the decode read them, go from the
@@ -213,6 +216,12 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
                 _, sends = pp.feed(b)
                 counters["icrc"] = pp.counters.icrc_failed
                 counters["cpu_decode_ns"] = time.thread_time_ns()
+                mirror = pp.counters.mirror
+                if mirror.lost != counters["mirror_lost"]:
+                    out.put(("mirror", spec.port, {s["session"]: s["lost"] for s in mirror.sessions()}))
+                if mirror.truncated and not counters["mirror_truncated"]:  # said once
+                    out.put(("warn", spec.port, encap.truncation_advice(mirror)))
+                counters["mirror_lost"], counters["mirror_truncated"] = mirror.lost, mirror.truncated
                 publish()
                 if spec.share[1] > 1 and not warned:
                     warned = split_connection(pp.nccl)
@@ -240,7 +249,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         # (DPDK's at most DPDK_MAX_BATCH: a batch must fit in the port's mbuf pool)
         opts = {} if spec.source.startswith("afpacket:") else {"batch_frames": spec.batch_frames}
         if n > 1 and spec.source.startswith("afpacket:"):  # the kernel splits the port (capture.fanout)
-            opts.update(fanout_workers=n, fanout_worker=k)
+            opts.update(fanout_workers=n, fanout_worker=k, fanout_walk=encap.split_walk(spec.encap))
         if spec.source.startswith("dpdk:"):
             opts["batch_frames"] = min(spec.batch_frames, DPDK_MAX_BATCH)
         src = open_source(spec.source, **opts)
@@ -249,7 +258,7 @@ def worker_main(spec: WorkerSpec, out: mp.Queue, stop: mp.Event, shared=None, ri
         # read-only mapping that stays valid
         keep = getattr(src, "stable_batches", False)
         if file_split:
-            it = (fanout.share(b, k, n, spec.lut) for b in it)
+            it = (split.share(b, k, n, spec.lut, spec.encap) for b in it)
         elif n > 1 and not (hasattr(src, "wait_fanout") and src.wait_fanout(FANOUT_WAIT_S)):
             raise CaptureError(f"{spec.source}: worker {k} of {n}: not every worker joined the port's fanout "
                                f"group within {FANOUT_WAIT_S:g} s (their frames would be captured by nobody)")
@@ -449,6 +458,8 @@ class QueueStreams:
                 raise VersionMismatch(f"port {port}: {payload}")
             elif kind == "warn":
                 log.warning("%s", payload, extra={"port": self.labels[port]})
+            elif kind == "mirror":  # frames lost per mirror session so far
+                self.metrics.mirror_lost_sessions(self.labels[port], payload)
             elif kind == "end":
                 self.sync_counters()
                 self.finished[port] = payload
@@ -508,6 +519,7 @@ class QueueStreams:
         m.dropped.labels(lp, "capture").inc(max(0, c["dropped_capture"] - old.get("dropped_capture", 0)))
         m.dropped.labels(lp, "kernel").inc(max(0, c["dropped_kernel"] - old.get("dropped_kernel", 0)))
         m.icrc.labels(lp).inc(max(0, c["icrc"] - old.get("icrc", 0)))
+        m.truncated.labels(lp).inc(max(0, c["mirror_truncated"] - old.get("mirror_truncated", 0)))
         for stage in ("capture", "decode"):
             k = f"cpu_{stage}_ns"
             m.stage_cpu.labels(stage, lp).inc(max(0, c[k] - old.get(k, 0)) / 1e9)
@@ -669,7 +681,7 @@ class Daemon:
         by_port = self.job.capture.get("file_split", "connection") == "port"
         try:
             with open_source(source, batch_frames=self.job.capture.get("batch_frames", 65536)) as start:
-                lut, found = split.plan(start, workers, by_port=by_port)
+                lut, found = split.plan(start, workers, by_port=by_port, encapsulation=self.job.encap)
         except (CaptureError, OSError):
             return None  # each worker meets the same error opening it, and reports it as its port's
         log.info("capture file split over its workers", extra={"source": str(source), **found})
@@ -683,7 +695,7 @@ class Daemon:
             m = self.job.mirrors[i]
             spec = WorkerSpec(port=s, source=m.source, batch_frames=cap.get("batch_frames", 65536),
                               local_bytes=cap.get("queue_bytes", 256 << 20), nccl_version=self.job.ring.nccl_version,
-                              pace=self.pace, share=(k, n), lut=luts[i])
+                              pace=self.pace, share=(k, n), lut=luts[i], encap=self.job.encap)
             ring = self.rings[s] if self.rings else None
             p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture, self.shared[s], ring),
                                  name=f"mirrorckpt-capture-{stream_label(i, k, n)}", daemon=True)
