@@ -337,6 +337,10 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         _print(report, ars, iterations, summary, secs, nbytes)
         _print_timing(report["timing"])
     _mirror_verdict(rep.streams, quiet=as_json)
+    counters = getattr(js.streams, "counters", None)  # RoCE sources (MirrorStreams)
+    if counters is not None and not ars and not counters.by_opcode():
+        click.echo(f"error: no RoCEv2 traffic in {counters.frames} frames{_not_taken_off(counters)}", err=True)
+        sys.exit(1)
     for d in damage:
         click.echo(f"error: {d}", err=True)
     if damage:
@@ -362,6 +366,16 @@ def _mirror_verdict(streams, quiet: bool) -> None:
         advice = encap.truncation_advice(h)
         if advice:
             click.echo(f"error: {st.source}: {advice}", err=True)
+
+
+def _not_taken_off(counters) -> str:
+    """Why a mirror may show no RoCE: GRE packets no encapsulation rule took off."""
+    gre = counters.classes.get("gre_other", 0)
+    if not gre:
+        return ""
+    return (f" ({gre} GRE packets of a protocol not taken off as a mirror encapsulation: a vendor's mirror header "
+            "needs [capture] gre_protocol and gre_header_bytes in the job file, or [capture] encapsulation pins "
+            "another kind)")
 
 
 def _persistence_verdict(app, summary, persist, checkpoint_dir) -> None:
