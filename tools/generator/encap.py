@@ -14,8 +14,7 @@ frames (``inner_vlan``, inserted after their MAC addresses: a port that mirrors 
 a tag's VLAN id 0 is a priority-only tag. Sequence numbers count every frame of the session, so
 a frame lost after the wrapping (a fault of the capture file) leaves a gap, as on a real mirror.
 ``mirror_mtu`` cuts each mirrored frame to that many bytes, as a session's MTU does (ERSPAN sets
-its T bit). The outer source port of VXLAN is a hash of the inner frame's addresses, as Linux
-takes it: it differs between the two directions of a QP pair.
+its T bit). VXLAN's outer source port follows the inner flow, the same both ways, as Linux's.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from mirrorckpt.capture._pack import copy_ranges
 from mirrorckpt.capture.batch import FrameBatch
+from mirrorckpt.config.encap import EncapSpec
 from mirrorckpt.parser.headers import (
     ERSPAN2,
     ERSPAN3,
@@ -59,6 +59,7 @@ from mirrorckpt.parser.headers import (
     VXLAN_PORT,
     VXLAN_VALID_VNI,
 )
+from mirrorckpt.parser.split import flow_ports
 from mirrorckpt.tools.generator.frames import (
     IPV4_DONT_FRAGMENT,
     IPV4_VERSION_IHL,
@@ -154,6 +155,13 @@ class Encapsulator:
         data, offset, caplen, wirelen, _ = self._wrap(b.data, b.offset, b.caplen, b.wirelen, b.ts_ns)
         return FrameBatch(data, offset, caplen, wirelen, b.ts_ns.copy(), b.iface.copy(), b.source)
 
+    def ip_payloads(self, b: FrameBatch) -> FrameBatch:
+        """Each wrapped frame from its GRE (VXLAN: UDP) header on: what a raw IP socket sends, the
+        kernel writing the outer IP and Ethernet headers itself."""
+        w = self.wrap_batch(b)
+        skip = ETH.size + VLAN.size * len(self.opts.outer_vlan) + (IPV6.size if self.opts.ipv6 else IPV4.size)
+        return FrameBatch(w.data, w.offset + skip, w.caplen - skip, w.wirelen - skip, w.ts_ns, w.iface, w.source)
+
     def _wrap(self, data, offset, caplen, wirelen, ts):
         o = self.opts
         n = len(offset)
@@ -186,11 +194,11 @@ class Encapsulator:
         buf[out_off[:, None] + np.arange(head)] = self.head
         seq = self.seq + np.arange(n, dtype=np.int64)
         self.seq += n
-        self._fields(buf, out_off, cut, cut < keep, seq, ts, src, offset, caplen)
+        self._fields(buf, out_off, cut, cut < keep, seq, ts)
         shift = np.full(n, head + tags, np.int64)
         return buf, out_off, length, length + np.where(cut < keep, 0, was), shift
 
-    def _fields(self, buf, off, inner_len, cut, seq, ts, src, offset, caplen) -> None:
+    def _fields(self, buf, off, inner_len, cut, seq, ts) -> None:
         """The per-frame fields of the outer headers (lengths, checksums, sequence numbers...)."""
         o = self.opts
         if o.kind == "none":
@@ -208,7 +216,7 @@ class Encapsulator:
         l4 = l3 + ip_size
         if o.kind == "vxlan":
             put(buf, l4, UDP, "len", payload)
-            put(buf, l4, UDP, "sport", _flow_hash(src, offset, caplen))
+            put(buf, l4, UDP, "sport", _outer_port(buf, off + self.head.size, inner_len))
             return
         h = l4 + GRE.size
         flags = _gre_flags(o)
@@ -296,15 +304,14 @@ def _outer_bytes(o: EncapOptions) -> np.ndarray:
     return np.frombuffer(out, np.uint8).copy()
 
 
-def _flow_hash(src: np.ndarray, offset: np.ndarray, caplen: np.ndarray) -> np.ndarray:
-    """A source port from each frame's first 64 bytes (addresses, ports), weighted by position so
-    that a frame and its reply differ, as Linux's VXLAN port choice from the inner flow hash does."""
-    span = 64
-    pos = offset[:, None] + np.arange(span)
-    inside = np.arange(span)[None, :] < caplen[:, None]
-    raw = np.where(inside, src[np.minimum(pos, len(src) - 1)], 0).astype(np.int64)
-    weights = (np.arange(span, dtype=np.int64) * 2654435761 + 97) % 65521
-    return VXLAN_SPORT_BASE + (raw * weights).sum(axis=1) % VXLAN_SPORT_RANGE
+def _outer_port(buf: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """VXLAN's source port, the same for both directions of a flow: Linux hashes the inner flow's
+    addresses and ports in a fixed order (udp_flow_src_port on a consistent flow hash). Here from
+    the inner UDP source port, which RoCE's two directions share; one port for what has none."""
+    n = len(start)
+    inner = FrameBatch(buf, start, length, length, np.zeros(n, np.int64), np.zeros(n, np.int32))
+    sport = flow_ports(inner, EncapSpec("none"))
+    return VXLAN_SPORT_BASE + np.where(sport >= 0, sport * 2654435761 % VXLAN_SPORT_RANGE, 0)
 
 
 def _ones_complement(buf: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
