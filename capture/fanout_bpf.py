@@ -220,13 +220,13 @@ def fanout_program(workers: int, worker: int | None, walk: dict) -> list[tuple[i
             x_plus(w["gre_word"])
         need(0)
         op(_LD | _MEM, M_GRE_PROTO)
+        if w["vendor_protocol"] >= 0:  # first: a configured protocol overrides the built-in rules
+            a.goto_if(_JEQ, w["vendor_protocol"], "vendor")
         if w["erspan"]:
             a.goto_if(_JEQ, w["erspan_protocol"], "erspan2")
             a.goto_if(_JEQ, w["erspan3_protocol"], "erspan3")
         if w["gretap"]:
             a.goto_if(_JEQ, w["gretap_protocol"], "inner")
-        if w["vendor_protocol"] >= 0:
-            a.goto_if(_JEQ, w["vendor_protocol"], "vendor")
         a.goto("zero")
         if w["erspan"]:
             a.at("erspan2")  # type I without a sequence number, else type II

@@ -5,7 +5,9 @@ carries): "none" (a local SPAN port: bare frames only), "erspan" (ERSPAN type I,
 GRE), "gre" (gretap, and a vendor's GRE protocol with a fixed header), "vxlan". ``vxlan_port``
 moves VXLAN off its UDP port 4789; ``gre_protocol`` with ``gre_header_bytes`` names a vendor's
 GRE protocol and the bytes between its GRE header and the mirrored frame (SONiC on NVIDIA
-Spectrum: 0x8949 and 22, which "auto" and "gre" take off unless told otherwise).
+Spectrum: 0x8949 and 22, which "auto" and "gre" take off unless told otherwise). A configured
+protocol is tried before the built-in rules, so ERSPAN's 0x88BE with its own length serves a
+switch whose header after GRE is not the standard's.
 """
 
 from __future__ import annotations

@@ -426,7 +426,11 @@ cdef inline int64_t _gre(const uint8_t *p, int64_t l3, bint v6, int64_t g, int64
         h += K[K_GRE_WORD]
     if h > end:
         return -M_SHORT_GRE
-    if proto == K[K_GP_ERSPAN] and enc[E_ERSPAN]:
+    if proto == enc[E_VENDOR_PROTO]:  # first: a configured protocol overrides the built-in rules
+        kind, inner = X_VENDOR, h + enc[E_VENDOR_BYTES]
+        if inner > end:
+            return -M_SHORT_GRE
+    elif proto == K[K_GP_ERSPAN] and enc[E_ERSPAN]:
         if seq_at < 0:  # type I: no sequence number, no ERSPAN header
             kind, inner = X_ERSPAN1, h
         else:
@@ -447,10 +451,6 @@ cdef inline int64_t _gre(const uint8_t *p, int64_t l3, bint v6, int64_t g, int64
             return -M_SHORT_ERSPAN
     elif proto == K[K_GP_TEB] and enc[E_GRETAP]:
         kind, inner = X_GRETAP, h
-    elif proto == enc[E_VENDOR_PROTO]:
-        kind, inner = X_VENDOR, h + enc[E_VENDOR_BYTES]
-        if inner > end:
-            return -M_SHORT_GRE
     else:
         return -C_GRE_OTHER
     mirror[kind] += 1

@@ -96,17 +96,12 @@ _fast.configure(
 # sequenced frames of sessions beyond these are counted as untracked.
 MAX_SESSIONS = 64
 _KINDS = dict(enumerate(_fast.MIRROR[:6]))
-_BUILTIN_GRE = {GRE_PROTO_ERSPAN: "ERSPAN type I/II", GRE_PROTO_ERSPAN3: "ERSPAN type III",
-                GRE_PROTO_TEB: "gretap (transparent Ethernet bridging)"}
 
 
 @lru_cache(maxsize=32)
 def _table(spec: EncapSpec) -> np.ndarray:
     if spec.vxlan_port == ROCEV2_PORT:
         raise ConfigError(f"[capture] vxlan_port: {ROCEV2_PORT} is RoCEv2's own port")
-    if spec.gre_protocol in _BUILTIN_GRE:
-        raise ConfigError(f"[capture] gre_protocol: 0x{spec.gre_protocol:04X} is {_BUILTIN_GRE[spec.gre_protocol]}, "
-                          "taken off by its own rules (leave gre_protocol out)")
     vendor = (spec.gre_protocol, spec.gre_header_bytes) if spec.gre_protocol is not None \
         else (GRE_PROTO_SPECTRUM, GRE_SPECTRUM_BYTES)
     mode = spec.mode
@@ -123,7 +118,9 @@ def _table(spec: EncapSpec) -> np.ndarray:
 
 def table(spec: EncapSpec | None = None) -> np.ndarray:
     """The compiled walk's encapsulation switches for ``spec`` (None: detect every one); a
-    ConfigError when the spec names a protocol or port that is not free for it."""
+    ConfigError when the spec names a port that is not free for it. A configured GRE protocol is
+    tried before the built-in rules: ERSPAN's or gretap's own, for a switch whose header after
+    GRE is not the standard's, overrides them."""
     return _table(spec if spec is not None else EncapSpec())
 
 

@@ -15,7 +15,7 @@ from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.config.encap import EncapSpec
 from mirrorckpt.config.jobfile import ConfigError, parse_job
 from mirrorckpt.parser import _fast, encap, roce, split, tcp
-from mirrorckpt.parser.headers import ETH, IPV4
+from mirrorckpt.parser.headers import ETH, GRE, GRE_PROTO_ERSPAN, IPV4, VLAN
 from mirrorckpt.tools.generator.encap import EncapOptions, Encapsulator
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 from mirrorckpt.tools.generator.noise import NoiseOptions
@@ -242,13 +242,26 @@ def test_the_job_files_encapsulation_keys_are_checked(capture, message):
     assert str(e.value).startswith(f"job.toml: {message}"), str(e.value)
 
 
-@pytest.mark.parametrize("spec, message", [
-    (EncapSpec(vxlan_port=4791), "[capture] vxlan_port: 4791 is RoCEv2's own port"),
-    (EncapSpec(gre_protocol=0x88BE, gre_header_bytes=8), "[capture] gre_protocol: 0x88BE is ERSPAN type I/II"),
-])
-def test_a_port_or_protocol_the_walk_owns_is_refused(spec, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        encap.check(spec)
+def test_a_port_the_walk_owns_is_refused():
+    with pytest.raises(ConfigError, match=r"\[capture\] vxlan_port: 4791 is RoCEv2's own port"):
+        encap.check(EncapSpec(vxlan_port=4791))
+
+
+def test_a_configured_gre_protocol_overrides_the_built_in_rule(bare):
+    """A switch that sends ERSPAN's protocol with a sequence number and no ERSPAN header (what
+    Wireshark calls fake ERSPAN): the built-in rule reads a bad version; the job file's protocol
+    and length take it off, in the decoder and in the split's ports."""
+    b = wrap(bare, "gretap", outer_vlan=(2,))
+    data = b.data.copy()
+    at = b.offset + ETH.size + VLAN.size + IPV4.size + GRE["proto"].offset
+    for k in (0, 1):
+        data[at + k] = GRE_PROTO_ERSPAN.to_bytes(2, "big")[k]
+    fake = FrameBatch(data, b.offset, b.caplen, b.wirelen, b.ts_ns, b.iface)
+    _, pk, c = decoded(fake)
+    assert len(pk) == 0 and c.malformed["bad_erspan_version"] > 0
+    spec = EncapSpec(gre_protocol=GRE_PROTO_ERSPAN, gre_header_bytes=0)  # after checksum, key, sequence
+    same_decode(decoded(fake, spec), decoded(bare))
+    assert np.array_equal(split.flow_ports(fake, spec), split.flow_ports(bare))
 
 
 def test_the_walks_tables_fit_its_compiled_constants():
