@@ -1,13 +1,15 @@
 """Mirror encapsulations taken off in the compiled frame walk, and the mirror's health they show.
 
-``table(spec)`` turns a job's ``config.encap.EncapSpec`` into the walk's switches (which GRE
-protocols and which VXLAN port are a mirror's). ``MirrorHealth`` is what the encapsulations
-showed, kept per capture stream across batches: frames per encapsulation; per mirror session
-with GRE sequence numbers (ERSPAN II/III, gretap with ``seq``; a session is its outer addresses,
-GRE protocol, GRE key and ERSPAN session id) the frames lost between the switch and the
-capture, as gaps in the numbering; frames the switch cut (ERSPAN's T bit) and frames whose IP
-header says more than arrived, as a mirror session's MTU leaves them. A cut RoCE packet can
-never be followed: ``truncation_advice`` says so with the switch settings to change.
+At import it hands the compiled walk (``_fast``: the packet decode, the split's ports, the TCP
+path's mirrored frames) its field offsets from the header tables. ``table(spec)`` turns a job's
+``config.encap.EncapSpec`` into the walk's switches (which GRE protocols and which VXLAN port are
+a mirror's). ``MirrorHealth`` is what the encapsulations showed, kept per capture stream across
+batches: frames per encapsulation; per mirror session with GRE sequence numbers (ERSPAN II/III,
+gretap with ``seq``; a session is its outer addresses, GRE protocol, GRE key and ERSPAN session
+id) the frames lost between the switch and the capture, as gaps in the numbering; frames the
+switch cut (ERSPAN's T bit) and frames whose IP header says more than arrived, as a mirror
+session's MTU leaves them. A cut RoCE packet can never be followed: ``truncation_advice`` says so
+with the switch settings to change.
 """
 
 from __future__ import annotations
