@@ -46,8 +46,10 @@ from mirrorckpt.parser.headers import (
     GRE_NUMBER,
     GRE_PROTO_ERSPAN,
     GRE_PROTO_ERSPAN3,
+    GRE_PROTO_SPECTRUM,
     GRE_PROTO_TEB,
     GRE_SEQUENCE,
+    GRE_SPECTRUM_BYTES,
     GRE_WORD,
     IPPROTO_GRE,
     IPPROTO_UDP,
@@ -121,7 +123,7 @@ class EncapOptions:
         """What the job file's [capture] must say for the decoder to take this encapsulation off
         (config.encap): nothing for what it detects by itself."""
         out = {}
-        if self.vendor is not None and self.vendor != (0x8949, 22):
+        if self.vendor is not None and self.vendor != (GRE_PROTO_SPECTRUM, GRE_SPECTRUM_BYTES):
             out["gre_protocol"], out["gre_header_bytes"] = self.vendor
         if self.kind == "vxlan" and self.vxlan_port != VXLAN_PORT:
             out["vxlan_port"] = self.vxlan_port
