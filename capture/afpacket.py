@@ -17,9 +17,10 @@ are valid only until then** (a stage that keeps bytes copies them), as `FrameBat
 - Timestamps are the kernel's receive times (ns). Frames longer than a block can hold are
   cut (caplen < wirelen) and counted as truncated.
 - Fanout (`fanout_workers` > 1): N processes each open the interface as worker 0..N-1 of one
-  PACKET_FANOUT group and each receives exactly `fanout.worker_of(frames, N) == worker`
-  (UDP source port mod N, non-UDP to worker 0), split in the kernel by a classic BPF program;
-  see "Fanout" below.
+  PACKET_FANOUT group and each receives exactly `parser.split.worker_of(frames, N) == worker`
+  (the mirrored flow's UDP source port mod N, non-UDP to worker 0), split in the kernel by a
+  classic BPF program (capture.fanout_bpf) that walks the frame as the packet decoder does:
+  `fanout_walk`, from `parser.encap.split_walk`; see "Fanout" below.
 - `stats()` adds the kernel's PACKET_STATISTICS: `kernel_drops` counts frames lost because
   no block was free (the consumer was too slow or the ring too small).
 
@@ -46,7 +47,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from mirrorckpt.capture import _ring
 from mirrorckpt.capture.batch import LINKTYPE_ETHERNET, CaptureError, FrameBatch
-from mirrorckpt.capture.fanout import ETH_IPV4, ETH_IPV6, ETH_VLAN, IPPROTO_UDP
+from mirrorckpt.capture.fanout_bpf import fanout_program
 
 # linux/if_packet.h, linux/if_ether.h, linux/if_arp.h
 SOL_PACKET = 263
@@ -100,107 +101,6 @@ _DROP_ALL = _DropAll()
 # its own), nor while fewer than N have joined (the kernel reduces the program's result mod the
 # members joined so far: a missing worker's frames reach a member that drops them). Rollover
 # stays off: a worker whose ring is full drops and counts, its frames do not move elsewhere.
-
-_LD, _LDX, _ALU, _JMP, _RET = 0x00, 0x01, 0x04, 0x05, 0x06
-_W, _H, _B = 0x00, 0x08, 0x10
-_ABS, _IND, _LEN, _MSH = 0x20, 0x40, 0x80, 0xA0
-_SUB, _AND, _MOD = 0x10, 0x50, 0x90
-_JA, _JEQ, _JGE = 0x00, 0x10, 0x30
-_K, _X, _A = 0x00, 0x08, 0x10
-_SKF_LL_OFF = -0x200000  # loads relative to the link-layer (MAC) header
-_SKF_AD_VLAN_TAG_PRESENT = -0x1000 + 48  # 1 when the kernel holds an outer tag apart
-
-
-def fanout_program(workers: int, worker: int | None = None) -> list[tuple[int, int, int, int]]:
-    """The classic BPF program of `fanout.worker_of`, as (code, jt, jf, k) rows.
-
-    `worker` None: the fanout program (run with the packet data at the network header, the
-    way the kernel runs it on received frames), returning the frame's worker. Otherwise the
-    socket filter of member `worker` (data at the MAC header): the whole frame when the frame
-    is that worker's, nothing else.
-
-    The ethertype is read at MAC header + 12 (after the outer tag, which the kernel moved into
-    metadata); the program handles the tags still in the data, so that the outer tag and the
-    inline ones make at most two, as `fanout.worker_of`. Every load is preceded by a length
-    check (a load past the end would end the program with 0, which for a socket filter means
-    "drop"): a frame too short for a header `worker_of` reads is worker 0's, as there."""
-    workers = int(workers)
-    net = 0 if worker is None else 14  # where the network header is in the program's data
-    code: list[list] = []  # [code, jt label/offset, jf label/offset, k]
-    labels: dict[str, int] = {}
-
-    def op(c, k=0, jt=0, jf=0):
-        code.append([c, jt, jf, k if isinstance(k, str) else k & 0xFFFFFFFF])
-
-    def at(name):
-        labels[name] = len(code)
-
-    def need(n):  # the frame holds at least n bytes of data (else worker 0); clobbers A
-        op(_LD | _W | _LEN)
-        op(_JMP | _JGE | _K, n, 0, "zero")
-
-    def dispatch(base: int, next_tag: str | None):
-        """A holds the ethertype of the header ending at `base` (network-relative)."""
-        op(_JMP | _JEQ | _K, ETH_IPV4, f"v4_{base}", 0)
-        op(_JMP | _JEQ | _K, ETH_IPV6, f"v6_{base}", 0)
-        if next_tag is None:
-            op(_RET | _K, 0)
-            return
-        op(_JMP | _JEQ | _K, ETH_VLAN[0], next_tag, 0)
-        op(_JMP | _JEQ | _K, ETH_VLAN[1], next_tag, "zero")
-
-    op(_LD | _H | _ABS, _SKF_LL_OFF + 12)
-    dispatch(net, "tag1")
-    at("tag1")  # one tag in the data (the outer one, if any, is in metadata)
-    need(net + 4)
-    op(_LD | _H | _ABS, net + 2)
-    dispatch(net + 4, "tag2")
-    at("tag2")  # a second tag in the data: only if the kernel holds none apart
-    op(_LD | _W | _ABS, _SKF_AD_VLAN_TAG_PRESENT)
-    op(_JMP | _JEQ | _K, 0, 0, "zero")
-    need(net + 8)
-    op(_LD | _H | _ABS, net + 6)
-    dispatch(net + 8, None)
-    for base in (net, net + 4, net + 8):
-        at(f"v4_{base}")
-        need(base + 20)
-        op(_LD | _B | _ABS, base + 9)
-        op(_JMP | _JEQ | _K, IPPROTO_UDP, 0, "zero")
-        op(_LD | _B | _ABS, base)
-        op(_ALU | _AND | _K, 0x0F)
-        op(_JMP | _JGE | _K, 5, 0, "zero")  # IHL below 5: not a header worker_of reads
-        op(_LDX | _B | _MSH, base)  # X = 4 * IHL
-        op(_LD | _W | _LEN)
-        op(_ALU | _SUB | _K, base + 2)  # (no wrap: at least base + 20)
-        op(_JMP | _JGE | _X, 0, 0, "zero")  # the source port is in the frame
-        op(_LD | _H | _IND, base)  # the UDP source port
-        op(_JMP | _JA, "port")
-        at(f"v6_{base}")
-        need(base + 42)
-        op(_LD | _B | _ABS, base + 6)
-        op(_JMP | _JEQ | _K, IPPROTO_UDP, 0, "zero")
-        op(_LD | _H | _ABS, base + 40)
-        op(_JMP | _JA, "port")
-    at("port")
-    op(_ALU | _MOD | _K, workers)
-    if worker is None:
-        op(_RET | _A)
-        at("zero")
-        op(_RET | _K, 0)
-    else:
-        op(_JMP | _JEQ | _K, worker, 0, "none")
-        op(_RET | _K, 0xFFFFFFFF)  # the whole frame
-        at("zero")  # a frame without a UDP source port is worker 0's
-        op(_RET | _K, 0xFFFFFFFF if worker == 0 else 0)
-        at("none")
-        op(_RET | _K, 0)
-    rows = []
-    for i, (c, jt, jf, k) in enumerate(code):
-        jt, jf, k = (labels[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf, k))
-        assert 0 <= jt < 256 and 0 <= jf < 256, "jump out of range"
-        rows.append((c, jt, jf, k))
-    return rows
-
 
 class _Prog:
     """A `struct sock_fprog` (keeps its instructions alive)."""
@@ -312,23 +212,30 @@ class AfPacketRing:
 
     Fanout: with `fanout_workers` N > 1 (or a `fanout_group`) the ring is worker
     `fanout_worker` (0..N-1) of fanout group `fanout_group` (0..65535; default the interface's
-    index, so each port has its own) and receives only the frames `fanout.worker_of` gives
-    that worker. Worker k joins the group only after workers 0..k-1 have (the kernel numbers
-    members in join order): the constructor waits up to `fanout_timeout` seconds for them.
-    A worker receives its whole share only once all N have joined (`wait_fanout`)."""
+    index, so each port has its own) and receives only the frames `parser.split.worker_of`
+    gives that worker: `fanout_walk` (`parser.encap.split_walk`) holds the header facts and the
+    mirror encapsulations its BPF program walks through. Worker k joins the group only after
+    workers 0..k-1 have (the kernel numbers members in join order): the constructor waits up to
+    `fanout_timeout` seconds for them. A worker receives its whole share only once all N have
+    joined (`wait_fanout`)."""
 
     def __init__(self, iface: str, *, block_size: int = 1 << 20, block_count: int = 64,
                  block_timeout_ms: int = 10, promiscuous: bool = True,
                  ignore_outgoing: bool = True, max_blocks: int | None = None,
                  poll_timeout: float = 0.1, idle_timeout: float | None = None,
                  netns: str | None = None, fanout_workers: int = 1, fanout_worker: int = 0,
-                 fanout_group: int | None = None, fanout_timeout: float = 30.0):
+                 fanout_group: int | None = None, fanout_timeout: float = 30.0,
+                 fanout_walk: dict | None = None):
         self.iface = str(iface)
         self.netns = netns
         self.name = f"afpacket:{self.iface}" + (f"@{netns}" if netns else "")
         self.fanout_workers, self.fanout_worker, self.fanout_group = _check_fanout(
             self.name, fanout_workers, fanout_worker, fanout_group)
         self.fanout_timeout = float(fanout_timeout)
+        self.fanout_walk = fanout_walk
+        if (self.fanout_workers > 1 or self.fanout_group is not None) and fanout_walk is None:
+            raise ValueError(f"{self.name}: fanout needs fanout_walk, the split's header facts "
+                             "(parser.encap.split_walk)")
         page = mmap.PAGESIZE
         if block_size < page or block_size % page or block_size % _FRAME_SIZE:
             raise ValueError(f"{self.name}: block_size {block_size} must be a multiple of the "
@@ -384,7 +291,7 @@ class AfPacketRing:
                                  mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             fanout = self.fanout_workers > 1 or self.fanout_group is not None
             if fanout:  # from bind on, only this worker's frames (also before it joins)
-                share = _Prog(fanout_program(self.fanout_workers, self.fanout_worker))
+                share = _Prog(fanout_program(self.fanout_workers, self.fanout_worker, self.fanout_walk))
                 sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, share.fprog)
             sock.bind((self.iface, ETH_P_ALL))
             hatype = sock.getsockname()[3]
@@ -411,7 +318,7 @@ class AfPacketRing:
         what = f"{self.name}: fanout group {group}"
         flags = PACKET_FANOUT_CBPF | (PACKET_FANOUT_FLAG_IGNORE_OUTGOING if ignore_outgoing else 0)
         args = struct.pack("HHI", group, flags, n)  # struct fanout_args; max_num_members = N
-        prog = _Prog(fanout_program(n))
+        prog = _Prog(fanout_program(n, None, self.fanout_walk))
         inode = os.fstat(self._sock.fileno()).st_ino
         reg = _FanoutRegistry(group)
         deadline = time.monotonic() + self.fanout_timeout
@@ -621,9 +528,10 @@ def open_ring(iface: str, **opts) -> AfPacketRing:
 
     Fanout: `open_source("afpacket:IFACE", fanout_workers=N, fanout_worker=k)` in each of N
     processes (k = 0..N-1; optional `fanout_group`, default the interface index, and
-    `fanout_timeout`, how long worker k waits for workers 0..k-1 to join first). Each ring
-    receives the frames `fanout.worker_of(frames, N) == k`, all of them once every worker has
-    joined (`ring.wait_fanout()`, or `fanout_members(group, netns)` from anywhere)."""
+    `fanout_timeout`, how long worker k waits for workers 0..k-1 to join first; `fanout_walk`,
+    `parser.encap.split_walk()`). Each ring receives the frames
+    `parser.split.worker_of(frames, N) == k`, all of them once every worker has joined
+    (`ring.wait_fanout()`, or `fanout_members(group, netns)` from anywhere)."""
     name, sep, netns = iface.partition("@")
     if sep:
         if not name or not netns:

@@ -14,7 +14,10 @@ share), there through a table (``deal``, planned by parser.split) that deals the
 file's start out by their bytes, since a port's few pairs split by the port number alone often
 land unevenly; AF_PACKET
 computes port mod N in the kernel (a classic BPF fanout program, afpacket.py), where no pair's
-bytes are known before its frames must go somewhere.
+bytes are known before its frames must go somewhere. The source port is the mirrored flow's:
+through a mirror encapsulation (ERSPAN, GRE, VXLAN) the inner UDP header's, as the packet
+decoder walks it (``parser.split.flow_ports``, the same compiled walk); the outer one would put
+every frame of a GRE mirror in one worker, and split a VXLAN mirror's pairs.
 A connection spread over several QPs (NCCL_IB_QPS_PER_CONNECTION > 1) has a source port per QP:
 its messages cut over the QPs then land in different workers and come out incomplete, never wrong.
 """
@@ -22,30 +25,13 @@ its messages cut over the QPs then land in different workers and come out incomp
 from __future__ import annotations
 
 import numpy as np
-from mirrorckpt.capture import _pack
-from mirrorckpt.capture.batch import FrameBatch
-
-ETH_VLAN = (0x8100, 0x88A8)
-ETH_IPV4, ETH_IPV6 = 0x0800, 0x86DD
-IPPROTO_UDP = 17
 
 
-def udp_source_ports(b: FrameBatch) -> np.ndarray:
-    """Each Ethernet frame's UDP source port (IPv4 or IPv6, up to two VLAN tags), -1 where none.
-    Compiled: every worker of a capture file runs it on every frame of the file, and in numpy it
-    cost each worker's capture thread about 75 ns a frame."""
-    out = np.empty(len(b), np.int64)
-    _pack.udp_source_ports(np.ascontiguousarray(b.data), np.ascontiguousarray(b.offset, np.int64),
-                           np.ascontiguousarray(b.caplen, np.int64), out, *ETH_VLAN, ETH_IPV4, ETH_IPV6,
-                           IPPROTO_UDP)
-    return out
-
-
-def add_port_bytes(weight: np.ndarray, b: FrameBatch) -> None:
-    """Adds each frame's bytes to ``weight`` (65536 entries) at its UDP source port."""
-    sport = udp_source_ports(b)
+def add_port_bytes(weight: np.ndarray, sport: np.ndarray, nbytes: np.ndarray) -> None:
+    """Adds each frame's bytes ``nbytes`` to ``weight`` (65536 entries) at its UDP source port
+    ``sport`` (-1: none, not counted)."""
     ok = sport >= 0
-    weight += np.bincount(sport[ok], weights=b.caplen[ok], minlength=1 << 16).astype(np.int64)
+    weight += np.bincount(sport[ok], weights=nbytes[ok], minlength=1 << 16).astype(np.int64)
 
 
 def deal(weight: np.ndarray, workers: int, together: list[list[int]] = ()) -> np.ndarray:
@@ -67,15 +53,9 @@ def deal(weight: np.ndarray, workers: int, together: list[list[int]] = ()) -> np
     return lut
 
 
-def worker_of(b: FrameBatch, workers: int, lut: np.ndarray | None = None) -> np.ndarray:
-    """The worker (0 .. workers-1) of each frame: by its UDP source port, through ``lut`` (``deal``)
-    or mod ``workers``; 0 for non-UDP."""
-    sport = udp_source_ports(b)
+def worker_of(sport: np.ndarray, workers: int, lut: np.ndarray | None = None) -> np.ndarray:
+    """The worker (0 .. workers-1) of each frame by its UDP source port ``sport``: through ``lut``
+    (``deal``) or mod ``workers``; 0 for a frame without one (-1)."""
     if lut is not None:
         return np.where(sport >= 0, lut[np.maximum(sport, 0)], 0)
     return np.where(sport >= 0, sport % workers, 0)
-
-
-def share(b: FrameBatch, worker: int, workers: int, lut: np.ndarray | None = None) -> FrameBatch:
-    """The frames of ``b`` that worker ``worker`` of ``workers`` decodes (sharing the buffer)."""
-    return b.select(np.flatnonzero(worker_of(b, workers, lut) == worker))

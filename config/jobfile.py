@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mirrorckpt.config.encap import ENCAPSULATIONS, EncapSpec
 from mirrorckpt.config.layout import (
     AUTO,
     DTYPES,
@@ -122,7 +123,9 @@ SCHEMA = {
     "updater": {"pipelined": (_bool, False), "threads": (_int(1), False)},
     "capture": {"backend": (_str(("file", "afpacket", "dpdk")), False), "batch_frames": (_int(1), False),
                 "queue_bytes": (_int(1), False), "window": (_int(1), False), "transfer_bytes": (_int(0), False),
-                "file_split": (_str(("connection", "port")), False)},
+                "file_split": (_str(("connection", "port")), False),
+                "encapsulation": (_str(ENCAPSULATIONS), False), "vxlan_port": (_int(1), False),
+                "gre_protocol": (_int(0), False), "gre_header_bytes": (_int(0), False)},
 }
 TOP = {"ring": _table, "job": _table, "training": _table, "persist": _table, "mirror": list, "control": _table,
        "metrics": _table, "capture": _table, "updater": _table, "protection": _table}
@@ -171,6 +174,11 @@ class JobConfig:
     name: str | None = None  # [job] name: recorded in the checkpoint root; another job's root is refused
     # [job] p2p_fill: the workload sends an all-reduce's values its mirrors lack point to point (parser.concat)
     p2p_fill: bool = False
+
+    @property
+    def encap(self) -> EncapSpec:
+        """[capture] encapsulation and its keys: how the mirror copies arrive (config.encap)."""
+        return EncapSpec.from_capture(self.capture)
 
     @property
     def pipelined(self) -> bool:
@@ -249,6 +257,10 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
     for sec in ("persist", "control", "metrics", "protection", "capture", "updater"):
         if sec in raw:
             setattr(cfg, sec, _check(f"{name}: [{sec}]", sec, raw[sec]))
+    try:
+        EncapSpec.from_capture(cfg.capture)
+    except ValueError as e:
+        raise ConfigError(f"{name}: [capture] {e}") from None
     cfg.training = dict(raw.get("training", {}))
     if cfg.training and "grad_dtype" not in cfg.training:
         cfg.training["grad_dtype"] = cfg.grad_dtype  # one dtype for the wire and the replica

@@ -152,6 +152,7 @@ IPV4 = Header("ipv4", 20, [
     Field("frag", 6, 2), Field("ttl", 8, 1), Field("proto", 9, 1), Field("csum", 10, 2),
     Field("src", 12, 4), Field("dst", 16, 4),
 ])
+IPV4_FRAGMENT = 0x3FFF  # frag: MF and the fragment offset (a fragment when any is set)
 IPV6 = Header("ipv6", 40, [
     Field("ver_tc_fl", 0, 4), Field("payload_len", 4, 2), Field("next", 6, 1), Field("hop", 7, 1),
     Field("src", 8, 16), Field("dst", 24, 16),
@@ -167,6 +168,41 @@ TCP = Header("tcp", 20, [
     Field("sport", 0, 2), Field("dport", 2, 2), Field("seq", 4, 4), Field("ack", 8, 4),
     Field("off_flags", 12, 2), Field("window", 14, 2), Field("csum", 16, 2), Field("urg", 18, 2),
 ])
+
+# --- Mirror encapsulations --------------------------------------------------------------------
+# GRE (RFC 2784, 2890): flags C(0x8000) R(0x4000) K(0x2000) S(0x1000), version in the low 3 bits;
+# each of checksum(+reserved), key and sequence number present adds one 4-byte word, in that order.
+IPPROTO_GRE = 47
+GRE = Header("gre", 4, [Field("flags", 0, 2), Field("proto", 2, 2)])
+GRE_CHECKSUM, GRE_ROUTING, GRE_KEY, GRE_SEQUENCE = 0x8000, 0x4000, 0x2000, 0x1000
+GRE_VERSION = 0x0007
+GRE_CSUM = Header("gre_checksum", 4, [Field("csum", 0, 2), Field("reserved", 2, 2)])
+GRE_NUMBER = Header("gre_number", 4, [Field("value", 0, 4)])  # the key word, the sequence number word
+GRE_WORD = 4  # each optional word
+GRE_PROTO_ERSPAN = 0x88BE  # ERSPAN type II (sequence number, ERSPAN header) and type I (neither)
+GRE_PROTO_ERSPAN3 = 0x22EB
+GRE_PROTO_TEB = 0x6558  # transparent Ethernet bridging: gretap
+# SONiC on NVIDIA Spectrum: GRE protocol 0x8949, then a 22-byte vendor header before the frame
+# (sonic-mgmt tests/everflow); other ASICs' variants are configured ([capture] gre_protocol).
+GRE_PROTO_SPECTRUM, GRE_SPECTRUM_BYTES = 0x8949, 22
+
+# ERSPAN (Linux include/net/erspan.h): ver(4) vlan(12) | cos(3) en/bso(2) T(1) session id(10), then
+# type II: reserved(12) index(20); type III: timestamp(32), SGT(16), P FT HwID D Gra O(16), and an
+# 8-byte platform sub-header when O is set.
+ERSPAN2 = Header("erspan2", 8, [Field("ver_vlan", 0, 2), Field("session", 2, 2), Field("index", 4, 4)])
+ERSPAN3 = Header("erspan3", 12, [Field("ver_vlan", 0, 2), Field("session", 2, 2), Field("timestamp", 4, 4),
+                                 Field("sgt", 8, 2), Field("flags", 10, 2)])
+ERSPAN3_PLATFORM = Header("erspan3_platform", 8, [Field("platform", 0, 8)])
+ERSPAN_VERSION_SHIFT = 12
+ERSPAN_VERSION_II, ERSPAN_VERSION_III = 1, 2
+ERSPAN_TRUNCATED = 0x0400  # T: the original frame was cut to fit the mirror session
+ERSPAN_SESSION = 0x03FF
+ERSPAN3_O = 0x0001  # a platform sub-header follows
+
+# VXLAN (RFC 7348): flags (I = a valid VNI), 24 reserved bits, VNI, 8 reserved bits.
+VXLAN = Header("vxlan", 8, [Field("flags", 0, 1), Field("vni", 4, 3)])
+VXLAN_VALID_VNI = 0x08
+VXLAN_PORT = 4789
 
 # --- InfiniBand transport headers (IBTA vol. 1, 9.2) ------------------------------------------
 

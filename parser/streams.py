@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from mirrorckpt.parser import encap
+
 
 @dataclass
 class StreamStats:
@@ -21,6 +23,8 @@ class StreamStats:
     frames: int = 0
     bytes: int = 0
     damage: str | None = None  # why the source ended early (None: a clean end)
+    mirror: encap.MirrorHealth | None = None  # what its mirror encapsulation showed (RoCE sources)
+    mirror: encap.MirrorHealth | None = None  # what its mirror encapsulation showed (RoCE sources)
 
 
 class WireIdle:

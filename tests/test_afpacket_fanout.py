@@ -1,4 +1,4 @@
-"""AF_PACKET fanout: N rings on one interface, each receiving exactly `fanout.worker_of == k`.
+"""AF_PACKET fanout: N rings on one interface, each receiving exactly `split.worker_of == k`.
 
 The classic BPF programs run in the kernel only, so they are tested live: frames are injected
 into one end of a veth pair (the root-namespace end of a tools.netns monitor port) and the N
@@ -19,9 +19,11 @@ import pytest
 from common import FLOWCHECK
 from mirrorckpt.capture.afpacket import AfPacketRing, fanout_members
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
-from mirrorckpt.capture.fanout import udp_source_ports, worker_of
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.capture.source import open_source
+from mirrorckpt.parser.encap import split_walk
+from mirrorckpt.parser.roce.split import flow_ports, worker_of
+from mirrorckpt.tools.generator.encap import EncapOptions, Encapsulator
 from mirrorckpt.tools.testbed.netns import FrameSender, Topology
 
 pytestmark = pytest.mark.root
@@ -100,14 +102,40 @@ def built_frames() -> list[bytes]:
     return f
 
 
+def encapsulated_frames() -> list[bytes]:
+    """RoCE frames of the mix inside every mirror encapsulation (IPv4 and IPv6 underlay, 0-2 tags
+    outside and inside), and copies cut anywhere or with a header byte changed: the BPF walk must
+    reach the inner flow's port exactly where the decoder's does, and give up where it gives up."""
+    rng = np.random.default_rng(11)
+    plain = FrameBatch.from_frames([eth(0x0800, ipv4(17, udp(sp))) for sp in (0xC001, 0xC0DE, 0xD00F)]
+                                   + [eth(0x86DD, ipv6(17, udp(sp))) for sp in (0xC002, 0xE00D)])
+    out = []
+    kinds = ("erspan1", "erspan2", "erspan3", "gre", "gretap", "vxlan", "vendor:0x8949:22")
+    for i, kind in enumerate(kinds):
+        for v6 in (False, True):
+            for outer, inner in (((), ()), ((7,), (0,)), ((7, 8), (3, 4)), ((), (5,))):
+                opts = EncapOptions(kind=kind, ipv6=v6, outer_vlan=outer, inner_vlan=inner, platform=i % 2 == 0)
+                w = Encapsulator(opts).wrap_batch(plain)
+                out += [w.frame(k) for k in range(len(w))]
+    damaged = []
+    for f in out:
+        # (at least 20 bytes: the kernel drops a tagged frame too short for its tag and EtherType)
+        cut = bytearray(f[:rng.integers(20, len(f))])
+        bent = bytearray(f)
+        bent[rng.integers(12, min(len(f), 110))] = int(rng.choice([0x00, 0x08, 0x10, 0x11, 0x2F, 0x45, 0x65, 0x88,
+                                                                   0xBE, 0x22, 0xEB, 0xFF]))
+        damaged += [bytes(cut), bytes(bent)]
+    return out + damaged
+
+
 @pytest.fixture(scope="module")
 def mix() -> FrameBatch:
-    frames = built_frames()
+    frames = built_frames() + encapsulated_frames()
     for path in (JUMBO, SMALL):
         src = read_all(path)
         frames += [src.frame(i) for i in range(len(src))]
     b = FrameBatch.from_frames(frames)
-    sp = udp_source_ports(b)
+    sp = flow_ports(b)
     assert (sp >= 0).sum() > 1000 and (sp < 0).sum() > 1000  # both kinds, plenty of each
     return b
 
@@ -117,6 +145,7 @@ def mix() -> FrameBatch:
 def member(port, workers: int, worker: int, **opts) -> AfPacketRing:
     m, _ = port
     opts.setdefault("fanout_timeout", 5.0)
+    opts.setdefault("fanout_walk", split_walk())
     return open_source(f"afpacket:{m.ifname}@{m.netns}", fanout_workers=workers,
                        fanout_worker=worker, block_size=1 << 20, block_count=16,
                        poll_timeout=0.05, **opts)
@@ -130,6 +159,14 @@ def drain(ring: AfPacketRing, quiet: float = 0.3) -> list[bytes]:
         empty = 0 if len(b) else empty + 1
         got += [b.frame(i) for i in range(len(b))]
     return got
+
+
+def test_encapsulated_frames_go_by_the_inner_flows_port(mix):
+    """The split reads the mirrored flow's port (both directions of a pair in one worker): every
+    whole encapsulated frame of the mix goes by the port it was built with, not the outer one."""
+    enc = FrameBatch.from_frames(encapsulated_frames())
+    whole = len(enc) // 3
+    assert set(flow_ports(enc.select(slice(0, whole))).tolist()) == {0xC001, 0xC0DE, 0xD00F, 0xC002, 0xE00D}
 
 
 def shares(batch: FrameBatch, workers: int) -> list[list[bytes]]:
@@ -257,7 +294,8 @@ def test_a_full_ring_drops_and_counts_its_own_frames_only(port, mix):
     m, _ = port
     rings = [member(port, 2, 0)]
     small = open_source(f"afpacket:{m.ifname}@{m.netns}", fanout_workers=2, fanout_worker=1,
-                        block_size=1 << 16, block_count=2, max_blocks=1, poll_timeout=0.05)
+                        block_size=1 << 16, block_count=2, max_blocks=1, poll_timeout=0.05,
+                        fanout_walk=split_walk())
     try:
         inject(port, mix)
         got0 = drain(rings[0])
@@ -290,6 +328,7 @@ def test_fanout_options_are_checked(port):
     for opts, msg in [({"fanout_workers": 2, "fanout_worker": 2}, "fanout_worker must be 0..1"),
                       ({"fanout_workers": 0}, "fanout_workers must be 1..256"),
                       ({"fanout_workers": True}, "fanout_workers must be an integer"),
-                      ({"fanout_workers": 2, "fanout_group": 70000}, "fanout_group must be 0..65535")]:
+                      ({"fanout_workers": 2, "fanout_group": 70000}, "fanout_group must be 0..65535"),
+                      ({"fanout_workers": 2, "fanout_walk": None}, "fanout needs fanout_walk")]:
         with pytest.raises(ValueError, match=msg):
             open_source(spec, **opts)

@@ -1,4 +1,5 @@
-"""capture.fanout: one port's frames split over workers by QP pair."""
+"""capture.fanout, parser.split: one port's frames split over workers by QP pair (the mirrored
+flow's UDP source port, as the packet decoder walks the frame)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,21 @@ import json
 import numpy as np
 import pytest
 from common import SHARED
-from mirrorckpt.capture import fanout
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.parser import roce
+from mirrorckpt.parser.headers import (
+    ETH,
+    ETHERTYPE_IPV4,
+    ETHERTYPE_IPV6,
+    ETHERTYPE_VLAN,
+    IPPROTO_UDP,
+    IPV4,
+    IPV4_FRAGMENT,
+    IPV6,
+    UDP,
+    VLAN,
+)
 from mirrorckpt.parser.roce import split
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 from mirrorckpt.tools.generator.noise import NoiseOptions
@@ -34,8 +46,8 @@ def test_every_frame_of_a_qp_pair_both_ways_goes_to_one_worker(generated, worker
     used = set()
     for f in sorted(generated.glob("*.pcap*")):
         b = read_all(f)
-        w = fanout.worker_of(b, workers)
-        parts = [fanout.share(b, k, workers) for k in range(workers)]
+        w = split.worker_of(b, workers)
+        parts = [split.share(b, k, workers) for k in range(workers)]
         assert sum(len(p) for p in parts) == len(b)
         assert np.array_equal(np.sort(np.concatenate([p.offset for p in parts])), np.sort(b.offset))
         pk, _ = roce.decode(b, icrc=False)
@@ -51,9 +63,9 @@ def test_source_ports_agree_with_the_packet_decoder_on_every_real_capture():
     for f in sorted(glob.glob(str(SHARED / "captures" / "flowcheck" / "*.pcap*"))):
         b = read_all(f)
         pk, _ = roce.decode(b, icrc=False)
-        sp = fanout.udp_source_ports(b)
+        sp = split.flow_ports(b)
         assert np.array_equal(sp[pk.frame], pk.sport), f
-        assert fanout.worker_of(b, 3).max() <= 2
+        assert split.worker_of(b, 3).max() <= 2
 
 
 def batch(frames: list[bytes]) -> FrameBatch:
@@ -87,29 +99,31 @@ def test_header_forms_and_foreign_frames():
         mac[:10]: -1,
     }
     for eth, want in cases.items():
-        assert fanout.udp_source_ports(frame(eth)).tolist() == [want], eth.hex()
-        assert fanout.worker_of(frame(eth), 5).tolist() == [want % 5 if want >= 0 else 0]
+        assert split.flow_ports(frame(eth)).tolist() == [want], eth.hex()
+        assert split.worker_of(frame(eth), 5).tolist() == [want % 5 if want >= 0 else 0]
 
 
 def _sport_by_hand(eth: bytes) -> int:
-    """The split's rule read field by field (the compiled pass and the BPF program must agree)."""
-    if len(eth) < 14:
+    """The split's rule read field by field (the compiled walk and the BPF program must agree):
+    up to two tags, IPv4 (version 4, IHL >= 5, no fragment) or IPv6, a whole UDP header."""
+    if len(eth) < ETH.size:
         return -1
-    pos, etype = 12, int.from_bytes(eth[12:14], "big")
+    pos, etype = ETH.size, int.from_bytes(eth[12:14], "big")
     for _ in range(2):
-        if etype not in fanout.ETH_VLAN:
+        if etype not in ETHERTYPE_VLAN:
             break
-        pos += 4
-        if pos + 2 > len(eth):
+        if pos + VLAN.size > len(eth):
             return -1
-        etype = int.from_bytes(eth[pos:pos + 2], "big")
-    ip = pos + 2
-    if etype == fanout.ETH_IPV4 and ip + 20 <= len(eth):
-        ihl = (eth[ip] & 0x0F) * 4
-        if eth[ip + 9] == fanout.IPPROTO_UDP and ihl >= 20 and ip + ihl + 2 <= len(eth):
-            return int.from_bytes(eth[ip + ihl:ip + ihl + 2], "big")
-    elif etype == fanout.ETH_IPV6 and ip + 42 <= len(eth) and eth[ip + 6] == fanout.IPPROTO_UDP:
-        return int.from_bytes(eth[ip + 40:ip + 42], "big")
+        etype = int.from_bytes(eth[pos + 2:pos + 4], "big")
+        pos += VLAN.size
+    if etype == ETHERTYPE_IPV4 and pos + IPV4.size <= len(eth):
+        ihl = (eth[pos] & 0x0F) * 4
+        frag = int.from_bytes(eth[pos + 6:pos + 8], "big") & IPV4_FRAGMENT
+        if eth[pos] >> 4 == 4 and ihl >= 20 and not frag and eth[pos + 9] == IPPROTO_UDP \
+                and pos + ihl + UDP.size <= len(eth):
+            return int.from_bytes(eth[pos + ihl:pos + ihl + 2], "big")
+    elif etype == ETHERTYPE_IPV6 and pos + IPV6.size + UDP.size <= len(eth) and eth[pos + 6] == IPPROTO_UDP:
+        return int.from_bytes(eth[pos + 40:pos + 42], "big")
     return -1
 
 
@@ -133,11 +147,11 @@ def test_mutated_and_cut_frames_follow_the_rule_field_by_field():
     b = batch(frames)
     n = len(frames)
     want = [_sport_by_hand(f) for f in frames]
-    assert fanout.udp_source_ports(b).tolist() == want
+    assert split.flow_ports(b).tolist() == want
     assert 0 < sum(w >= 0 for w in want) < n  # both kinds were made
     # a frame said to lie outside the buffer is an error, not a read past it
     with pytest.raises(IndexError):
-        fanout.udp_source_ports(FrameBatch(b.data, b.offset + 1, b.caplen, b.caplen, b.ts_ns, b.iface))
+        split.flow_ports(FrameBatch(b.data, b.offset + 1, b.caplen, b.caplen, b.ts_ns, b.iface))
 
 
 def _udp_frames(sports_sizes: list[tuple[int, int]]) -> FrameBatch:
@@ -156,13 +170,13 @@ def test_a_file_is_split_by_its_pairs_bytes_where_port_numbers_would_pile_up(wor
     sizes = {0xC000: 1000, 0xC006: 900, 0xC00C: 300, 0xC012: 250}
     rows = [(int(sp), int(rng.integers(sizes[sp] - 40, sizes[sp]))) for sp in rng.choice(list(sizes), 4000)]
     b = _udp_frames(rows)
-    assert set(fanout.worker_of(b, workers).tolist()) == {0}
+    assert set(split.worker_of(b, workers).tolist()) == {0}
     halves = [b.select(slice(0, 2000)), b.select(slice(2000, 4000))]
     lut, found = split.plan(iter(halves), workers)
     assert np.array_equal(lut, split.plan(iter(halves), workers)[0])
     assert found["qp_pairs"] == 4 and found["connections_of_several_qps"] == 0
-    w = fanout.worker_of(b, workers, lut)
-    sport = fanout.udp_source_ports(b)
+    w = split.worker_of(b, workers, lut)
+    sport = split.flow_ports(b)
     for sp in sizes:
         assert len(set(w[sport == sp].tolist())) == 1  # a pair whole in one worker
     pair_bytes = [b.caplen[sport == sp].sum() for sp in sizes]
@@ -171,7 +185,7 @@ def test_a_file_is_split_by_its_pairs_bytes_where_port_numbers_would_pile_up(wor
     assert load.max() <= b.caplen.sum() / workers + max(pair_bytes)  # dealt largest first
     if workers == 2:
         assert load.max() / load.min() < 1.2
-    parts = [fanout.share(b, k, workers, lut) for k in range(workers)]
+    parts = [split.share(b, k, workers, lut) for k in range(workers)]
     assert sorted(np.concatenate([p.offset for p in parts]).tolist()) == b.offset.tolist()
     # the plan reads batches until ``limit`` bytes: ports first seen after them keep port mod N
     first = _udp_frames([(0xC000, 500), (0xC006, 400)])
@@ -216,7 +230,7 @@ def test_a_workers_share_in_compact_pieces_decodes_to_the_same_sends(generated):
     f = sorted(generated.glob("*.pcap*"))[0]
     b = read_all(f)
     for k in range(2):
-        share = fanout.share(b, k, 2)
+        share = split.share(b, k, 2)
         for limit in (1, 3000, 1 << 16, 1 << 30):
             pieces = share.pieces(limit)
             assert sum(len(p) for p in pieces) == len(share)
@@ -228,5 +242,5 @@ def test_a_workers_share_in_compact_pieces_decodes_to_the_same_sends(generated):
                 assert len(pieces) == len(share)
             compact = [p.copy() for p in pieces]
             assert sends(compact) == sends([share]), (k, limit)
-    assert sends([fanout.share(b, 0, 2)]) != sends([fanout.share(b, 1, 2)])
+    assert sends([split.share(b, 0, 2)]) != sends([split.share(b, 1, 2)])
     assert FrameBatch.from_frames([]).pieces(100) == []

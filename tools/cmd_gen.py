@@ -99,13 +99,27 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--message-loss", default=0.0, type=float, help="Rate per RDMA WRITE message of losing all its frames.")
 @click.option("--fault-seed", default=0, show_default=True, type=int)
 @click.option("--no-send-truth", is_flag=True, help="Leave the per-send records out of truth.json (big runs).")
+@click.option("--encap", default="none", show_default=True,
+              help="Wrap every mirrored frame as a remote mirror does: none, erspan1, erspan2, erspan3, gre "
+                   "(gretap), gretap (with checksum, key and sequence number), vxlan, or vendor:PROTOCOL:BYTES "
+                   "(a GRE protocol and its fixed header, e.g. vendor:0x8949:22 for SONiC on Spectrum).")
+@click.option("--outer-vlan", help="VLAN ids on the encapsulation's underlay, outermost first (e.g. 100 or "
+              "100,200; 0: a priority-only tag).")
+@click.option("--inner-vlan", help="VLAN ids put into the mirrored frames themselves (as --outer-vlan).")
+@click.option("--underlay", default="ipv4", show_default=True, type=click.Choice(["ipv4", "ipv6"]),
+              help="IP version of the encapsulation's outer header.")
+@click.option("--erspan-platform", is_flag=True, help="erspan3: the O flag and an 8-byte platform sub-header.")
+@click.option("--mirror-mtu", type=click.IntRange(14), help="Cut every mirrored frame to this many bytes, as a "
+              "mirror session's MTU does (ERSPAN sets its truncated bit).")
+@click.option("--vxlan-port", default=4789, show_default=True, type=click.IntRange(1, 65535))
 def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders, mtu, ipv6, grad_dtype,
         bucket_cap_mb, model, steps, seed, batch_size, threads, optimizer, lr, betas, eps, weight_decay, momentum,
         dampening, nesterov, amsgrad, maximize, foreach, lr_schedule, lr_schedule_kwargs, clip_norm,
         clip_norm_type, loss_scale, growth_interval, force_overflow_at, mirror, fmt, adaptive_routing,
         ar_threshold, write_only_train, psn_start, qps_per_connection, split_data_on_qps, line_rate_gbps, p2p_fill,
         noise, noise_rate, loss, reorder,
-        duplicate, corrupt, truncate, message_loss, fault_seed, no_send_truth):
+        duplicate, corrupt, truncate, message_loss, fault_seed, no_send_truth, encap, outer_vlan, inner_vlan, underlay,
+        erspan_platform, mirror_mtu, vxlan_port):
     """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
     from mirrorckpt.config.training import (
         ClipSpec,
@@ -116,6 +130,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
         TrainingSpec,
     )
     from mirrorckpt.tools.generator import noise as noise_mod
+    from mirrorckpt.tools.generator.encap import EncapOptions, parse_tags
     from mirrorckpt.tools.generator.faults import FaultOptions
     from mirrorckpt.tools.generator.gen import GenConfig, generate
     from mirrorckpt.tools.generator.wire import WireOptions
@@ -148,7 +163,10 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
                              qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps),
             noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
             faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
-            p2p_fill=p2p_fill, send_truth=not no_send_truth)
+            p2p_fill=p2p_fill, send_truth=not no_send_truth,
+            encap=EncapOptions(kind=encap, outer_vlan=parse_tags(outer_vlan), inner_vlan=parse_tags(inner_vlan),
+                               ipv6=underlay == "ipv6", platform=erspan_platform, mirror_mtu=mirror_mtu,
+                               vxlan_port=vxlan_port))
         truth = generate(cfg, out_dir)
     except (ValueError, SpecError, json.JSONDecodeError) as e:
         click.echo(f"error: {e}", err=True)

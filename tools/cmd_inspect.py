@@ -13,6 +13,7 @@ from collections import defaultdict
 import click
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
+from mirrorckpt.parser import encap
 from mirrorckpt.parser.roce.packet_path import PacketPath
 
 
@@ -47,6 +48,7 @@ def summarize(path: str, icrc: bool = True, nccl_version: str = "2.18") -> tuple
         },
         "other": {k: v for k, v in sorted(c.classes.items()) if v and not k.startswith("roce:")},
         "malformed": {k: v for k, v in sorted(c.malformed.items()) if v},
+        "mirror": c.mirror.to_dict(),
         "qps": [dict(qp=str(q.key), **{k: v for k, v in vars(q.stats).items()})
                 for q in pp.reassembler.qps.values()],
         "messages": [{
@@ -75,6 +77,7 @@ def render(r: dict) -> str:
         out.append("other traffic: " + ", ".join(f"{k} {v}" for k, v in r["other"].items()))
     if r["malformed"]:
         out.append("malformed: " + ", ".join(f"{k} {v}" for k, v in r["malformed"].items()))
+    out += encap.lines(r["mirror"])
     out.append("QPs (data):")
     for q in r["qps"]:
         out.append(f"  {q['qp']} sport {q['sport']}: {q['packets']} packets, PSN {q['psn_first']}..{q['psn_last']}, "
@@ -116,6 +119,8 @@ def inspect(capture, as_json, no_icrc, nccl_version):
     if damage:
         report["damage"] = damage
     click.echo(json.dumps(report, indent=1) if as_json else render(report))
+    if encap.truncation_advice(report["mirror"]):
+        click.echo(f"error: {capture}: {encap.truncation_advice(report['mirror'])}", err=True)
     if damage:
         click.echo(f"error: {damage} (everything before it is reported above)", err=True)
         sys.exit(3)

@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
-from mirrorckpt.parser import memory
+from mirrorckpt.parser import encap, memory
 from mirrorckpt.parser.concat import CollectiveResult
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.roce import SLOW_ICRC
@@ -122,7 +122,8 @@ def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, tr
     # With a job file the packet path reads ahead on its own thread (MirrorStreams); inference reads
     # the decoders' state while it runs, so without one it stays on this thread.
     streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version,
-                            ahead=READ_AHEAD if job is not None else 0)
+                            ahead=READ_AHEAD if job is not None else 0,
+                            encapsulation=job.encap if job is not None else None)
     kw = dict(model=NcclJobModel.from_job(job), ranks=job.ring.ranks_by_address()) if job is not None else {}
     p2p_fill = p2p_fill or (job is not None and job.p2p_fill)
     return JobStream(streams, dtype=dtype, nccl_version=nccl_version, p2p_fill=p2p_fill, **kw)
@@ -160,6 +161,9 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
 
     try:
         drive(js, app, keep)
+    except InferenceError as e:
+        e.streams = js.streams.stats  # what the mirror showed is said with the refusal (replay)
+        raise
     finally:
         if digests is not None:
             digests.close()
@@ -226,6 +230,11 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
                        "(use `mirrorckpt serve` to split a port over several processes)", err=True)
         if not captures:  # the job file lists its capture files as mirror sources
             captures = tuple(m.source for m in job.mirrors if not m.live)
+        try:
+            encap.check(job.encap)
+        except ConfigError as e:
+            click.echo(f"error: {config_path}: {e}", err=True)
+            sys.exit(2)
     if not captures:
         click.echo("error: no capture to replay: give CAPTURE files, or a --config whose [[mirror]] sources "
                    "are capture files", err=True)
@@ -252,6 +261,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         try:  # what the job file leaves open (release, protocol per collective) is read from the wire
             job, nccl_version = _complete_from_wire(job, captures, nccl_version, dtype, not no_icrc)
         except InferenceError as e:
+            _mirror_verdict(getattr(e, "streams", []), quiet=True)
             click.echo(f"error: cannot reassemble: {e}", err=True)
             sys.exit(1)
     if SLOW_ICRC and not no_icrc and transport == "roce":
@@ -288,6 +298,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except InferenceError as e:
+        _mirror_verdict(getattr(e, "streams", []), quiet=True)
         click.echo(f"error: cannot reassemble: {e}", err=True)
         sys.exit(1)
     except SpecError as e:
@@ -314,6 +325,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
                         "holes": {str(b): [list(h) for h in hs] for b, hs in it.holes.items()}}
                        for it in iterations],
         "replica": summary,
+        "mirror": {st.source: st.mirror.to_dict() for st in rep.streams if st.mirror is not None},
         "damage": damage,
         "seconds": round(secs, 3),
         "capture_bytes": nbytes,
@@ -324,12 +336,46 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     else:
         _print(report, ars, iterations, summary, secs, nbytes)
         _print_timing(report["timing"])
+    _mirror_verdict(rep.streams, quiet=as_json)
+    counters = getattr(js.streams, "counters", None)  # RoCE sources (MirrorStreams)
+    if counters is not None and not ars and not counters.by_opcode():
+        click.echo(f"error: no RoCEv2 traffic in {counters.frames} frames{_not_taken_off(counters)}", err=True)
+        sys.exit(1)
     for d in damage:
         click.echo(f"error: {d}", err=True)
     if damage:
         sys.exit(3)
     if persist is not None:
         _persistence_verdict(app, summary, persist, checkpoint_dir)
+
+
+def _mirror_verdict(streams, quiet: bool) -> None:
+    """Per capture, what its mirror encapsulation showed (unless ``quiet``: the JSON has it), and
+    on stderr, whatever the output, loss measured by the mirror's sequence numbers and truncation
+    by the switch: a truncated mirror can never be followed."""
+    for st in streams:
+        h = st.mirror
+        if h is None:
+            continue
+        if not quiet:
+            for line in h.lines():
+                click.echo(f"{st.source}: {line}")
+        if h.lost:
+            click.echo(f"warning: {st.source}: the mirror lost {h.lost} frames between the switch and this capture "
+                       "(gaps in its GRE sequence numbers): the iterations they carried are incomplete", err=True)
+        advice = encap.truncation_advice(h)
+        if advice:
+            click.echo(f"error: {st.source}: {advice}", err=True)
+
+
+def _not_taken_off(counters) -> str:
+    """Why a mirror may show no RoCE: GRE packets no encapsulation rule took off."""
+    gre = counters.classes.get("gre_other", 0)
+    if not gre:
+        return ""
+    return (f" ({gre} GRE packets of a protocol not taken off as a mirror encapsulation: a vendor's mirror header "
+            "needs [capture] gre_protocol and gre_header_bytes in the job file, or [capture] encapsulation pins "
+            "another kind)")
 
 
 def _persistence_verdict(app, summary, persist, checkpoint_dir) -> None:
@@ -359,10 +405,15 @@ def _complete_from_wire(job, captures, nccl_version, dtype, icrc):
 
     from mirrorckpt.parser.roce.infer import infer_from_streams
 
-    streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version)
+    streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version,
+                            encapsulation=job.encap)
     # the file's addresses and ring orders place ranks the mirrored links alone do not
-    got = infer_from_streams(streams, dtype or job.grad_dtype, nccl_version, NcclJobModel.from_job(job),
-                             known=job.ring if job.ring.addresses else None)
+    try:
+        got = infer_from_streams(streams, dtype or job.grad_dtype, nccl_version, NcclJobModel.from_job(job),
+                                 known=job.ring if job.ring.addresses else None)
+    except InferenceError as e:
+        e.streams = streams.stats
+        raise
     ring = dataclasses.replace(job.ring, nccl_version=got.model.ring.nccl_version, protocol=got.model.ring.protocol,
                                nthreads=got.model.ring.nthreads)
     return dataclasses.replace(job, ring=ring, protocols=dict(got.model.protocols)), ring.nccl_version

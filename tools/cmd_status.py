@@ -85,6 +85,14 @@ def render(m: dict) -> str:
         lines.append(f"port {p}: {fr:.0f} frames ({roce:.0f} RoCE), {by_ / 1e6:.1f} MB, dropped "
                      f"{drops.get('capture', 0):.0f} (capture) {drops.get('kernel', 0):.0f} (kernel), {icrc:.0f} ICRC "
                      "failures")
+        lost = {dict(k).get("session"): v for k, v in m.get("mirrorckpt_mirror_lost_frames_total", {}).items()
+                if dict(k).get("port") == p}
+        for session, n in sorted(lost.items()):
+            lines.append(f"port {p}: mirror session {session}: {n:.0f} frames lost between the switch and the port")
+        cut = by("mirrorckpt_truncated_frames_total", "port").get(p, 0)
+        if cut:
+            lines.append(f"port {p}: {cut:.0f} frames TRUNCATED by the mirror (never followed: raise the mirror "
+                         "session's MTU)")
     it = by("mirrorckpt_iterations_total", "state")
     lines.append(f"iterations: {it.get('complete', 0):.0f} complete, {it.get('incomplete', 0):.0f} incomplete")
     lines.append(f"replica: step {one('mirrorckpt_replica_step'):.0f}, iteration "

@@ -37,6 +37,12 @@ class Metrics:
                                        "trainer registers again)", registry=r)
         self.degraded_fallbacks = Counter("mirrorckpt_degraded_fallbacks", "Fallbacks asked because the replica "
                                           "stopped following the mirror (or, control-only, every N steps)", registry=r)
+        self.mirror_lost = Counter("mirrorckpt_mirror_lost_frames", "Frames a remote mirror session lost between the "
+                                   "switch and the capture (gaps in its GRE sequence numbers: ERSPAN II/III, gretap "
+                                   "with seq)", port + ["session"], registry=r)
+        self.truncated = Counter("mirrorckpt_truncated_frames", "Frames the mirror cut (ERSPAN's truncated bit, or "
+                                 "shorter than their IP header): never followed", port, registry=r)
+        self._lost_seen: dict[tuple[str, str], int] = {}
         self.iterations = Counter("mirrorckpt_iterations", "Iterations seen on the wire", ["state"], registry=r)
         self.replica_step = Gauge("mirrorckpt_replica_step", "Optimizer steps the replica has taken", registry=r)
         self.replica_iteration = Gauge("mirrorckpt_replica_iteration", "Last iteration applied to the replica",
@@ -68,6 +74,14 @@ class Metrics:
                                  ["stage", "port"], registry=r)
         self.memory = Gauge("mirrorckpt_resident_bytes", "Resident memory of the appliance process", registry=r)
         self.memory.set_function(_rss)
+
+    def mirror_lost_sessions(self, port: str, lost: dict[str, int]) -> None:
+        """A port's running count of frames lost per mirror session (its worker's MirrorHealth)."""
+        for session, n in lost.items():
+            seen = self._lost_seen.get((port, session), 0)
+            if n > seen:
+                self.mirror_lost.labels(port, session).inc(n - seen)
+                self._lost_seen[(port, session)] = n
 
     def follow_persister(self, get) -> None:
         """Export the persister's counters at each scrape; ``get()`` returns the Persister or None

@@ -136,7 +136,7 @@ class Daemon:
         by_port = self.job.capture.get("file_split", "connection") == "port"
         try:
             with open_source(m.source, batch_frames=self.job.capture.get("batch_frames", 65536)) as start:
-                lut, found = split.plan(start, m.workers, by_port=by_port)
+                lut, found = split.plan(start, m.workers, by_port=by_port, encapsulation=self.job.encap)
         except (CaptureError, OSError):
             return None  # each worker meets the same error opening it, and reports it as its port's
         log.info("capture file split over its workers", extra={"source": str(m.source), **found})
@@ -150,7 +150,7 @@ class Daemon:
             m = self.job.mirrors[i]
             spec = WorkerSpec(port=s, source=m.source, batch_frames=cap.get("batch_frames", 65536),
                               local_bytes=cap.get("queue_bytes", 256 << 20), nccl_version=self.job.ring.nccl_version,
-                              pace=self.pace, share=(k, n), lut=luts[i])
+                              pace=self.pace, share=(k, n), lut=luts[i], encap=self.job.encap)
             ring = self.rings[s] if self.rings else None
             p = self.ctx.Process(target=worker_main, args=(spec, self.sends_q, self.stop_capture, self.shared[s], ring),
                                  name=f"mirrorckpt-capture-{stream_label(i, k, n)}", daemon=True)

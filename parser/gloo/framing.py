@@ -20,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+from mirrorckpt.config.encap import EncapSpec
+from mirrorckpt.parser import encap
 from mirrorckpt.parser.gloo import tcp
 from mirrorckpt.parser.gloo.schedule import slot_parts
 from mirrorckpt.parser.gloo.tcp import StreamKey, TcpStream
@@ -264,16 +266,19 @@ class SlotTracker:
 class GlooDecoder:
     """One capture source: frame batches -> TCP streams -> ops with slot counts."""
 
-    def __init__(self, source: int = 0, window_bytes: int | None = None, max_in_flight: int = 2):
+    def __init__(self, source: int = 0, window_bytes: int | None = None, max_in_flight: int = 2,
+                 encapsulation: EncapSpec | None = None):
         self.source = source
         self.tcp = tcp.TcpReassembler(window_bytes) if window_bytes else tcp.TcpReassembler()
         self.counters = tcp.TcpCounters()
+        self.encapsulation = encapsulation  # the mirror encapsulations taken off (None: any)
+        self.mirror = encap.MirrorHealth()
         self.framers: dict[StreamKey, GlooFramer] = {}
         self.trackers: dict[StreamKey, SlotTracker] = {}
         self.max_in_flight = max_in_flight
 
     def feed(self, batch) -> list[GlooOp]:
-        segs, c = tcp.decode(batch)
+        segs, c = tcp.decode(batch, self.encapsulation, self.mirror)
         self.counters.add(c)
         now = int(batch.ts_ns.max()) if len(batch) else None
         return self._pull(self.tcp.feed(segs, batch.data, now))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.config import ddp
+from mirrorckpt.config.encap import EncapSpec
 from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec, RingSpec, address_text, dtype_size
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.errors import InferenceError
@@ -40,9 +41,9 @@ class GlooStreams:
     """Several capture sources, each decoded on its own, batches taken oldest first."""
 
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], tcp_window_bytes: int | None = None,
-                 max_in_flight: int = 2):
-        self.decoders = [GlooDecoder(k, tcp_window_bytes, max_in_flight) for k in range(len(sources))]
-        self.stats = [StreamStats(name) for name, _ in sources]
+                 max_in_flight: int = 2, encapsulation: EncapSpec | None = None):
+        self.decoders = [GlooDecoder(k, tcp_window_bytes, max_in_flight, encapsulation) for k in range(len(sources))]
+        self.stats = [StreamStats(name, mirror=d.mirror) for (name, _), d in zip(sources, self.decoders)]
         self.nstreams = 0  # the gloo placer merges every source's ops: no per-stream frontier
         self.ended: set[int] = set()
         self._iters = [iter(b) for _, b in sources]
@@ -347,8 +348,9 @@ class GlooJobStream:
                  ranks: dict[bytes, int] | None = None, nranks: int | None = None,
                  master_port: int = MASTER_PORT, dtype: str | None = None, tag_base: int = 0,
                  collective_window: int | None = None, tcp_window_bytes: int | None = None,
-                 max_in_flight: int = 2, max_held_ops: int = 500_000, max_segment: int = gs.MAX_SEGMENT_BYTES):
-        self.streams = GlooStreams(sources, tcp_window_bytes, max_in_flight)
+                 max_in_flight: int = 2, max_held_ops: int = 500_000, max_segment: int = gs.MAX_SEGMENT_BYTES,
+                 encapsulation: EncapSpec | None = None):
+        self.streams = GlooStreams(sources, tcp_window_bytes, max_in_flight, encapsulation)
         self.model, self.ranks = model, ranks
         self.nranks = nranks or (model.ring.nranks if model is not None else None)
         self.finder = RankFinder(self.nranks, master_port, max_segment)
@@ -423,6 +425,6 @@ def open_job_stream(captures: list[str], job=None, dtype: str | None = None,
 
     kw = {}
     if job is not None:
-        kw = dict(model=JobModel.from_job(job), ranks=job.ring.ranks_by_address() or None)
+        kw = dict(model=JobModel.from_job(job), ranks=job.ring.ranks_by_address() or None, encapsulation=job.encap)
     return GlooJobStream([(c, open_capture(c)) for c in captures], dtype=dtype, master_port=master_port,
                          tag_base=tag_base, **kw)

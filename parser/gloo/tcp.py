@@ -1,6 +1,8 @@
 """TCP from frame batches: a vectorised segment decode and per-direction byte-stream reassembly.
 
-``decode`` turns a FrameBatch into one row per TCP segment (IPv4/IPv6, up to two VLAN tags).
+``decode`` turns a FrameBatch into one row per TCP segment (IPv4/IPv6, up to two VLAN tags),
+through a mirror encapsulation: the compiled walk of the RoCE decoder finds each mirrored frame
+(``_inner.inner_frames``), and the segments are read from there.
 Checksums are never checked: mirrored copies of offloaded traffic carry partial checksums
 (CHECKSUM_PARTIAL), and TSO/GSO super-frames up to 64 KiB are ordinary segments here.
 
@@ -21,7 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirrorckpt.capture._pack import copy_ranges
 from mirrorckpt.capture.batch import FrameBatch
+from mirrorckpt.config.encap import EncapSpec
 from mirrorckpt.config.layout import address_text
+from mirrorckpt.parser import _inner, encap
 from mirrorckpt.parser.headers import (
     ETH,
     ETHERTYPE_IPV4,
@@ -29,6 +33,7 @@ from mirrorckpt.parser.headers import (
     ETHERTYPE_VLAN,
     IPPROTO_TCP,
     IPV4,
+    IPV4_FRAGMENT,
     IPV6,
     TCP,
     VLAN,
@@ -85,9 +90,32 @@ def _u(hdr, data, pos, name):
     return hdr.read(data, pos, name).astype(np.int64)
 
 
-def decode(batch: FrameBatch) -> tuple[TcpSegments, TcpCounters]:
-    """The TCP segments of ``batch`` (malformed and truncated frames are counted, never read)."""
+def inner(batch: FrameBatch, encapsulation: EncapSpec | None = None,
+          mirror: encap.MirrorHealth | None = None) -> FrameBatch:
+    """``batch`` with each frame a mirror encapsulation carries in its place (the same bytes,
+    seen from the mirrored frame's Ethernet header on); what the encapsulations showed is
+    counted into ``mirror`` (a stream's, kept across batches)."""
+    n = len(batch)
+    if not n:
+        return batch
+    health = mirror if mirror is not None else encap.MirrorHealth()
+    off, cap = np.empty(n, np.int64), np.empty(n, np.int64)
+    data = np.ascontiguousarray(batch.data)
+    taken = _inner.inner_frames(data, np.ascontiguousarray(batch.offset, np.int64),
+                               np.ascontiguousarray(batch.caplen, np.int64), off, cap, encap.table(encapsulation),
+                               *health.state())
+    if not taken:
+        return batch
+    return FrameBatch(data, off, cap, cap + (batch.wirelen - batch.caplen), batch.ts_ns, batch.iface, batch.source,
+                      batch.first_index, batch.linktypes)
+
+
+def decode(batch: FrameBatch, encapsulation: EncapSpec | None = None,
+           mirror: encap.MirrorHealth | None = None) -> tuple[TcpSegments, TcpCounters]:
+    """The TCP segments of ``batch`` (malformed and truncated frames are counted, never read),
+    through the mirror encapsulations ``encapsulation`` allows (see ``inner``)."""
     c = TcpCounters(frames=len(batch), bytes=batch.nbytes)
+    batch = inner(batch, encapsulation, mirror)
     data, base, caplen = batch.data, batch.offset, batch.caplen
     trunc = batch.truncated
     c.truncated_frames = int(trunc.sum())
@@ -121,7 +149,7 @@ def decode(batch: FrameBatch) -> tuple[TcpSegments, TcpCounters]:
     good = ((vihl >> 4) == 4) & ((vihl & 15) >= 5)
     c.malformed["bad_ipv4_header"] += int((~good).sum())
     i4, vihl = i4[good], vihl[good]
-    frag = _u(IPV4, data, l3[i4], "frag") & 0x3FFF
+    frag = _u(IPV4, data, l3[i4], "frag") & IPV4_FRAGMENT
     c.classes["ipv4_fragment"] += int((frag != 0).sum())
     i4, vihl = i4[frag == 0], vihl[frag == 0]
     proto[i4] = _u(IPV4, data, l3[i4], "proto")

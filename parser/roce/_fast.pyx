@@ -10,7 +10,7 @@ crc32_gzip_refl computes it with carry-less multiplies and is used when setup.py
 """
 
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 include "_ll.pxi"
 
@@ -95,60 +95,7 @@ def icrc_check(const uint8_t[::1] data, const int64_t[::1] ip_off, const int64_t
             ok[k] = got == want
 
 
-# --- Frame decode ---------------------------------------------------------------------------
-# One pass per frame over Ethernet/VLAN/IP/UDP/BTH and the extended transport headers. Field
-# offsets are not written here: parser.roce passes them from the tables of parser.headers.
-
-
-
-cdef int64_t[64] K  # field offsets and EtherTypes, indexed by the K_* constants below
-DEF K_ETH_TYPE = 0
-DEF K_ETH_SIZE = 1
-DEF K_VLAN_TYPE = 2
-DEF K_VLAN_SIZE = 3
-DEF K_V4_VIHL = 4
-DEF K_V4_TOTLEN = 5
-DEF K_V4_FRAG = 6
-DEF K_V4_PROTO = 7
-DEF K_V4_SRC = 8
-DEF K_V4_DST = 9
-DEF K_V4_SIZE = 10
-DEF K_V6_PLEN = 11
-DEF K_V6_NEXT = 12
-DEF K_V6_SRC = 13
-DEF K_V6_DST = 14
-DEF K_V6_SIZE = 15
-DEF K_UDP_SPORT = 16
-DEF K_UDP_DPORT = 17
-DEF K_UDP_LEN = 18
-DEF K_UDP_SIZE = 19
-DEF K_BTH_OPCODE = 20
-DEF K_BTH_FLAGS = 21
-DEF K_BTH_DQP = 22
-DEF K_BTH_ACKREQ = 23
-DEF K_BTH_PSN = 24
-DEF K_BTH_SIZE = 25
-DEF K_RETH_VA = 26
-DEF K_RETH_RKEY = 27
-DEF K_RETH_DLEN = 28
-DEF K_RETH_SIZE = 29
-DEF K_IMM_SIZE = 30
-DEF K_AETH_SYN = 31
-DEF K_AETH_MSN = 32
-DEF K_AETH_SIZE = 33
-DEF K_DETH_SIZE = 34
-DEF K_ICRC = 35
-DEF K_ROCE_PORT = 36
-DEF K_PTP_EVENT = 37
-DEF K_PTP_GENERAL = 38
-DEF K_ET_IPV4 = 39
-DEF K_ET_IPV6 = 40
-DEF K_ET_VLAN = 41
-DEF K_ET_QINQ = 42
-DEF K_ET_ARP = 43
-DEF K_ET_LLDP = 44
-DEF K_ET_PTP = 45
-DEF K_NKEYS = 46
+include "../_walk.pxi"
 
 cdef uint8_t[256] HAS_RETH, HAS_IMM, HAS_AETH, HAS_DETH
 
@@ -158,38 +105,10 @@ cdef uint8_t[256] HAS_RETH, HAS_IMM, HAS_AETH, HAS_DETH
 # prefetches cost a few percent.
 DEF PREFETCH_ABOVE = 2048
 
-# Frame classes counted by decode (index into the `classes` output).
-CLASSES = ("roce", "truncated", "not_ethernet", "arp", "lldp", "llc_stp", "ptp_l2", "ethertype_other",
-           "ipv4_fragment", "tcp", "ip_other", "udp_ptp_event", "udp_ptp_general", "udp_other",
-           "malformed:short_ethernet", "malformed:short_vlan", "malformed:bad_ipv4_header",
-           "malformed:short_ip", "malformed:short_udp", "malformed:bad_udp_length",
-           "malformed:short_roce_headers")
-DEF C_ROCE = 0
-DEF C_TRUNC = 1
-DEF C_NOT_ETH = 2
-DEF C_ARP = 3
-DEF C_LLDP = 4
-DEF C_LLC = 5
-DEF C_PTP_L2 = 6
-DEF C_ETYPE_OTHER = 7
-DEF C_FRAG = 8
-DEF C_TCP = 9
-DEF C_IP_OTHER = 10
-DEF C_PTP_EV = 11
-DEF C_PTP_GEN = 12
-DEF C_UDP_OTHER = 13
-DEF M_SHORT_ETH = 14
-DEF M_SHORT_VLAN = 15
-DEF M_BAD_V4 = 16
-DEF M_SHORT_IP = 17
-DEF M_SHORT_UDP = 18
-DEF M_BAD_ULEN = 19
-DEF M_SHORT_ROCE = 20
-DEF NCLASSES = 21
-
 
 def configure(offsets, has_reth, has_imm, has_aeth, has_deth):
-    """Field offsets and EtherTypes (a sequence in K_* order) and opcode lookup tables, from parser.headers."""
+    """Field offsets, EtherTypes and protocol numbers (a sequence in K_* order) and opcode lookup
+    tables, from parser.headers."""
     if len(offsets) != K_NKEYS:
         raise ValueError(f"expected {K_NKEYS} offsets, got {len(offsets)}")
     for i in range(K_NKEYS):
@@ -201,37 +120,6 @@ def configure(offsets, has_reth, has_imm, has_aeth, has_deth):
         HAS_DETH[i] = has_deth[i]
 
 
-cdef extern from * nogil:
-    """
-    #include <stdint.h>
-    #include <string.h>
-    /* Big-endian fields by one unaligned load and a byte swap (x86 and any GCC/Clang target). */
-    static inline uint64_t mck_be(const uint8_t *p, int n) {
-        uint64_t v;
-        uint32_t w;
-        uint16_t h;
-        switch (n) {
-        case 1: return p[0];
-        case 2: memcpy(&h, p, 2); return __builtin_bswap16(h);
-        case 3: return ((uint64_t)p[0] << 16) | ((uint64_t)p[1] << 8) | p[2];
-        case 4: memcpy(&w, p, 4); return __builtin_bswap32(w);
-        case 8: memcpy(&v, p, 8); return __builtin_bswap64(v);
-        default: v = 0; for (int i = 0; i < n; i++) v = (v << 8) | p[i]; return v;
-        }
-    }
-    /* Every 64-byte line of [p, p + n) towards the cache; never faults. */
-    static inline void mck_prefetch(const uint8_t *p, int64_t n) {
-        for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 3);
-    }
-    """
-    uint64_t mck_be(const uint8_t *p, int n)
-    void mck_prefetch(const uint8_t *p, int64_t n)
-
-
-cdef inline uint64_t be(const uint8_t *p, int n) noexcept nogil:
-    return mck_be(p, n)
-
-
 def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int64_t[::1] caplen,
                   const int64_t[::1] wirelen, const uint8_t[::1] eth_ok, bint check_icrc,
                   int64_t[::1] frame, uint8_t[:, ::1] src, uint8_t[:, ::1] dst, int64_t[::1] sport,
@@ -240,8 +128,15 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
                   uint8_t[::1] has_reth, uint8_t[::1] has_imm, int64_t[::1] imm, int64_t[::1] syndrome,
                   int64_t[::1] msn, int64_t[::1] pay_off, int64_t[::1] pay_len, uint8_t[::1] icrc_ok,
                   int64_t[::1] classes, int64_t[::1] other_etype, const uint8_t[::1] is_write,
-                  uint8_t[::1] llu, uint32_t[::1] llf, int ll_line, int ll_lo, int ll_f1, int ll_hi, int ll_f2):
+                  uint8_t[::1] llu, uint32_t[::1] llf, int ll_line, int ll_lo, int ll_f1, int ll_hi, int ll_f2,
+                  const int64_t[::1] enc, int64_t[::1] mirror, uint8_t[:, ::1] session_keys,
+                  int64_t[:, ::1] session_rows, int64_t[::1] sessions_used):
     """Decodes every frame; writes one row per RoCEv2 packet. Returns (packets, other ethertypes).
+
+    ``enc`` (parser.encap.table) says which mirror encapsulations are taken off; what they showed
+    is added to ``mirror`` (MIRROR order) and, per GRE-sequenced session, to ``session_rows``
+    (SESSION_COLUMNS, keys in ``session_keys``, ``sessions_used[0]`` rows in use): state a
+    stream keeps from batch to batch.
 
     With ``llu`` (not empty: at least half the batch's bytes), each RDMA WRITE payload of whole LL
     lines is read as LL right after its ICRC, while it is in cache: llf[row] its flag (0: not
@@ -252,12 +147,18 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
     if want_ll and (llf.shape[0] < n or llu.shape[0] < data.shape[0] // 2 or is_write.shape[0] < 256
                     or ll_line < 16 or ll_line % 16):
         raise ValueError("decode_frames: LL outputs too small")
+    _check_walk_state(enc, mirror, session_keys, session_rows, sessions_used)
     cdef int64_t r = 0, no = 0, nbytes = data.shape[0]
-    cdef int64_t base, end, l3, l4, hl, ip_end, etype, proto, ulen, udp_end, bth, h, icrc_at, po, pl, k
-    cdef int64_t dport, op
+    cdef int64_t base, end, l3, l4, hl, ulen, udp_end, bth, h, icrc_at, po, pl, k
+    cdef int64_t op
+    cdef int c
     cdef const uint8_t *p
     cdef bint v6
     cdef uint32_t want, got
+    cdef Walk w
+    cdef Sessions ss
+    ss.keys, ss.rows, ss.used = &session_keys[0, 0], &session_rows[0, 0], &sessions_used[0]
+    ss.cap, ss.last = session_rows.shape[0], -1
     with nogil:
         for f in range(n):
             if caplen[f] < wirelen[f]:
@@ -272,81 +173,21 @@ def decode_frames(const uint8_t[::1] data, const int64_t[::1] offset, const int6
             if check_icrc and f + 1 < n and caplen[f + 1] > PREFETCH_ABOVE \
                     and offset[f + 1] + caplen[f + 1] <= nbytes:
                 mck_prefetch(p + offset[f + 1], caplen[f + 1])
-            if caplen[f] < K[K_ETH_SIZE]:
-                classes[M_SHORT_ETH] += 1
-                continue
-            etype = be(p + base + K[K_ETH_TYPE], 2)
-            l3 = base + K[K_ETH_SIZE]
-            for k in range(2):  # up to two VLAN tags (802.1Q, 802.1ad)
-                if etype != K[K_ET_VLAN] and etype != K[K_ET_QINQ]:
-                    break
-                if l3 + K[K_VLAN_SIZE] > end:
-                    etype = -1
-                    break
-                etype = be(p + l3 + K[K_VLAN_TYPE], 2)
-                l3 += K[K_VLAN_SIZE]
-            if etype == -1:
-                classes[M_SHORT_VLAN] += 1
-                continue
-            if etype == K[K_ET_IPV4]:
-                if l3 + K[K_V4_SIZE] > end:
-                    classes[M_SHORT_IP] += 1
-                    continue
-                h = p[l3 + K[K_V4_VIHL]]
-                if (h >> 4) != 4 or (h & 15) < 5:
-                    classes[M_BAD_V4] += 1
-                    continue
-                hl = (h & 15) * 4
-                if be(p + l3 + K[K_V4_FRAG], 2) & 0x3FFF:
-                    classes[C_FRAG] += 1
-                    continue
-                proto = p[l3 + K[K_V4_PROTO]]
-                ip_end = l3 + <int64_t>be(p + l3 + K[K_V4_TOTLEN], 2)
-                v6 = False
-            elif etype == K[K_ET_IPV6]:
-                if l3 + K[K_V6_SIZE] > end:
-                    classes[M_SHORT_IP] += 1
-                    continue
-                hl = K[K_V6_SIZE]
-                proto = p[l3 + K[K_V6_NEXT]]
-                ip_end = l3 + hl + <int64_t>be(p + l3 + K[K_V6_PLEN], 2)
-                v6 = True
-            else:
-                if etype < 0x0600:
-                    classes[C_LLC] += 1
-                elif etype == K[K_ET_ARP]:
-                    classes[C_ARP] += 1
-                elif etype == K[K_ET_LLDP]:
-                    classes[C_LLDP] += 1
-                elif etype == K[K_ET_PTP]:
-                    classes[C_PTP_L2] += 1
-                else:
-                    classes[C_ETYPE_OTHER] += 1
-                    other_etype[no] = etype
+            c = _walk(p, base, end, &enc[0], &mirror[0], &ss, &w)
+            if c == C_ROCE and w.ip_end > w.end:  # whole as captured, yet shorter than its IP header says
+                c = C_MIRROR_TRUNC
+            if c != C_ROCE:
+                classes[c] += 1
+                if c == C_ETYPE_OTHER:
+                    other_etype[no] = w.etype
                     no += 1
+                elif c == C_MIRROR_TRUNC and not w.marked:
+                    mirror[X_CUT_UNMARKED] += 1
                 continue
-            if proto == 6:
-                classes[C_TCP] += 1
-                continue
-            if proto != 17:
-                classes[C_IP_OTHER] += 1
-                continue
-            l4 = l3 + hl
-            if l4 + K[K_UDP_SIZE] > end:
-                classes[M_SHORT_UDP] += 1
-                continue
-            dport = be(p + l4 + K[K_UDP_DPORT], 2)
-            if dport != K[K_ROCE_PORT]:
-                if dport == K[K_PTP_EVENT]:
-                    classes[C_PTP_EV] += 1
-                elif dport == K[K_PTP_GENERAL]:
-                    classes[C_PTP_GEN] += 1
-                else:
-                    classes[C_UDP_OTHER] += 1
-                continue
+            l3, l4, hl, v6, end = w.l3, w.l4, w.hl, w.v6, w.end
             ulen = be(p + l4 + K[K_UDP_LEN], 2)
             udp_end = l4 + ulen
-            if ulen < K[K_UDP_SIZE] + K[K_BTH_SIZE] + K[K_ICRC] or udp_end > ip_end or udp_end > end:
+            if ulen < K[K_UDP_SIZE] + K[K_BTH_SIZE] + K[K_ICRC] or udp_end > w.ip_end or udp_end > end:
                 classes[M_BAD_ULEN] += 1
                 continue
             bth = l4 + K[K_UDP_SIZE]

@@ -1,8 +1,9 @@
 """Vectorised RoCEv2 decode: a FrameBatch in, one row per RoCE packet out.
 
-Every stage works on index arrays of the frames still in play, so a frame too short for the next
-header simply drops out (counted as malformed) and nothing reads past a frame's captured bytes.
-Non-RoCE frames are only classified and counted (ARP, LLDP, STP, PTP, TCP, other UDP...).
+The compiled walk (``_fast.decode_frames``) reads each frame once, through a mirror encapsulation
+(ERSPAN, GRE, VXLAN: ``parser.encap``) to the RoCEv2 packet; a frame too short for the next header
+drops out (counted as malformed) and nothing reads past a frame's captured bytes. Non-RoCE frames
+are only classified and counted (ARP, LLDP, STP, PTP, TCP, other UDP...).
 """
 
 from __future__ import annotations
@@ -12,30 +13,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mirrorckpt.capture.batch import FrameBatch
-from mirrorckpt.parser import memory
-from mirrorckpt.parser.headers import (
-    AETH,
-    BTH,
-    DETH,
-    ETH,
-    ETHERTYPE_ARP,
-    ETHERTYPE_IPV4,
-    ETHERTYPE_IPV6,
-    ETHERTYPE_LLDP,
-    ETHERTYPE_PTP,
-    ETHERTYPE_VLAN,
-    ICRC_BYTES,
-    IMMDT,
-    IPV4,
-    IPV6,
-    PTP_PORTS,
-    RETH,
-    ROCEV2_PORT,
-    UDP,
-    VLAN,
-)
+from mirrorckpt.config.encap import EncapSpec
+from mirrorckpt.parser import encap, memory
 from mirrorckpt.parser.roce import _fast, opcodes
 from mirrorckpt.parser.roce.protocols import LL_INTACT_ARGS
+
+# The RoCEv2 decode's copy of the compiled walk: the header tables' offsets, and which extended
+# headers follow the BTH of each opcode.
+_fast.configure(encap.WALK_OFFSETS, opcodes.HAS_RETH.astype(np.uint8), opcodes.HAS_IMMDT.astype(np.uint8),
+                opcodes.HAS_AETH.astype(np.uint8), opcodes.HAS_DETH.astype(np.uint8))
 
 
 @dataclass
@@ -48,6 +34,8 @@ class Counters:
     classes: Counter = field(default_factory=Counter)  # "arp", "tcp", "roce:RC_ACKNOWLEDGE", ...
     icrc: Counter = field(default_factory=Counter)  # "RC_RDMA_WRITE_FIRST:ok", "0xaa:BAD"
     malformed: Counter = field(default_factory=Counter)  # reason -> frames
+    # encapsulations taken off, mirror sessions' loss, frames the switch cut (kept across batches)
+    mirror: encap.MirrorHealth = field(default_factory=encap.MirrorHealth)
 
     def add(self, other: Counters) -> None:
         self.frames += other.frames
@@ -56,6 +44,7 @@ class Counters:
         self.classes.update(other.classes)
         self.icrc.update(other.icrc)
         self.malformed.update(other.malformed)
+        self.mirror.merge(other.mirror)
 
     @property
     def icrc_failed(self) -> int:
@@ -116,27 +105,13 @@ SLOW_ICRC: str | None = None if ICRC_BACKEND == "isa-l" else (
     "(tools/install-system-deps.sh) and rebuild (python setup.py build_ext --inplace --force)")
 
 
-# Field offsets and EtherTypes for the compiled frame walk, in its K_* order, taken from the header tables.
-_fast.configure(
-    [ETH["type"].offset, ETH.size, VLAN["type"].offset, VLAN.size,
-     IPV4["ver_ihl"].offset, IPV4["total_len"].offset, IPV4["frag"].offset, IPV4["proto"].offset,
-     IPV4["src"].offset, IPV4["dst"].offset, IPV4.size,
-     IPV6["payload_len"].offset, IPV6["next"].offset, IPV6["src"].offset, IPV6["dst"].offset, IPV6.size,
-     UDP["sport"].offset, UDP["dport"].offset, UDP["len"].offset, UDP.size,
-     BTH["opcode"].offset, BTH["flags"].offset, BTH["dqp"].offset, BTH["ackreq"].offset, BTH["psn"].offset,
-     BTH.size, RETH["va"].offset, RETH["rkey"].offset, RETH["dlen"].offset, RETH.size, IMMDT.size,
-     AETH["syndrome"].offset, AETH["msn"].offset, AETH.size, DETH.size, ICRC_BYTES,
-     ROCEV2_PORT, PTP_PORTS[0], PTP_PORTS[1],
-     ETHERTYPE_IPV4, ETHERTYPE_IPV6, *ETHERTYPE_VLAN, ETHERTYPE_ARP, ETHERTYPE_LLDP, ETHERTYPE_PTP],
-    opcodes.HAS_RETH.astype(np.uint8), opcodes.HAS_IMMDT.astype(np.uint8),
-    opcodes.HAS_AETH.astype(np.uint8), opcodes.HAS_DETH.astype(np.uint8))
-
-
 def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None,
-           ll: bool = False) -> tuple[RocePackets, Counters]:
+           ll: bool = False, encapsulation: EncapSpec | None = None) -> tuple[RocePackets, Counters]:
     """Decodes the RoCEv2 packets of ``batch``; returns them with the batch's counters (added to
-    ``into`` and returned as it, when given: a stream's running counts, without a merge per batch).
-    ``ll``: each WRITE payload is also read as LL while the ICRC has it in cache (``llf``, ``llu``)."""
+    ``into`` and returned as it, when given: a stream's running counts, without a merge per batch,
+    and the sequence numbers of its mirror sessions followed from batch to batch).
+    ``ll``: each WRITE payload is also read as LL while the ICRC has it in cache (``llf``, ``llu``).
+    ``encapsulation``: the mirror encapsulations taken off (None: whichever a frame carries)."""
     n = len(batch)
     c = into if into is not None else Counters()
     c.frames += n
@@ -155,7 +130,9 @@ def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None,
     r, no = _fast.decode_frames(
         data, np.ascontiguousarray(batch.offset, np.int64), np.ascontiguousarray(batch.caplen, np.int64),
         np.ascontiguousarray(batch.wirelen, np.int64), batch.ethernet_mask().view(np.uint8), icrc,
-        *cols.values(), classes, other, _IS_WRITE, llu, llf, *LL_INTACT_ARGS)
+        *cols.values(), classes, other, _IS_WRITE, llu, llf, *LL_INTACT_ARGS,
+        encap.table(encapsulation), *c.mirror.state())
+    c.mirror.cut += int(classes[_MIRROR_CUT])
     for name, k in zip(_fast.CLASSES, classes.tolist()):
         if not k or name in ("roce", "ethertype_other"):
             continue
@@ -187,6 +164,7 @@ def _count_roce(c: Counters, op: np.ndarray, icrc_ok: np.ndarray, checked: bool)
 
 # Counter keys per opcode x ICRC verdict (the index _count_roce counts), made once
 _IS_WRITE = opcodes.IS_WRITE.view(np.uint8)  # whose payloads decode(ll=True) reads as LL
+_MIRROR_CUT = _fast.CLASSES.index("mirror_truncated")
 # decode(ll=True)'s words: a pool of their own. Taken from the one of run and result buffers, they
 # held its free mappings (untouched where the traffic is not LL), and those buffers were mapped
 # and faulted in anew (a Simple replay's system time and RSS grew).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mirrorckpt.capture.batch import FrameBatch
+from mirrorckpt.config.encap import EncapSpec
 from mirrorckpt.parser import roce
 from mirrorckpt.parser.roce.nccl import NcclDecoder, NcclSend
 from mirrorckpt.parser.roce.reassembly import RdmaMessage, Reassembler
@@ -10,11 +11,14 @@ from mirrorckpt.parser.roce.reassembly import RdmaMessage, Reassembler
 
 class PacketPath:
     def __init__(self, icrc: bool = True, nccl_version: str | None = None, protocol: str | None = None,
-                 psn_window: int = 1024, stream: int = 0, messages: bool = True):
+                 psn_window: int = 1024, stream: int = 0, messages: bool = True,
+                 encapsulation: EncapSpec | None = None):
         """``messages``: ``feed`` returns the RDMA messages too (inspection, tests); without, runs
         of intact messages go to the NCCL decoder as columns (its common case, nccl_runs) and
-        ``feed`` returns no messages."""
+        ``feed`` returns no messages. ``encapsulation``: the mirror encapsulations taken off
+        (None: whichever a frame carries)."""
         self.icrc = icrc
+        self.encapsulation = encapsulation
         self.counters = roce.Counters()
         self.reassembler = Reassembler(psn_window=psn_window, runs=not messages)
         self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream)
@@ -24,7 +28,8 @@ class PacketPath:
         (``streams.MirrorStreams``), which then hands its packets to ``feed``."""
         # With deferred copies an intact LL message is read from what the decode read of its
         # packets (RocePackets.llu), not copied from the batch first
-        return roce.decode(batch, icrc=self.icrc, into=self.counters, ll=self.reassembler.defer)[0]
+        return roce.decode(batch, icrc=self.icrc, into=self.counters, ll=self.reassembler.defer,
+                           encapsulation=self.encapsulation)[0]
 
     def feed(self, batch: FrameBatch, pk: roce.RocePackets | None = None) -> tuple[list[RdmaMessage], list[NcclSend]]:
         if pk is None:

@@ -51,6 +51,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 from mirrorckpt.capture.batch import CaptureError, FrameBatch
+from mirrorckpt.config.encap import EncapSpec
 from mirrorckpt.parser import roce
 from mirrorckpt.parser.roce.nccl import NcclSend
 from mirrorckpt.parser.roce.packet_path import PacketPath
@@ -63,13 +64,14 @@ DECODE_AHEAD = 1
 class MirrorStreams:
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], icrc: bool = True,
                  nccl_version: str | None = None, protocol: str | None = None, merge_ns: int = 4_000_000,
-                 ahead: int = 0):
-        self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k, messages=False)
+                 ahead: int = 0, encapsulation: EncapSpec | None = None):
+        self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k, messages=False,
+                                 encapsulation=encapsulation)
                       for k in range(len(sources))]
         self.ended: set[int] = set()  # streams with nothing more to come
         self.nstreams = len(sources)
         self.merge_ns = merge_ns
-        self.stats = [StreamStats(name) for name, _ in sources]
+        self.stats = [StreamStats(name, mirror=p.counters.mirror) for (name, _), p in zip(sources, self.paths)]
         self._iters = [iter(b) for _, b in sources]
         self.ahead = ahead
         self._fed: dict[int, FrameBatch] = {}  # per stream, the last part fed since the last list

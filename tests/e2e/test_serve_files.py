@@ -97,7 +97,6 @@ def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir,
     """[[mirror]] workers = N: N capture processes share each port, each decoding the frames of its
     QP pairs (capture.fanout); every iteration is still reassembled and the replica is bit-exact."""
     import numpy as np
-    from mirrorckpt.capture import fanout
     from mirrorckpt.capture.pcapfile import read_all
     from mirrorckpt.parser.roce import split
 
@@ -105,7 +104,7 @@ def test_serve_splits_a_port_over_workers_and_keeps_a_bit_exact_replica(job_dir,
     job = load_job(cfg)
     assert [m.workers for m in job.mirrors] == [workers, workers]
     # the generated QP pairs fall into more than one share, as the workers deal them: the split is real
-    shares = np.concatenate([fanout.worker_of(read_all(m.source), workers,
+    shares = np.concatenate([split.worker_of(read_all(m.source), workers,
                                               split.plan(iter([read_all(m.source)]), workers)[0])
                              for m in job.mirrors])
     assert len(np.unique(shares)) > 1
@@ -128,8 +127,8 @@ def test_workers_on_a_port_whose_connections_use_several_qps(tmp_path, split):
     cut messages; the parser for each connection it cannot place) instead of running on silently.
     A capture file's own split (the default) keeps each connection's QPs in one worker, found by
     the receive buffer (rkey) they write: two workers then follow the job bit-exactly, as one does."""
-    from mirrorckpt.capture import fanout
     from mirrorckpt.capture.pcapfile import read_all
+    from mirrorckpt.parser.roce.split import flow_ports
     from mirrorckpt.tools.generator.wire import WireOptions
 
     job, says = QP_SPLITS[split]
@@ -142,7 +141,7 @@ def test_workers_on_a_port_whose_connections_use_several_qps(tmp_path, split):
         run.mkdir()
         cfg = config(d, run, workers=workers, capture={"file_split": file_split})
         if workers > 1:  # the connections' QPs do fall into different shares by port
-            sport_of = [fanout.udp_source_ports(read_all(m.source)) for m in load_job(cfg).mirrors]
+            sport_of = [flow_ports(read_all(m.source)) for m in load_job(cfg).mirrors]
             assert any(len(set((sp[sp >= 0] % workers).tolist())) > 1 for sp in sport_of)
         res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
                              capture_output=True, text=True, timeout=300)

@@ -253,10 +253,10 @@ def replica_matches_truth(job, cfg: Path) -> list[int]:
 
 def shares(job, hook: str, workers: int) -> list[int]:
     """Frames the monitor receives per fanout worker (ingress: each mirrored rank's frames once)."""
-    from mirrorckpt.capture import fanout
+    from mirrorckpt.parser.roce import split
 
     assert hook == "ingress"
-    return [sum(int((fanout.worker_of(job["frames"][r], workers) == k).sum()) for r in MIRRORED)
+    return [sum(int((split.worker_of(job["frames"][r], workers) == k).sum()) for r in MIRRORED)
             for k in range(workers)]
 
 

@@ -70,6 +70,10 @@ class PortMonitor:
     def ended(self, port: int, damage: str | None) -> None:
         self.damage[port] = damage
 
+    def mirror_lost(self, port: int, sessions: dict) -> None:
+        """Frames each mirror session lost so far (GRE/ERSPAN sequence gaps)."""
+        self.metrics.mirror_lost_sessions(self.labels[port], sessions)
+
     def sync(self, stats: list[StreamStats] | None = None) -> None:
         """Brings the metrics up to the workers' shared counters (any thread; the daemon calls it
         every 0.2 s, so the drop counters move while the queues are full)."""
@@ -93,6 +97,7 @@ class PortMonitor:
         m.dropped.labels(lp, "kernel").inc(delta("dropped_kernel"))
         m.icrc.labels(lp).inc(delta("icrc"))
         m.roce.labels(lp).inc(delta("roce"))
+        m.truncated.labels(lp).inc(delta("mirror_truncated"))
         for stage in ("capture", "decode"):
             m.stage_cpu.labels(stage, lp).inc(delta(f"cpu_{stage}_ns") / 1e9)
         if port not in self._roce_at or c["roce"] != self._roce_at[port][0]:

@@ -17,7 +17,7 @@ import threading
 import time
 
 from mirrorckpt.parser.streams import WIRE_IDLE, StreamStats
-from mirrorckpt.tools.daemon.worker import Ended, Fatal, Note, Seen, Sends
+from mirrorckpt.tools.daemon.worker import Ended, Fatal, MirrorLoss, Note, Seen, Sends
 
 log = logging.getLogger("mirrorckpt.serve")
 
@@ -228,6 +228,8 @@ class QueueStreams:
             log.warning("%s", msg.text, extra={"port": self.labels[msg.port]})
         elif isinstance(msg, Seen):
             self.ports.seen(msg.port, msg.classes)
+        elif isinstance(msg, MirrorLoss):
+            self.ports.mirror_lost(msg.port, msg.sessions)
         elif isinstance(msg, Ended):
             self.ports.sync(self.stats)
             self.finished[msg.port] = msg.damage

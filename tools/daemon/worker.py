@@ -37,9 +37,11 @@ SEEN_EVERY_S = 5.0  # how often a worker says what its frames are (a port withou
 # The worker's counters, in the shared int64 array the main process reads. "capturing": 1 once the
 # source is open (and a port's fanout group whole): frames sent before then are not seen. "roce":
 # RoCEv2 packets decoded. "cpu_*_ns": CPU time of the capture thread (with the compact thread, when
-# there is one) and of the decode thread so far: which of its stages limits the port.
+# there is one) and of the decode thread so far: which of its stages limits the port. "mirror_*":
+# frames the mirror lost on its way (GRE sequence gaps) and frames the switch cut
+# (parser.encap.MirrorHealth).
 COUNTERS = ("frames", "bytes", "dropped_capture", "dropped_kernel", "icrc", "capturing", "cpu_capture_ns",
-            "cpu_decode_ns", "roce")
+            "cpu_decode_ns", "roce", "mirror_lost", "mirror_truncated")
 
 
 @dataclass
@@ -55,6 +57,7 @@ class WorkerSpec:
     # the daemon so every worker of the port holds the same); None: port mod N, as a live port's kernel
     lut: object = None
     share: tuple[int, int] = (0, 1)  # worker k of N on this port: the frames of its QP pairs (capture.fanout)
+    encap: object = None  # config.encap.EncapSpec: the mirror encapsulations taken off (None: any)
 
 
 # -- what a worker tells the main process ----------------------------------------------------
@@ -89,6 +92,13 @@ class Seen:
     """What the port's frames were so far, by class, most common first (``parser.roce.Counters``)."""
     port: int
     classes: dict
+
+
+@dataclass(frozen=True)
+class MirrorLoss:
+    """Frames each remote mirror session lost so far (its GRE sequence numbers' gaps)."""
+    port: int
+    sessions: dict
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,8 @@ class CaptureWorker:
         self.held = 0  # bytes waiting in `local`; the capture edge drops beyond spec.local_bytes
         self.lock = threading.Lock()
         self.parent = os.getppid()  # a daemon killed outright (SIGKILL) must not leave its workers capturing
-        self.path = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port, messages=False)
+        self.path = PacketPath(icrc=spec.icrc, nccl_version=spec.nccl_version, stream=spec.port, messages=False,
+                               encapsulation=spec.encap)
         if ring is not None:
             # Every batch the decode thread gets stays valid (a file's mapping, or a live batch's own
             # copy): a Simple send's bytes, or an LL send's words as the decode read them, go from the
@@ -203,6 +214,18 @@ class CaptureWorker:
             pass
         return now
 
+    def _mirror(self) -> None:
+        """What the mirror encapsulation showed: each session's losses as they grow, a truncated
+        mirror said once (it can never be followed)."""
+        from mirrorckpt.parser import encap
+
+        mirror, c = self.path.counters.mirror, self.counters
+        if mirror.lost != c["mirror_lost"]:
+            self.out.put(MirrorLoss(self.spec.port, {s["session"]: s["lost"] for s in mirror.sessions()}))
+        if mirror.truncated and not c["mirror_truncated"]:
+            self.out.put(Note(self.spec.port, encap.truncation_advice(mirror)))
+        c["mirror_lost"], c["mirror_truncated"] = mirror.lost, mirror.truncated
+
     def _decode(self) -> None:
         from mirrorckpt.parser.errors import VersionMismatch
 
@@ -212,6 +235,7 @@ class CaptureWorker:
                 _, sends = self.path.feed(b)
                 self.counters["icrc"] = self.path.counters.icrc_failed
                 self.counters["cpu_decode_ns"] = time.thread_time_ns()
+                self._mirror()
                 seen = self._seen(seen)
                 self.publish()
                 if self.spec.share[1] > 1 and not warned:
@@ -232,22 +256,23 @@ class CaptureWorker:
                 pass
 
     def _open(self):
-        from mirrorckpt.capture import fanout
         from mirrorckpt.capture.batch import CaptureError
         from mirrorckpt.capture.source import open_source, paced
+        from mirrorckpt.parser import encap
+        from mirrorckpt.parser.roce import split
 
         spec, (k, n) = self.spec, self.spec.share
         # AF_PACKET hands over whole ring blocks; files and DPDK take a frame count per batch
         # (DPDK's at most DPDK_MAX_BATCH: a batch must fit in the port's mbuf pool)
         opts = {} if spec.source.startswith("afpacket:") else {"batch_frames": spec.batch_frames}
         if n > 1 and spec.source.startswith("afpacket:"):  # the kernel splits the port (capture.fanout)
-            opts.update(fanout_workers=n, fanout_worker=k)
+            opts.update(fanout_workers=n, fanout_worker=k, fanout_walk=encap.split_walk(spec.encap))
         if spec.source.startswith("dpdk:"):
             opts["batch_frames"] = min(spec.batch_frames, DPDK_MAX_BATCH)
         src = open_source(spec.source, **opts)
         it = paced(src, spec.pace) if spec.pace is not None else src
         if self.file_split:
-            it = (fanout.share(b, k, n, spec.lut) for b in it)
+            it = (split.share(b, k, n, spec.lut, spec.encap) for b in it)
         elif n > 1 and not (hasattr(src, "wait_fanout") and src.wait_fanout(FANOUT_WAIT_S)):
             raise CaptureError(f"{spec.source}: worker {k} of {n}: not every worker joined the port's fanout "
                                f"group within {FANOUT_WAIT_S:g} s (their frames would be captured by nobody)")

@@ -25,6 +25,7 @@ from mirrorckpt.config.training import TrainingSpec
 from mirrorckpt.parser.roce import nccl_versions as nv
 from mirrorckpt.tools.generator import mirrors as mirrors_mod
 from mirrorckpt.tools.generator import topology
+from mirrorckpt.tools.generator.encap import EncapOptions
 from mirrorckpt.tools.generator.faults import FaultOptions
 from mirrorckpt.tools.generator.noise import NoiseOptions
 from mirrorckpt.tools.generator.packetize import NcclRing
@@ -59,6 +60,7 @@ class GenConfig:
     p2p_fill: bool = False
     p2p_noise: tuple[int, ...] = ()  # after each gradient all-reduce, foreign point-to-point sends of these sizes
     send_truth: bool = True  # every captured send in truth.json (large for big runs)
+    encap: EncapOptions = field(default_factory=EncapOptions)  # a remote mirror's encapsulation (tools.generator.encap)
 
     def ring(self) -> RingSpec:
         if self.ring_orders is not None and len(self.ring_orders) != self.channels:
@@ -99,7 +101,7 @@ def generate(cfg: GenConfig, out_dir) -> dict:
     topo = topology.build(cfg.ranks, ring.orders(), cfg.seed, ring.nccl_version, nqps=cfg.wire.qps_per_connection)
     ring.addresses = {n.rank: n.ip_text(cfg.wire.ipv6) for n in topo.nics}
     captures = mirrors_mod.CaptureSet(out, mirrors, topo, cfg.wire.ipv6, cfg.fmt, cfg.noise, cfg.faults,
-                                      cfg.wire.switch_ns)
+                                      cfg.wire.switch_ns, encap=cfg.encap)
     wire = Wire(ring.nccl_version, cfg.wire, captures, cfg.seed, cfg.send_truth)
     comm = NcclRing(ring, topo, wire, p2p_fill=cfg.p2p_fill, p2p_noise=cfg.p2p_noise, seed=cfg.seed)
     try:
@@ -117,6 +119,7 @@ def generate(cfg: GenConfig, out_dir) -> dict:
         "p2p_fill": cfg.p2p_fill,
         **wire_extra,
         "noise": {"kinds": sorted(cfg.noise.kinds), "rate_hz": cfg.noise.rate_hz, "seed": cfg.noise.seed},
+        **({"encapsulation": asdict(cfg.encap)} if cfg.encap.wraps else {}),
         "fault_rates": asdict(cfg.faults),
         "topology": _topology_facts(topo, cfg.wire.ipv6),
         "captures": files,
@@ -128,7 +131,8 @@ def generate(cfg: GenConfig, out_dir) -> dict:
     job = JobConfig(ring=ring, kind="ddp", startup=True, layout=result.layout, grad_dtype=cfg.training.grad_dtype,
                     training=_no_none(cfg.training.to_dict()),
                     mirrors=[MirrorSpec(m.rank, m.direction, mirrors_mod.file_name(m, cfg.fmt)) for m in mirrors],
-                    p2p_fill=cfg.p2p_fill)  # the workload it generates does send the missing values
+                    p2p_fill=cfg.p2p_fill,  # the workload it generates does send the missing values
+                    capture=cfg.encap.capture_keys())
     (out / JOB_FILE).write_text(dump_job(job))
     return truth
 

@@ -10,6 +10,7 @@ built in batches (``flush``) and handed to every file that sees them.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from mirrorckpt.capture.writer import PcapngWriter, PcapWriter
 from mirrorckpt.config.layout import MirrorSpec
 from mirrorckpt.parser.headers import BTH
 from mirrorckpt.tools.generator import frames
+from mirrorckpt.tools.generator.encap import EncapOptions, Encapsulator
 from mirrorckpt.tools.generator.faults import FaultInjector, FaultOptions
 from mirrorckpt.tools.generator.frames import FrameSet
 from mirrorckpt.tools.generator.messages import MessageLog
@@ -57,9 +59,12 @@ def file_name(m: MirrorSpec, fmt: str) -> str:
 
 
 class MirrorFile:
+    encap: Encapsulator | None = None  # a remote mirror's encapsulation around every frame
+
     def __init__(self, path: Path, mirror: MirrorSpec, fmt: str, topo: Topology, v6: bool, noise: NoiseOptions,
-                 faults: FaultOptions):
+                 faults: FaultOptions, encap: Encapsulator | None = None):
         self.path, self.mirror = path, mirror
+        self.encap = encap
         self.egress = mirror.direction in ("egress", "both")
         self.ingress = mirror.direction in ("ingress", "both")
         self.writer = PcapngWriter(path) if fmt == "pcapng" else PcapWriter(path)
@@ -83,6 +88,8 @@ class MirrorFile:
             t0 = self.noise_t if self.noise_t is not None else int(fs.ts[0]) - NOISE_LEAD_NS
             fs = FrameSet.merge([fs, self.noise.frames(max(t0, 0), t1)])
             self.noise_t = t1
+        if self.encap is not None and len(fs):  # before the faults: a lost frame leaves a sequence gap
+            fs = self.encap.wrap_set(fs)
         fs = self.faults.apply(fs)
         if not len(fs):
             return
@@ -102,13 +109,17 @@ class CaptureSet:
 
     def __init__(self, out_dir: Path, mirrors: list[MirrorSpec], topo: Topology, v6: bool, fmt: str = "pcapng",
                  noise: NoiseOptions | None = None, faults: FaultOptions | None = None, switch_ns: int = 600,
-                 flush_packets: int = FLUSH_PACKETS):
+                 flush_packets: int = FLUSH_PACKETS, encap: EncapOptions | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"capture format {fmt!r} is not one of {', '.join(FORMATS)}")
         out_dir.mkdir(parents=True, exist_ok=True)
         self.topo, self.v6, self.fmt, self.switch_ns = topo, v6, fmt, switch_ns
+        # each mirrored port is a mirror session of its own (session id, GRE key, VNI)
         self.files = [MirrorFile(out_dir / file_name(m, fmt), m, fmt, topo, v6, noise or NoiseOptions(),
-                                 faults or FaultOptions()) for m in mirrors]
+                                 faults or FaultOptions(),
+                                 Encapsulator(replace(encap, session=encap.session + k))
+                                 if encap is not None and encap.wraps else None)
+                      for k, m in enumerate(mirrors)]
         self.egress = {m.rank for m in mirrors if m.direction in ("egress", "both")}
         self.ingress = {m.rank for m in mirrors if m.direction in ("ingress", "both")}
         self.log = MessageLog()
