@@ -17,6 +17,7 @@ from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.control import gockpt
 from mirrorckpt.control import trainer as trainer_mod
+from mirrorckpt.control.link import meta as link_meta
 from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.control.trainer import attach
 from mirrorckpt.tools.testbed.harness import Shard, build_model, digest
@@ -362,7 +363,7 @@ def test_a_lambda_from_a_module_not_allowed_is_refused():
 def test_retries_are_bounded_and_end_in_a_clear_error_state(monkeypatch, caplog):
     """A trainer that reports only the lr of each step (not the cycled beta1) gives rebuilds that
     never verify: after max_attempts the plane gives up once, says why, and stops asking."""
-    monkeypatch.setattr(trainer_mod, "hyper_parameters",
+    monkeypatch.setattr(link_meta, "hyper_parameters",
                         lambda opt: [{"lr": float(g["lr"])} for g in opt.param_groups])
     plane = recipe_plane(max_attempts=2)
     job = RecipeJob(plane, 2, "onecycle")
