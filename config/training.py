@@ -31,6 +31,8 @@ CALLABLE_ARGS = ("lr_lambda", "scale_fn")  # given as importable paths
 _PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
 # Hyper-parameters a param group may set for itself (torch's per-group keys)
 IMPLEMENTATION_FIELDS = ("foreach", "fused", "device")  # how the step is computed, not what
+# torch param-group keys that choose the step's implementation: a restore keeps the trainer's own
+TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad", "maximize")
 
 

@@ -59,11 +59,13 @@ from mirrorckpt.control.link.describe import (  # noqa: F401  (re-exported: the 
     training_spec,
     unwrap,
 )
+from mirrorckpt.control.link.checks import AttachError, check_attach  # noqa: F401  (AttachError: API)
 from mirrorckpt.control.link.fallback import Fallbacks
 from mirrorckpt.control.link.fingerprints import Fingerprints
 from mirrorckpt.control.link.meta import ScalerWatch, StepMeta
 from mirrorckpt.control.link.restore import (  # noqa: F401  (re-exported: the trainer API)
     Restored,
+    RestoreRefused,
     load_restore_state,
     load_trainer_state,
     parse_restore,
@@ -294,6 +296,7 @@ class TrainerLink:
         if self._talks:
             self.meta.release()
             self.fallbacks.close()
+            self.fingerprints.send_pending()  # the job's last one: the appliance checks its final state too
         if self._scaler_watch is not None:
             self._scaler_watch.remove()
             self._scaler_watch = None
@@ -309,19 +312,25 @@ class TrainerLink:
 
 def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, scheduler=None, scaler=None,
            data=None, training: TrainingSpec | None = None, ring: RingSpec | None = None, job: str = "job",
-           parts: int = 7, fingerprint_every: int = 10, restore: str | None = None,
+           parts: int = 7, fingerprint_every: int = 10, restore: str | None = None, allow_behind: bool = False,
            connect_timeout: float = 0.0, client_options: dict | None = None) -> TrainerLink:
     """Attach a DDP model and its optimizer to the appliance; see the module docstring.
 
-    ``data``: an object with ``state_dict()``/``load_state_dict()`` for the data position (JSON).
-    ``restore``: None, "appliance" (pull the appliance's state), or a checkpoint root on disk;
-    every rank restores. ``connect_timeout``: seconds to wait for the first connection."""
+    Every argument is checked first (``control.link.checks``: AttachError names the one that does
+    not fit). ``data``: an object with ``state_dict()``/``load_state_dict()`` for the data position
+    (JSON), e.g. torchdata's StatefulDataLoader. ``restore``: None, "appliance" (pull the appliance's
+    state; a state further behind the trainer's last reported step than the appliance's limit is
+    refused, RestoreRefused, unless ``allow_behind``), or a checkpoint root on disk; every rank
+    restores. ``connect_timeout``: seconds to wait for the first connection."""
+    check_attach(ddp_model, optimizer, scheduler=scheduler, scaler=scaler, data=data, appliance=appliance,
+                 restore=restore)
     restored = None
     if restore == "appliance":
         restored = restore_from_appliance(ddp_model, optimizer, appliance=appliance, secret=secret,
-                                          scheduler=scheduler, data=data, client_options=client_options)
+                                          scheduler=scheduler, scaler=scaler, data=data, allow_behind=allow_behind,
+                                          client_options=client_options)
     elif restore is not None:
-        restored = restore_from_disk(ddp_model, optimizer, restore, scheduler=scheduler, data=data)
+        restored = restore_from_disk(ddp_model, optimizer, restore, scheduler=scheduler, scaler=scaler, data=data)
     link = TrainerLink(ddp_model, optimizer, appliance=appliance, secret=secret, scheduler=scheduler,
                        scaler=scaler, data=data, training=training, ring=ring, job=job, parts=parts,
                        fingerprint_every=fingerprint_every, client_options=client_options)

@@ -29,18 +29,30 @@ def local(t):
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
+def ddp_options(ddp_model) -> str | None:
+    """Why the appliance cannot follow this DDP model's options (config.ddp), or None."""
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    bad = ddp.unfollowed_option(bool(getattr(ddp_model, "find_unused_parameters", False)),
+                                bool(getattr(ddp_model, "static_graph", False)))
+    if bad is None:
+        return None
+    return (f"DistributedDataParallel({bad}=True): {ddp.UNFOLLOWED[bad]}; the appliance follows DDP without it "
+            f"(bucket_cap_mb, bucket_cap_mb_list and gradient_as_bucket_view are followed)")
+
+
 def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_order: list[int]) -> JobLayout:
-    """The buckets DDP (torch 2.x) all-reduces: one bucket in iteration 0, then the rebuild in
+    """The buckets DDP (torch 2.x) all-reduces: iteration 0's assignment, then the rebuild in
     first-backward ready order with DDP's caps (config.ddp: the reducer's own assignment function)."""
+    why = ddp_options(ddp_model)
+    if why is not None:
+        raise ValueError(why)
     cfg = getattr(ddp_model, "_bucket_config", None)
-    if getattr(cfg, "has_custom_per_bucket_caps", False) or getattr(ddp_model, "find_unused_parameters", False) \
-            or getattr(ddp_model, "static_graph", False):
-        raise ValueError("DDP with per-bucket caps, find_unused_parameters or static_graph buckets its first "
-                         "iteration differently; the appliance follows DDP's default options only")
-    first = ddp.initial_buckets(params)
+    limits = list(getattr(cfg, "per_bucket_bytes_caps", ()) or ())
+    first = ddp.initial_buckets(params, limits)
     cap = int(getattr(ddp_model, "bucket_bytes_cap", 25 << 20))
     first_cap = int(getattr(cfg, "first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES))
-    rebuilt = ddp.rebuilt_buckets(params, ready_order, cap, first_cap)
+    rebuilt = ddp.rebuilt_buckets(params, ready_order, cap, first_cap, limits)
     dtype = DTYPE_NAMES[params[0].dtype]
     return JobLayout(params=[ParamSpec(n, tuple(p.shape), "float32") for n, p in zip(names, params)],
                      buckets=[BucketSpec(tuple(b)) for b in rebuilt],

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import torch
 from mirrorckpt.config.ddp import reducer_params
 from mirrorckpt.control import messages as m
+from mirrorckpt.control.channel import RemoteError
 from mirrorckpt.control.endpoint import ControlClient
 from mirrorckpt.control.link.describe import set_rng_states, unwrap
 from mirrorckpt.updater.dcp_keys import loads
+from mirrorckpt.updater.restore import keep_implementation
 
 log = logging.getLogger("mirrorckpt.control.trainer")
 
@@ -23,6 +25,8 @@ class Restored:
     step: int
     data_position: object
     rng: dict
+    trainer_step: int | None = None  # the trainer's last step the appliance had heard of (None: none)
+    behind: int | None = None  # steps the restored state is behind it
 
 
 @torch.no_grad()
@@ -57,6 +61,7 @@ def load_trainer_state(module, optimizer, scheduler, params: dict, ostate: dict,
         g["params"] = list(range(k, k + len(mine["params"])))
         k += len(mine["params"])
         out.append(g)
+    keep_implementation(out, optimizer.param_groups)
     optimizer.load_state_dict({"state": state, "param_groups": out})
     if scheduler is not None:
         if sched_state is None:
@@ -92,32 +97,67 @@ def load_restore_state(module, optimizer, scheduler, reply) -> tuple[dict, dict]
     return meta, rng
 
 
-def restore_from_appliance(model, optimizer, *, appliance: tuple[str, int], secret, scheduler=None, data=None,
-                           timeout: float = 60.0, role: str = "trainer",
+class RestoreRefused(RuntimeError):
+    """The appliance refused to serve a state (its message says why, e.g. a state further behind
+    the trainer's last reported step than its protection limit)."""
+
+
+def load_scaler(scaler, loss_scale: dict | None) -> None:
+    """A GradScaler's scale and growth tracker as restored (its factors and interval stay its own)."""
+    if scaler is None:
+        return
+    if loss_scale is None:
+        raise ValueError("the restored state has no loss scale (not an fp16 job), but a scaler was given")
+    scaler.load_state_dict({**scaler.state_dict(), "scale": float(loss_scale["scale"]),
+                            "_growth_tracker": int(loss_scale["growth_tracker"])})
+
+
+def _said(restored: Restored) -> str:
+    if restored.trainer_step is None:
+        return "the appliance has no step reported by the trainer"
+    return f"{restored.behind} step(s) behind the trainer's last reported step {restored.trainer_step}"
+
+
+def restore_from_appliance(model, optimizer, *, appliance: tuple[str, int], secret, scheduler=None, scaler=None,
+                           data=None, allow_behind: bool = False, timeout: float = 60.0, role: str = "trainer",
                            client_options: dict | None = None) -> Restored:
     """Pull the appliance's latest consistent state (RESTORE_REQUEST) into model and optimizer,
-    scheduler, RNG and ``data`` (``load_state_dict`` of the data position). ``client_options``:
-    ControlClient keywords, e.g. ``ssl_context`` (control.tls.client_context) and ``server_hostname``."""
+    scheduler, GradScaler, RNG and ``data`` (``load_state_dict`` of the data position).
+    The appliance refuses a state further behind the trainer's last reported step than its
+    protection limit unless ``allow_behind``: that refusal raises RestoreRefused with its reason
+    (nothing is loaded). ``client_options``: ControlClient keywords, e.g. ``ssl_context``
+    (control.tls.client_context) and ``server_hostname``."""
     module = unwrap(model)
     host, port = appliance
+    body = {"step": None, **({"allow_behind": True} if allow_behind else {})}
     with ControlClient(host, port, secret, role, **{"backoff_max": 0.5, **(client_options or {})}) as cli:
         if not cli.wait_connected(timeout):
             raise ConnectionError(f"appliance {host}:{port} not reachable in {timeout:g} s")
-        reply = cli.request(m.make(m.RESTORE_REQUEST, step=None), timeout=timeout)
+        try:
+            reply = cli.request(m.make(m.RESTORE_REQUEST, **body), timeout=timeout)
+        except RemoteError as e:
+            raise RestoreRefused(f"appliance {host}:{port} refused the restore: {e}") from None
     meta, rng = load_restore_state(module, optimizer, scheduler, reply)
+    load_scaler(scaler, meta.get("loss_scale"))
     set_rng_states(rng)
     dp = meta.get("data_position")
     if data is not None and dp is not None:
         data.load_state_dict(dp)
-    return Restored("appliance", int(meta["iterations_done"]), int(meta["step"]), dp, rng)
+    out = Restored(f"appliance {host}:{port} ({meta.get('source', 'memory or disk')})", int(meta["iterations_done"]),
+                   int(meta["step"]), dp, rng, trainer_step=meta.get("trainer_step"), behind=meta.get("behind"))
+    log.info("restored step %d from %s, %s%s", out.iterations_done, out.source, _said(out),
+             " (allow_behind)" if allow_behind else "")
+    return out
 
 
-def restore_from_disk(model, optimizer, root, *, scheduler=None, data=None) -> Restored:
+def restore_from_disk(model, optimizer, root, *, scheduler=None, scaler=None, data=None) -> Restored:
     """Load the latest committed checkpoint under ``root`` (verified) the same way."""
     from mirrorckpt.updater.restore import load_into
 
-    r = load_into(unwrap(model), optimizer, root, scheduler=scheduler)
+    r = load_into(unwrap(model), optimizer, root, scheduler=scheduler, scaler=scaler)
     set_rng_states(r.rng)
     if data is not None and r.data_position is not None:
         data.load_state_dict(r.data_position)
-    return Restored(str(r.path), r.iterations_done, r.step, r.data_position, r.rng)
+    out = Restored(str(r.path), r.iterations_done, r.step, r.data_position, r.rng)
+    log.info("restored step %d from the checkpoint %s", out.iterations_done, out.source)
+    return out
