@@ -249,6 +249,10 @@ def decay(epoch: int) -> float:
     return 0.97 ** epoch
 
 
+def warmup_then_decay(warmup: int, epoch: int, *, rate: float, floor: float | None = None) -> float:
+    return min(1.0, (epoch + 1) / warmup) * max(rate ** epoch, floor or 0.0)
+
+
 def make_recipe(model, name):
     """Real recipes: weight decay on weights only (two groups), schedulers that move lr, betas or
     momentum every step."""
@@ -264,6 +268,9 @@ def make_recipe(model, name):
         return opt, lrs.OneCycleLR(opt, max_lr=[1e-2, 2e-2], total_steps=300)
     if name == "lambda":
         return opt, lrs.LambdaLR(opt, [warmup, decay])
+    if name == "partial":  # how transformers' get_*_schedule_with_warmup build theirs
+        return opt, lrs.LambdaLR(opt, [functools.partial(warmup_then_decay, 4, rate=0.95),
+                                       functools.partial(warmup_then_decay, 2, rate=0.9, floor=0.5)])
     if name == "sequential":
         return opt, lrs.SequentialLR(opt, [lrs.LinearLR(opt, 0.1, total_iters=4), lrs.CosineAnnealingLR(opt, 20)],
                                      milestones=[4])
@@ -306,7 +313,7 @@ def groups_of(opt):
     return [{k: v for k, v in g.items() if k not in ("params", "foreach", "fused")} for g in opt.param_groups]
 
 
-@pytest.mark.parametrize("recipe", ["onecycle", "cyclic-momentum", "lambda", "sequential", "plateau"])
+@pytest.mark.parametrize("recipe", ["onecycle", "cyclic-momentum", "lambda", "partial", "sequential", "plateau"])
 def test_fallback_replays_every_scheduled_hyper_parameter_bit_exact(recipe):
     """Two param groups, parts that mix them, and a schedule that moves lr, beta1 or momentum
     every step: the rebuild steps each part with the hyper-parameters of its own step, verifies
@@ -348,9 +355,10 @@ def test_registered_recipe_is_followed_from_step_0(tmp_path):
         plane.stop()
 
 
-def test_a_lambda_from_a_module_not_allowed_is_refused():
+@pytest.mark.parametrize("recipe", ["lambda", "partial"])
+def test_a_lambda_from_a_module_not_allowed_is_refused(recipe):
     plane = AppliancePlane(SECRET, parts=3, fingerprint_every=4).start()
-    job = RecipeJob(plane, 3, "lambda")
+    job = RecipeJob(plane, 3, recipe)
     try:
         job.step()
         time.sleep(1.0)

@@ -234,3 +234,47 @@ def test_registered_buckets_are_the_ones_ddp_reduces(group, options):
         assert len(seen[1]) > 1 or "bucket_cap_mb" not in str(options)  # the caps made several buckets
     finally:
         plane.stop()
+
+
+# ------------------------------------------------------------------------ schedules of partials
+
+def scaled(factor: float, epoch: int, *, table: dict) -> float:
+    return factor * table.get(str(epoch), 1.0)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (functools.partial(scaled, 0.5, table={"a": torch.ones(1)}), r"kwargs\.table\.a is a Tensor"),
+    (functools.partial(scaled, 0.5, table={"a": (1, 2)}), r"kwargs\.table\.a is a tuple"),
+    (functools.partial(scaled, float("nan"), table={}), r"args\[0\] is nan"),
+    (functools.partial(lambda f, e: f, 0.5), "not a module-level function"),
+])
+def test_a_partial_whose_function_or_arguments_cannot_travel_is_refused_at_attach(fn, words):
+    model = build_model(DIMS, 1)
+    opt = adamw(model)
+    with pytest.raises(ValueError, match=words):
+        attach(model, opt, appliance=None, secret=SECRET, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, fn))
+
+
+def test_transformers_warmup_schedules_are_rebuilt_step_for_step():
+    """HF transformers' get_*_schedule_with_warmup (a LambdaLR of a functools.partial) as the spec
+    records it, rebuilt as the appliance does: the same lr at every step."""
+    optimization = pytest.importorskip("transformers.optimization",
+                                       reason="the frameworks extra is not installed: pip install -e '.[frameworks]'")
+    from mirrorckpt.config.training import LRScheduleSpec
+    from mirrorckpt.control.trainer import schedule_spec
+    from mirrorckpt.updater.optim import build_scheduler
+
+    for make in (optimization.get_linear_schedule_with_warmup, optimization.get_cosine_schedule_with_warmup,
+                 optimization.get_polynomial_decay_schedule_with_warmup):
+        opt = adamw(build_model(DIMS, 1))
+        sched = make(opt, 5, 40)
+        spec = LRScheduleSpec.from_dict(schedule_spec(sched).to_dict())
+        assert spec.callable_paths()[0].startswith("transformers.optimization:_get_")
+        twin = adamw(build_model(DIMS, 1))
+        rebuilt = build_scheduler(spec, twin)
+        for _ in range(45):
+            opt.step()
+            sched.step()
+            twin.step()
+            rebuilt.step()
+            assert opt.param_groups[0]["lr"] == twin.param_groups[0]["lr"]

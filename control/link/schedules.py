@@ -4,9 +4,10 @@ functions it calls (LambdaLR's lambdas) named by importable paths the appliance 
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 
-from mirrorckpt.config.training import LRScheduleSpec
+from mirrorckpt.config.training import LRScheduleSpec, callable_error
 from mirrorckpt.updater.optim import resolve
 
 
@@ -21,6 +22,20 @@ def _path(fn) -> str:
         raise ValueError(f"scheduler function {fn!r} is not a module-level function the appliance can import "
                          f"(lambdas, closures and bound methods cannot be named); define it at module level")
     return path
+
+
+def _callable(fn):
+    """A scheduler function as the spec records it: its path, or for a functools.partial of a
+    module-level function (transformers' get_*_schedule_with_warmup) the function's path with the
+    partial's arguments, which must be plain JSON values (config.training.callable_error)."""
+    if not isinstance(fn, functools.partial):
+        return _path(fn)
+    out = {"partial": _path(fn.func), "args": list(fn.args), "kwargs": dict(fn.keywords)}
+    err = callable_error(out)
+    if err is not None:
+        raise ValueError(f"scheduler function {fn!r:.120}: the partial's arguments cannot be sent to the "
+                         f"appliance: {err}")
+    return out
 
 
 def _one_or_list(values: list):
@@ -39,7 +54,7 @@ def _scheduler_kwargs(scheduler) -> dict:
             kw["milestones"] = list(scheduler._milestones)
         return kw
     if cls in ("LambdaLR", "MultiplicativeLR"):
-        return {"lr_lambda": _one_or_list([_path(f) for f in scheduler.lr_lambdas])}
+        return {"lr_lambda": _one_or_list([_callable(f) for f in scheduler.lr_lambdas])}
     if cls == "OneCycleLR":
         ph = scheduler._schedule_phases
         g = groups[0]
@@ -61,7 +76,7 @@ def _scheduler_kwargs(scheduler) -> dict:
             kw.update(base_momentum=_one_or_list(list(scheduler.base_momentums)),
                       max_momentum=_one_or_list(list(scheduler.max_momentums)))
         if getattr(scheduler, "_scale_fn_custom", None) is not None:
-            kw["scale_fn"] = _path(scheduler._scale_fn_custom)
+            kw["scale_fn"] = _callable(scheduler._scale_fn_custom)
         return kw
     if cls == "ReduceLROnPlateau":
         return {"mode": scheduler.mode, "factor": scheduler.factor, "patience": scheduler.patience,
