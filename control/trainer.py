@@ -60,6 +60,7 @@ from mirrorckpt.control.link.describe import (  # noqa: F401  (re-exported: the 
     unwrap,
 )
 from mirrorckpt.control.link.checks import AttachError, check_attach  # noqa: F401  (AttachError: API)
+from mirrorckpt.control.link.clip import ClipWatch
 from mirrorckpt.control.link.fallback import Fallbacks
 from mirrorckpt.control.link.fingerprints import Fingerprints
 from mirrorckpt.control.link.meta import ScalerWatch, StepMeta
@@ -94,7 +95,7 @@ class TrainerLink:
                  scheduler=None, scaler=None, data=None, training: TrainingSpec | None = None,
                  ring: RingSpec | None = None, job: str = "job", parts: int = 7,
                  fingerprint_every: int = 10, leader: int = 0, role: str = "trainer",
-                 client_options: dict | None = None):
+                 max_grad_norm: float | None = None, norm_type: float = 2.0, client_options: dict | None = None):
         self.ddp_model, self.optimizer = ddp_model, optimizer
         self.module = unwrap(ddp_model)
         self.scheduler, self.scaler, self.data = scheduler, scaler, data
@@ -110,6 +111,8 @@ class TrainerLink:
         self._auto_training = training is None  # read from the optimizer: clipping is learned from the first step
         self.training = training or training_spec(optimizer, scheduler, self.grad_dtype,
                                                   {id(p): n for n, p in zip(self.names, self.masters)})
+        if max_grad_norm is not None and self.training.clip is None:
+            self.training = dataclasses.replace(self.training, clip=ClipSpec(float(max_grad_norm), float(norm_type)))
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.leader = self.rank == leader
         self.iterations_done = 0
@@ -133,6 +136,8 @@ class TrainerLink:
             self.transport = Transport(appliance, secret, role, handlers={m.FALLBACK_REQUEST: self._on_fallback},
                                        on_connect=self._on_connect, copier=lambda: self.copier,
                                        dropped=self._dropped, client_options=client_options)
+        self.clip_watch = ClipWatch(self, scaler) if self._talks else None
+        self._unfollowed_clip = False
 
     def _masters(self, optimizer) -> list[torch.Tensor]:
         opt = [p for g in optimizer.param_groups for p in g["params"]]
@@ -189,6 +194,21 @@ class TrainerLink:
         here; the sender thread reads it)."""
         self.meta.note_clip(total_norm, max_norm, norm_type)
 
+    def _observe_clip(self) -> None:
+        """The clip of the step about to run, seen on its gradients when the loop clipped with
+        torch's (or a framework's) own call rather than through the link (control.link.clip)."""
+        coef = self.clip_watch.observe(self.iterations_done + 1)
+        if coef is None or self.meta.clip is not None:
+            return
+        spec = self.training.clip
+        if spec is not None:
+            self.meta.note_coefficient(coef, spec.max_norm, spec.norm_type)
+        elif coef < 1 and not self._unfollowed_clip:
+            self._unfollowed_clip = True
+            log.error("step %d: the gradients were clipped (factor %r) but attach was given no max_grad_norm, so the "
+                      "job registered no clipping and the appliance does not follow it: pass attach(max_grad_norm=) "
+                      "with the value the loop clips to", self.iterations_done + 1, coef)
+
     def _skipped_step(self) -> None:
         self.iterations_done += 1
         self.stats.skipped_steps += 1
@@ -237,6 +257,7 @@ class TrainerLink:
     def _pre(self, optimizer, args, kwargs) -> None:
         t0 = time.perf_counter()
         if self._talks:
+            self._observe_clip()
             if self.layout is None:
                 self._first_register()
             self.meta.release()
@@ -300,6 +321,8 @@ class TrainerLink:
         if self._scaler_watch is not None:
             self._scaler_watch.remove()
             self._scaler_watch = None
+        if self.clip_watch is not None:
+            self.clip_watch.close()
         for h in self._hooks + self._ready_hooks:
             h.remove()
         self._hooks, self._ready_hooks = [], []
@@ -313,7 +336,8 @@ class TrainerLink:
 def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, scheduler=None, scaler=None,
            data=None, training: TrainingSpec | None = None, ring: RingSpec | None = None, job: str = "job",
            parts: int = 7, fingerprint_every: int = 10, restore: str | None = None, allow_behind: bool = False,
-           connect_timeout: float = 0.0, client_options: dict | None = None) -> TrainerLink:
+           max_grad_norm: float | None = None, norm_type: float = 2.0, connect_timeout: float = 0.0,
+           client_options: dict | None = None) -> TrainerLink:
     """Attach a DDP model and its optimizer to the appliance; see the module docstring.
 
     Every argument is checked first (``control.link.checks``: AttachError names the one that does
@@ -321,7 +345,10 @@ def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, s
     (JSON), e.g. torchdata's StatefulDataLoader. ``restore``: None, "appliance" (pull the appliance's
     state; a state further behind the trainer's last reported step than the appliance's limit is
     refused, RestoreRefused, unless ``allow_behind``), or a checkpoint root on disk; every rank
-    restores. ``connect_timeout``: seconds to wait for the first connection."""
+    restores. ``max_grad_norm`` (and ``norm_type``): the loop clips the gradients to this norm with
+    torch's ``clip_grad_norm_`` or a framework's; the link finds each step's coefficient on the
+    gradients (control.link.clip), nothing in the loop changes. ``connect_timeout``: seconds to
+    wait for the first connection."""
     check_attach(ddp_model, optimizer, scheduler=scheduler, scaler=scaler, data=data, appliance=appliance,
                  restore=restore)
     restored = None
@@ -333,7 +360,8 @@ def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, s
         restored = restore_from_disk(ddp_model, optimizer, restore, scheduler=scheduler, scaler=scaler, data=data)
     link = TrainerLink(ddp_model, optimizer, appliance=appliance, secret=secret, scheduler=scheduler,
                        scaler=scaler, data=data, training=training, ring=ring, job=job, parts=parts,
-                       fingerprint_every=fingerprint_every, client_options=client_options)
+                       fingerprint_every=fingerprint_every, max_grad_norm=max_grad_norm, norm_type=norm_type,
+                       client_options=client_options)
     return started(link, restored, connect_timeout)
 
 

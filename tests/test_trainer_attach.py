@@ -278,3 +278,67 @@ def test_transformers_warmup_schedules_are_rebuilt_step_for_step():
             twin.step()
             rebuilt.step()
             assert opt.param_groups[0]["lr"] == twin.param_groups[0]["lr"]
+
+
+def test_a_data_position_that_is_not_json_is_refused_at_attach():
+    stateful = pytest.importorskip("torchdata.stateful_dataloader",
+                                   reason="torchdata is not installed: pip install -e '.[test]'")
+    data = [torch.randn(4) for _ in range(16)]
+    model = build_model(DIMS, 1)
+    loader = stateful.StatefulDataLoader(data, batch_size=4, shuffle=True)
+    next(iter(loader))
+    with pytest.raises(AttachError, match=r"state_dict\(\).* is a Tensor.*DistributedSampler"):
+        attach(model, adamw(model), appliance=None, secret=SECRET, data=loader)
+    plain = stateful.StatefulDataLoader(data, batch_size=4)  # a sequential one: integers
+    attach(model, adamw(model), appliance=None, secret=SECRET, data=plain).close()
+
+
+# ------------------------------------------------------------------------ clipping seen on the gradients
+
+def clipping_job(plane, steps: int, clip, **attach_kw):
+    """A loop that clips with its own call (``clip(params)``) while attached; the coefficient torch
+    multiplied by at each step, as torch forms it."""
+    torch.manual_seed(0)
+    model = build_model(DIMS, 3)
+    opt = adamw(model)
+    shard = Shard(DIMS, 3, 0)
+    link = attach(model, opt, appliance=("127.0.0.1", plane.port), secret=SECRET, data=shard, fingerprint_every=0,
+                  connect_timeout=10, **attach_kw)
+    coefs = {}
+    for _ in range(steps):
+        x, y = shard.next()
+        opt.zero_grad(set_to_none=True)
+        (100 * nn.functional.mse_loss(model(x), y)).backward()
+        total = clip(list(model.parameters()))
+        if total is not None:
+            coefs[link.iterations_done + 1] = float(torch.clamp(0.05 / (total + 1e-6), max=1.0))
+        opt.step()
+    link.close()
+    return coefs
+
+
+def test_a_clip_by_torchs_own_call_is_seen_on_the_gradients():
+    """attach(max_grad_norm=) only: the loop's torch.nn.utils.clip_grad_norm_ is unchanged, and each
+    STEP_META carries exactly the coefficient torch multiplied by."""
+    plane = AppliancePlane(SECRET).start()
+    try:
+        coefs = clipping_job(plane, 6, lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.05), max_grad_norm=0.05)
+        assert wait_for(lambda: all(s in plane._metas for s in range(2, 7)))
+        assert plane.training.clip.max_norm == 0.05
+        assert all(coefs[s] < 1 for s in coefs)  # a clip at every step: each one is tested
+        assert {s: plane._metas[s]["clip"]["coef"] for s in range(2, 7)} == {s: coefs[s] for s in range(2, 7)}
+    finally:
+        plane.stop()
+
+
+def test_a_clip_attach_was_not_told_of_or_that_is_no_scaling_is_an_error(caplog):
+    plane = AppliancePlane(SECRET).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="mirrorckpt.control.trainer"):
+            clipping_job(plane, 2, lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.05))
+            clipping_job(plane, 2, lambda ps: torch.nn.utils.clip_grad_value_(ps, 1e-4), max_grad_norm=0.05)
+        said = [r.message for r in caplog.records if r.levelname == "ERROR"]
+        assert any("was given no max_grad_norm" in s for s in said), said
+        assert any("no single float32 factor" in s for s in said), said
+    finally:
+        plane.stop()

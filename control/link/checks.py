@@ -4,6 +4,7 @@ the appliance cannot follow, so a job fails at attach and not inside the optimiz
 from __future__ import annotations
 
 import torch
+from mirrorckpt.config.training import json_value_error
 from mirrorckpt.control.link.describe import ddp_options
 
 
@@ -20,6 +21,11 @@ def check_data(data) -> None:
     if data is None:
         return
     if callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None)):
+        err = json_value_error(data.state_dict(), "state_dict()")
+        if err is not None:
+            raise AttachError(f"data: the position it reports travels as JSON, but its {err} (StatefulDataLoader with "
+                              "shuffle=True keeps a torch.Generator state: use a DistributedSampler(shuffle=True, "
+                              "seed=...) with set_epoch, whose position is a few integers)")
         return
     if isinstance(data, torch.utils.data.DataLoader):
         raise AttachError("data: a torch DataLoader has no state_dict()/load_state_dict(), so its position cannot "

@@ -24,6 +24,13 @@ class StepMeta:
         total = torch.as_tensor(total_norm).detach()
         self.clip = (total, clip_coefficient(total, max_norm), float(max_norm), float(norm_type))
 
+    def note_coefficient(self, coef: float, max_norm: float, norm_type: float) -> None:
+        """A coefficient observed on the gradients (control.link.clip); the norm it implies is sent
+        for the record only (0 when not clipped: the trainer's norm was not measured)."""
+        total = max_norm / coef - 1e-6 if coef < 1 else 0.0
+        self.clip = (torch.tensor(max(total, 0.0)), torch.tensor(coef, dtype=torch.float32), float(max_norm),
+                     float(norm_type))
+
     def record(self, step: int, *, found_inf=None, skipped: bool = False) -> dict:
         """The record of ``step`` just taken (or skipped); held for sending."""
         link = self._link
