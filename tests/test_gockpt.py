@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import threading
 import time
 
@@ -423,6 +424,7 @@ class LowPrecisionJob:
                            scheduler=self.sched, scaler=self.scaler, data=self.shard, parts=parts,
                            fingerprint_every=4, connect_timeout=10)
         self.digests, self.scales, self.parts = {}, {}, []
+        self.inf_at: set[int] = set()  # iterations whose gradient gets an inf (GradScaler skips them)
         send = self.link.client.send
 
         def record(msg):  # what each GOCKPT_PART carries, as handed to the wire
@@ -437,6 +439,8 @@ class LowPrecisionJob:
             p.grad = None
         loss = nn.functional.mse_loss(self.model(x.to(self.dtype)), y.to(self.dtype))
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if self.link.iterations_done + 1 in self.inf_at:
+            next(self.model.parameters()).grad.view(-1)[0] = math.inf
         for mp, p in zip(self.masters, self.model.parameters()):
             mp.grad = p.grad.float()
         if self.scaler:
@@ -485,6 +489,23 @@ def test_low_precision_fallback_sends_2_byte_gradients_and_rebuilds_bit_exact(pl
         if dtype == torch.float16:
             assert len({s["loss_scale"] for s, _ in job.parts}) > 1  # the scale moved during the fallback
             assert r.scaler.state_dict() == job.scales[t]
+    finally:
+        job.link.close()
+
+
+def test_an_fp16_gradscaler_skip_is_followed_bit_exact(plane):
+    """A step GradScaler skips for inf (the optimizer never steps; the scale backs off) counts as
+    an iteration with a skipped STEP_META; a fallback after it rebuilds the trainer's state, its
+    step count and its loss scale exactly."""
+    job = LowPrecisionJob(plane, 3, torch.float16)
+    job.inf_at = {3}
+    try:
+        r = run_fallback(plane, job)
+        t = r.iterations_done
+        assert job.link.stats.skipped_steps == 1 and job.link.iterations_done == job.link.stats.steps + 1
+        assert replica_digest(r) == job.digests[t]
+        assert r.scaler.state_dict() == job.scales[t]
+        assert float(next(iter(r.optimizer.state.values()))["step"]) == t - 1  # the skipped step did not count
     finally:
         job.link.close()
 
