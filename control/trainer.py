@@ -254,7 +254,23 @@ class TrainerLink:
         self.fallbacks.requested(msg)
 
     # ---------------------------------------------------------------- hooks
-    def _pre(self, optimizer, args, kwargs) -> None:
+    def _pre(self, optimizer, args, kwargs):
+        """Before the step. A step given a closure (Lightning's) makes its gradients inside
+        ``step()``, after this hook: the work then runs when the closure returns."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: the optimizer
+        if closure is None:
+            self._before_step()
+            return None
+
+        def closure_then_link():
+            out = closure()
+            self._before_step()
+            return out
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_link}
+        return (args[0], closure_then_link, *args[2:]), kwargs
+
+    def _before_step(self) -> None:
         t0 = time.perf_counter()
         if self._talks:
             self._observe_clip()

@@ -42,7 +42,8 @@ def check_scheduler(scheduler, optimizer) -> None:
     if not isinstance(scheduler, (lrs.LRScheduler, lrs.ReduceLROnPlateau)):
         raise AttachError(f"scheduler: {_kind(scheduler)} is not a torch.optim.lr_scheduler scheduler (LRScheduler "
                           "or ReduceLROnPlateau); a framework's container of schedulers goes in as the one it holds")
-    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+    stepped = getattr(scheduler, "optimizer", optimizer)
+    if stepped is not optimizer and getattr(stepped, "optimizer", None) is not optimizer:  # (accelerate's wrapper)
         raise AttachError("scheduler: it steps another optimizer than the one given to attach")
 
 
