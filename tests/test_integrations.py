@@ -151,3 +151,16 @@ def test_hf_trainer_with_its_default_warmup_schedule_and_clip_is_followed(tmp_pa
         assert state == record[step]
     finally:
         plane.stop()
+
+
+def test_torchtitans_default_schedule_is_refused_at_attach_with_the_reason():
+    """torchtitan 0.3 builds its LambdaLR from a partial over a function nested in
+    LRSchedulersContainer.Config.build: no appliance can import it (docs/trainer.md says so)."""
+    lr_scheduler = pytest.importorskip("torchtitan.components.optimizer.lr_scheduler", reason=NEED)
+    from mirrorckpt.control.trainer import attach
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    container = lr_scheduler.LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=[opt], training_steps=10)
+    with pytest.raises(ValueError, match=r"linear_warmup_stable_decay.*not a module-level function"):
+        attach(model, opt, appliance=None, secret=SECRET, scheduler=container.schedulers[0])
