@@ -27,6 +27,14 @@ def dataset(n: int = 256):
     return torch.utils.data.TensorDataset(x, 3 * x[:, :4] + 0.1 * torch.randn(n, 4, generator=g))
 
 
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def loss_of(net, x, y):
+    return 10 * nn.functional.mse_loss(net(x), y)
+
+
 def plane_for(module: str):
     return AppliancePlane(SECRET, parts=2, fingerprint_every=0, fallback_timeout=60,
                           lambda_modules=(module,)).start()
@@ -58,11 +66,10 @@ def test_lightning_fit_with_its_clip_and_a_step_scheduler_is_followed():
     class Net(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            self.net = mlp()
 
         def training_step(self, batch, _i):
-            x, y = batch
-            return 10 * nn.functional.mse_loss(self.net(x), y)
+            return loss_of(self.net, *batch)
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-2, foreach=False)
@@ -108,10 +115,10 @@ def test_hf_trainer_with_its_default_warmup_schedule_and_clip_is_followed(tmp_pa
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            self.net = mlp()
 
         def forward(self, x, y):
-            return {"loss": 10 * nn.functional.mse_loss(self.net(x), y)}
+            return {"loss": loss_of(self.net, x, y)}
 
     class Rows(torch.utils.data.Dataset):
         def __init__(self):

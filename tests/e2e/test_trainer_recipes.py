@@ -9,7 +9,6 @@ the job killed and resumed from the appliance goes on bit-identically (state, sc
 from __future__ import annotations
 
 import functools
-import signal
 
 import common
 from mirrorckpt.control.appliance_side import AppliancePlane
@@ -40,14 +39,8 @@ def test_clip_accumulation_and_data_loader_followed_and_resumed(tmp_path):
                                     extra=[*RECIPE, "--drop", "3:0", "--step-delay", "0.05"])
         try:
             assert wait_for(lambda: plane.stats.fallbacks_done and plane.replica.iterations_done >= 10, timeout=150)
-            procs[1].send_signal(signal.SIGKILL)
-            procs[0].kill()
-            for p in procs:
-                p.wait(10)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            harness.kill_ranks(procs)
         frames.stop()
         follower.join(30)
         assert follower.error is None

@@ -640,6 +640,22 @@ def spawn_ranks(world: int, out, secret: str, *, control_port: int = 0, frames_p
     return procs
 
 
+def kill_ranks(procs) -> None:
+    """A rank dies (SIGKILL to rank 1), and the job with it: every rank is killed and reaped."""
+    import signal
+
+    try:
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(10)
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def wait_ranks(procs, out, timeout: float = 120.0, error: type[Exception] = RuntimeError) -> None:
     """Wait for every rank; on a failure or timeout kill the rest and raise ``error`` with the rank's log."""
     import subprocess
