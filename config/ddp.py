@@ -12,6 +12,19 @@ c10d comm.cpp/reducer.cpp):
 4. Before iteration 1: ``sync_bucket_indices`` broadcasts from rank 0 int32
    ``[indices..., num_buckets]`` and int32 per-bucket parameter counts (the rebuilt layout).
 5. Every iteration: one SUM all-reduce per bucket, in bucket order, in the gradient dtype.
+
+What DDP's options change on the wire (Reducer, torch 2.13):
+
+* ``bucket_cap_mb``: both caps become that value (``bucket_caps``); ``bucket_cap_mb_list``: the
+  caps of iteration 0's buckets and of the rebuild are that list (``initial_buckets``,
+  ``rebuilt_buckets`` with ``limits``). Same collectives, other counts: followed.
+* ``gradient_as_bucket_view``: gradients are views of the buckets; nothing on the wire changes.
+* ``find_unused_parameters`` (without ``static_graph``): iteration 0 is bucketed with the caps, the
+  buckets are never rebuilt (no ``sync_bucket_indices``), and every iteration ends with one more
+  all-reduce (int32, one element per parameter: the used-parameter map), whose result also
+  decides which parameters step at all. Not followed (``UNFOLLOWED``).
+* ``static_graph``: iteration 0 starts with that used-map all-reduce before its one bucket
+  (``delay_all_reduce``); the rebuild's order is then the parameters' own. Not followed.
 """
 
 from __future__ import annotations
@@ -90,15 +103,31 @@ def assign_buckets(tensors: Sequence, limits: Sequence[int], indices: Sequence[i
     return [list(b) for b in buckets]
 
 
-def initial_buckets(params: Sequence) -> list[list[int]]:
+UNFOLLOWED = {
+    "find_unused_parameters": "every iteration ends with one more all-reduce (the int32 used-parameter map, which "
+                              "also decides which parameters step) and the buckets are never rebuilt",
+    "static_graph": "iteration 0 starts with an extra all-reduce (the int32 used-parameter map) before its bucket",
+}
+
+
+def unfollowed_option(find_unused_parameters: bool, static_graph: bool) -> str | None:
+    """The DDP option (of these two) whose collectives the appliance does not follow, or None."""
+    if static_graph:
+        return "static_graph"
+    return "find_unused_parameters" if find_unused_parameters else None
+
+
+def initial_buckets(params: Sequence, limits: Sequence[int] | None = None) -> list[list[int]]:
     """Iteration 0's buckets. compute_bucket_size_limits gives [sys.maxsize] when
-    find_unused_parameters=False; DDP reverses the assignment."""
-    return list(reversed(assign_buckets(params, [sys.maxsize])))
+    find_unused_parameters=False, else bucket_cap_mb_list's ``limits``; DDP reverses the assignment."""
+    return list(reversed(assign_buckets(params, list(limits or [sys.maxsize]))))
 
 
-def rebuilt_buckets(params: Sequence, ready_order: Sequence[int], cap: int, first_cap: int) -> list[list[int]]:
-    """The buckets from iteration 1 on: parameters in first-backward ready order, DDP's caps."""
-    return assign_buckets([params[i] for i in ready_order], [first_cap, cap], ready_order)
+def rebuilt_buckets(params: Sequence, ready_order: Sequence[int], cap: int, first_cap: int,
+                    limits: Sequence[int] | None = None) -> list[list[int]]:
+    """The buckets from iteration 1 on: parameters in first-backward ready order, DDP's caps
+    (bucket_cap_mb_list's ``limits`` when given)."""
+    return assign_buckets([params[i] for i in ready_order], list(limits or [first_cap, cap]), ready_order)
 
 
 def broadcast_groups(layout: JobLayout) -> list[list[int]]:

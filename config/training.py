@@ -27,10 +27,50 @@ SCHEDULERS = (
     "LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau",
 )
 _SCHEDULER_ARGS_REFUSED = ("optimizer", "verbose", "last_epoch")
-CALLABLE_ARGS = ("lr_lambda", "scale_fn")  # given as importable paths
+# given as importable paths, or as a functools.partial of one: {"partial": path, "args": [...], "kwargs": {...}}
+CALLABLE_ARGS = ("lr_lambda", "scale_fn")
 _PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+PARTIAL_KEYS = ("partial", "args", "kwargs")
+
+
+def json_value_error(v, where: str) -> str | None:
+    """Why ``v`` is not a plain JSON value (null, bool, finite number, string, list, object with
+    string keys) that survives a round trip unchanged, or None."""
+    if v is None or isinstance(v, (bool, str)):
+        return None
+    if isinstance(v, (int, float)):
+        return None if math.isfinite(v) else f"{where} is {v!r}, not a finite number"
+    if isinstance(v, list):
+        return next((e for e in (json_value_error(x, f"{where}[{i}]") for i, x in enumerate(v)) if e), None)
+    if isinstance(v, dict):
+        bad = [k for k in v if not isinstance(k, str)]
+        if bad:
+            return f"{where} has a key {bad[0]!r} that is not a string"
+        return next((e for e in (json_value_error(x, f"{where}.{k}") for k, x in v.items()) if e), None)
+    return f"{where} is a {type(v).__name__}, not a JSON value (null, bool, number, string, list, object)"
+
+
+def callable_error(v) -> str | None:
+    """Why ``v`` names no function: neither an importable path nor a partial of one with JSON
+    arguments; None when it does."""
+    if isinstance(v, str):
+        return None if _PATH.fullmatch(v) else f"{v!r:.80} is not an importable path 'package.module:function'"
+    if not isinstance(v, dict) or set(v) != set(PARTIAL_KEYS):
+        return f"{v!r:.80} is neither a path nor a partial {{partial: path, args: [...], kwargs: {{...}}}}"
+    if not (isinstance(v["partial"], str) and _PATH.fullmatch(v["partial"])):
+        return f"partial {v['partial']!r:.80} is not an importable path 'package.module:function'"
+    if not isinstance(v["args"], list) or not isinstance(v["kwargs"], dict):
+        return "a partial's args must be a list and its kwargs an object"
+    return json_value_error(v["args"], "args") or json_value_error(v["kwargs"], "kwargs")
+
+
+def callable_path(v) -> str:
+    """The importable path a callable argument names (a partial's function)."""
+    return v if isinstance(v, str) else v["partial"]
 # Hyper-parameters a param group may set for itself (torch's per-group keys)
 IMPLEMENTATION_FIELDS = ("foreach", "fused", "device")  # how the step is computed, not what
+# torch param-group keys that choose the step's implementation: a restore keeps the trainer's own
+TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad", "maximize")
 
 
@@ -187,10 +227,12 @@ class LRScheduleSpec:
             v = self.kwargs.get(arg)
             if v is None:
                 continue
-            paths = v if isinstance(v, list) else [v]
-            _need(all(isinstance(p, str) and _PATH.fullmatch(p) for p in paths) and paths, w,
-                  f"{self.name}: {arg} must name a function by its importable path 'package.module:function' "
-                  f"(or a list of them), got {v!r:.80}")
+            given = v if isinstance(v, list) else [v]
+            _need(bool(given), w, f"{self.name}: {arg} is an empty list")
+            for item in given:
+                err = callable_error(item)
+                _need(err is None, w, f"{self.name}: {arg} must name a function by its importable path "
+                                      f"'package.module:function', or a partial of one (or a list of them): {err}")
         if "schedulers" in self.kwargs:
             subs = self.kwargs["schedulers"]
             _need(isinstance(subs, list) and subs, w, f"{self.name}: schedulers must be a non-empty list of schedules")
@@ -214,7 +256,7 @@ class LRScheduleSpec:
         out = []
         for arg in CALLABLE_ARGS:
             v = self.kwargs.get(arg)
-            out += [] if v is None else (v if isinstance(v, list) else [v])
+            out += [] if v is None else [callable_path(x) for x in (v if isinstance(v, list) else [v])]
         for sub in self.kwargs.get("schedulers", []):
             out += LRScheduleSpec.from_dict(sub).callable_paths()
         return out

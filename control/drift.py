@@ -26,6 +26,10 @@ class DriftCheck:
         self._own.clear()
         self._trainer = {} if after is None else {k: v for k, v in self._trainer.items() if k > after}
 
+    def pending(self) -> list[int]:
+        """Steps whose trainer digest waits for the replica to reach them."""
+        return sorted(self._trainer)
+
     def due(self, step: int) -> bool:
         """The trainer fingerprints this step (a checkpoint there can be proven)."""
         return bool(self.every) and step % self.every == 0

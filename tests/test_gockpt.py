@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import threading
 import time
 
@@ -18,6 +19,7 @@ from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.control import gockpt
 from mirrorckpt.control import trainer as trainer_mod
 from mirrorckpt.control.appliance_side import AppliancePlane
+from mirrorckpt.control.link import meta as link_meta
 from mirrorckpt.control.trainer import attach
 from mirrorckpt.tools.testbed.harness import Shard, build_model, digest
 from mirrorckpt.updater.fingerprint import fingerprint, state_sha256
@@ -248,6 +250,10 @@ def decay(epoch: int) -> float:
     return 0.97 ** epoch
 
 
+def warmup_then_decay(warmup: int, epoch: int, *, rate: float, floor: float | None = None) -> float:
+    return min(1.0, (epoch + 1) / warmup) * max(rate ** epoch, floor or 0.0)
+
+
 def make_recipe(model, name):
     """Real recipes: weight decay on weights only (two groups), schedulers that move lr, betas or
     momentum every step."""
@@ -263,6 +269,9 @@ def make_recipe(model, name):
         return opt, lrs.OneCycleLR(opt, max_lr=[1e-2, 2e-2], total_steps=300)
     if name == "lambda":
         return opt, lrs.LambdaLR(opt, [warmup, decay])
+    if name == "partial":  # how transformers' get_*_schedule_with_warmup build theirs
+        return opt, lrs.LambdaLR(opt, [functools.partial(warmup_then_decay, 4, rate=0.95),
+                                       functools.partial(warmup_then_decay, 2, rate=0.9, floor=0.5)])
     if name == "sequential":
         return opt, lrs.SequentialLR(opt, [lrs.LinearLR(opt, 0.1, total_iters=4), lrs.CosineAnnealingLR(opt, 20)],
                                      milestones=[4])
@@ -305,7 +314,7 @@ def groups_of(opt):
     return [{k: v for k, v in g.items() if k not in ("params", "foreach", "fused")} for g in opt.param_groups]
 
 
-@pytest.mark.parametrize("recipe", ["onecycle", "cyclic-momentum", "lambda", "sequential", "plateau"])
+@pytest.mark.parametrize("recipe", ["onecycle", "cyclic-momentum", "lambda", "partial", "sequential", "plateau"])
 def test_fallback_replays_every_scheduled_hyper_parameter_bit_exact(recipe):
     """Two param groups, parts that mix them, and a schedule that moves lr, beta1 or momentum
     every step: the rebuild steps each part with the hyper-parameters of its own step, verifies
@@ -347,9 +356,10 @@ def test_registered_recipe_is_followed_from_step_0(tmp_path):
         plane.stop()
 
 
-def test_a_lambda_from_a_module_not_allowed_is_refused():
+@pytest.mark.parametrize("recipe", ["lambda", "partial"])
+def test_a_lambda_from_a_module_not_allowed_is_refused(recipe):
     plane = AppliancePlane(SECRET, parts=3, fingerprint_every=4).start()
-    job = RecipeJob(plane, 3, "lambda")
+    job = RecipeJob(plane, 3, recipe)
     try:
         job.step()
         time.sleep(1.0)
@@ -362,7 +372,7 @@ def test_a_lambda_from_a_module_not_allowed_is_refused():
 def test_retries_are_bounded_and_end_in_a_clear_error_state(monkeypatch, caplog):
     """A trainer that reports only the lr of each step (not the cycled beta1) gives rebuilds that
     never verify: after max_attempts the plane gives up once, says why, and stops asking."""
-    monkeypatch.setattr(trainer_mod, "hyper_parameters",
+    monkeypatch.setattr(link_meta, "hyper_parameters",
                         lambda opt: [{"lr": float(g["lr"])} for g in opt.param_groups])
     plane = recipe_plane(max_attempts=2)
     job = RecipeJob(plane, 2, "onecycle")
@@ -414,6 +424,7 @@ class LowPrecisionJob:
                            scheduler=self.sched, scaler=self.scaler, data=self.shard, parts=parts,
                            fingerprint_every=4, connect_timeout=10)
         self.digests, self.scales, self.parts = {}, {}, []
+        self.inf_at: set[int] = set()  # iterations whose gradient gets an inf (GradScaler skips them)
         send = self.link.client.send
 
         def record(msg):  # what each GOCKPT_PART carries, as handed to the wire
@@ -428,6 +439,8 @@ class LowPrecisionJob:
             p.grad = None
         loss = nn.functional.mse_loss(self.model(x.to(self.dtype)), y.to(self.dtype))
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if self.link.iterations_done + 1 in self.inf_at:
+            next(self.model.parameters()).grad.view(-1)[0] = math.inf
         for mp, p in zip(self.masters, self.model.parameters()):
             mp.grad = p.grad.float()
         if self.scaler:
@@ -476,6 +489,23 @@ def test_low_precision_fallback_sends_2_byte_gradients_and_rebuilds_bit_exact(pl
         if dtype == torch.float16:
             assert len({s["loss_scale"] for s, _ in job.parts}) > 1  # the scale moved during the fallback
             assert r.scaler.state_dict() == job.scales[t]
+    finally:
+        job.link.close()
+
+
+def test_an_fp16_gradscaler_skip_is_followed_bit_exact(plane):
+    """A step GradScaler skips for inf (the optimizer never steps; the scale backs off) counts as
+    an iteration with a skipped STEP_META; a fallback after it rebuilds the trainer's state, its
+    step count and its loss scale exactly."""
+    job = LowPrecisionJob(plane, 3, torch.float16)
+    job.inf_at = {3}
+    try:
+        r = run_fallback(plane, job)
+        t = r.iterations_done
+        assert job.link.stats.skipped_steps == 1 and job.link.iterations_done == job.link.stats.steps + 1
+        assert replica_digest(r) == job.digests[t]
+        assert r.scaler.state_dict() == job.scales[t]
+        assert float(next(iter(r.optimizer.state.values()))["step"]) == t - 1  # the skipped step did not count
     finally:
         job.link.close()
 

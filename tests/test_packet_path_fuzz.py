@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
-from mirrorckpt.parser.roce.infer import InferenceError
+from mirrorckpt.parser.errors import InferenceError
 from mirrorckpt.parser.roce.jobstream import JobStream
 from mirrorckpt.parser.roce.packet_path import PacketPath
 

@@ -22,10 +22,10 @@ from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser import encap, memory
 from mirrorckpt.parser.concat import CollectiveResult
+from mirrorckpt.parser.errors import InferenceError
 from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.roce import SLOW_ICRC
 from mirrorckpt.parser.roce.collectives import NcclJobModel
-from mirrorckpt.parser.roce.infer import InferenceError
 from mirrorckpt.parser.roce.jobstream import JobStream
 from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.progress import Progress

@@ -4,6 +4,7 @@ arithmetic."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -55,6 +56,14 @@ def resolve(path: str):
     return obj
 
 
+def resolve_callable(v):
+    """The function a callable argument names: ``resolve`` of a path, or a functools.partial of
+    the resolved function with the recorded args and kwargs (config.training.callable_error)."""
+    if isinstance(v, str):
+        return resolve(v)
+    return functools.partial(resolve(v["partial"]), *v["args"], **v["kwargs"])
+
+
 def build_scheduler(spec: LRScheduleSpec, optimizer: torch.optim.Optimizer):
     if not spec.enabled:
         return None
@@ -62,7 +71,7 @@ def build_scheduler(spec: LRScheduleSpec, optimizer: torch.optim.Optimizer):
     for arg in CALLABLE_ARGS:
         v = kwargs.get(arg)
         if v is not None:
-            kwargs[arg] = [resolve(p) for p in v] if isinstance(v, list) else resolve(v)
+            kwargs[arg] = [resolve_callable(p) for p in v] if isinstance(v, list) else resolve_callable(v)
     if "schedulers" in kwargs:  # built in order on the same optimizer, as the trainer did
         kwargs["schedulers"] = [build_scheduler(LRScheduleSpec.from_dict(d), optimizer) for d in kwargs["schedulers"]]
         if spec.name == "ChainedScheduler":

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from mirrorckpt.config.training import TORCH_IMPLEMENTATION_KEYS
 from mirrorckpt.updater import ckptdir
 from mirrorckpt.updater.ckptdir import dcp_module, latest, parse_step  # noqa: F401  (latest is part of the API)
 from mirrorckpt.updater.dcp_keys import FORMAT, ReplicaState, from_checkpoint, loads, required_keys, unflatten
@@ -357,6 +358,20 @@ class Resumed:
     missing_buffers: list[str]  # model buffers the checkpoint cannot hold (not on the wire)
 
 
+def keep_implementation(loaded: list[dict], own: list[dict]) -> None:
+    """Param groups about to be loaded take the trainer's own implementation choice (foreach,
+    fused, capturable, differentiable, unset ones included): a checkpoint records how the
+    replica stepped, which says nothing about how the trainer's device should."""
+    if len(loaded) != len(own):
+        raise CheckpointError(f"the checkpoint has {len(loaded)} param groups, the optimizer {len(own)}")
+    for group, mine in zip(loaded, own):
+        for k in TORCH_IMPLEMENTATION_KEYS:
+            if k in mine:
+                group[k] = mine[k]
+            else:
+                group.pop(k, None)
+
+
 def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, root_or_dir, scheduler=None,
               scaler=None, verify_first: bool = True) -> Resumed:
     """Resume a trainer from the latest committed checkpoint under ``root_or_dir`` (or that checkpoint
@@ -382,6 +397,7 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, root_or_
                               + "; it was written for a different model or optimizer")
     dcp.load(sd, storage_reader=dcp.FileSystemReader(d), planner=DefaultLoadPlanner(allow_partial_load=bool(absent)),
              no_dist=True)
+    keep_implementation(sd["optim"]["param_groups"], optimizer.param_groups)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     keys = [k for k in md.state_dict_metadata if k.startswith("extra.")]
     ex = unflatten(_read_flat(d, keys, md), md.planner_data)["extra"]

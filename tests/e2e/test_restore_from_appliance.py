@@ -6,7 +6,6 @@ RNG state, data position)."""
 from __future__ import annotations
 
 import functools
-import signal
 
 import common
 from mirrorckpt.config.training import PersistSpec
@@ -39,14 +38,8 @@ def test_restore_from_appliance_memory_and_disk(tmp_path):
                                     steps=200, extra=["--step-delay", "0.2"])
         try:
             assert wait_for(lambda: plane.replica is not None and plane.replica.iterations_done >= 6, timeout=120)
-            procs[1].send_signal(signal.SIGKILL)  # a rank dies; the job is gone with it
-            procs[1].wait(10)
-            procs[0].kill()
-            procs[0].wait(10)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            harness.kill_ranks(procs)
         frames.stop()
         follower.join(30)
         assert follower.error is None

@@ -399,6 +399,42 @@ class Shard:
         self.position = int(d["position"])
 
 
+class LoaderShard:
+    """A rank's data through torchdata's StatefulDataLoader over a map-style dataset and a seeded
+    DistributedSampler (shuffled per epoch): the position is the loader's state and the epoch."""
+
+    def __init__(self, dims, seed: int, rank: int, world: int, batch: int = 8, samples: int = 48):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        g = torch.Generator().manual_seed(seed)
+        data = [(torch.randn(dims[0], generator=g), torch.randn(dims[-1], generator=g)) for _ in range(samples)]
+        self.sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
+                                                           seed=seed)
+        # its own generator: an iterator started from the global one draws its base seed there, and
+        # a resumed loader starts one mid-epoch where the uninterrupted run did not
+        self.loader = StatefulDataLoader(data, batch_size=batch, sampler=self.sampler,
+                                         generator=torch.Generator().manual_seed(seed))
+        self.epoch, self._it = 0, None
+
+    def next(self):
+        while True:
+            if self._it is None:
+                self.sampler.set_epoch(self.epoch)
+                self._it = iter(self.loader)
+            try:
+                return next(self._it)
+            except StopIteration:
+                self.epoch, self._it = self.epoch + 1, None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.epoch, self._it = int(d["epoch"]), None
+        self.sampler.set_epoch(self.epoch)
+        self.loader.load_state_dict(d["loader"])
+
+
 def build_model(dims, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
@@ -466,6 +502,12 @@ def main(argv=None) -> None:
     ap.add_argument("--protocol", default="LL", choices=("LL", "LL128", "Simple"), help="NCCL protocol on the wire")
     ap.add_argument("--digest-ranks", default="all", choices=("all", "0"), help="ranks that record digests")
     ap.add_argument("--digest-restored", action="store_true", help="record the restored state before any step")
+    ap.add_argument("--clip-norm", type=float, default=None,
+                    help="clip with torch.nn.utils.clip_grad_norm_ to this norm (attach(max_grad_norm=) says so)")
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step (no_sync on all "
+                                                                   "but the last)")
+    ap.add_argument("--loader", default="shard", choices=("shard", "stateful"),
+                    help="the data: the synthetic Shard, or torchdata's StatefulDataLoader (LoaderShard)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -488,13 +530,13 @@ def main(argv=None) -> None:
     hs = register(ddp, ("127.0.0.1", a.frames_port) if a.frames_port else None, seed=a.ring_seed, drop=drop,
                   protocol=a.protocol)
     opt, sched = build_recipe(a.recipe, ddp, a.total_steps)
-    shard = Shard(dims, a.seed, a.rank)
+    shard = Shard(dims, a.seed, a.rank) if a.loader == "shard" else LoaderShard(dims, a.seed, a.rank, a.world)
     link = None
     appliance = ("127.0.0.1", a.control_port) if a.control_port else None
     if appliance is not None or a.restore:
         link = attach(ddp, opt, appliance=appliance, secret=secret, scheduler=sched, data=shard, ring=hs.ring,
                       parts=a.parts, fingerprint_every=a.fingerprint_every,
-                      restore=a.restore or None, connect_timeout=10.0,
+                      restore=a.restore or None, connect_timeout=10.0, max_grad_norm=a.clip_norm,
                       client_options={"backoff_max": 0.2})
     start = link.iterations_done if link is not None else 0
     digests = a.digest_ranks == "all" or a.rank == 0
@@ -504,16 +546,21 @@ def main(argv=None) -> None:
     for _ in range(a.steps):
         while a.wait_file and os.path.exists(a.wait_file):
             time.sleep(0.01)
-        x, y = shard.next()
-        x = x + 0.01 * torch.randn_like(x)  # input noise from the global RNG
         opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
+        for micro in range(a.accumulate):  # DDP all-reduces on the last micro-step only
+            x, y = shard.next()
+            x = x + 0.01 * torch.randn_like(x)  # input noise from the global RNG
+            with ddp.no_sync() if micro < a.accumulate - 1 else contextlib.nullcontext():
+                (nn.functional.mse_loss(ddp(x), y) / a.accumulate).backward()
+        clipped = None
+        if a.clip_norm is not None:
+            clipped = float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), a.clip_norm))  # the user's own call
         opt.step()
         sched.step()
         start += 1
         if digests:
-            rec.write(json.dumps({"step": start, **digest(link, model, opt, sched, shard)}) + "\n")
+            rec.write(json.dumps({"step": start, "clip_total_norm": clipped,
+                                  **digest(link, model, opt, sched, shard)}) + "\n")
             rec.flush()
         if a.step_delay:
             time.sleep(a.step_delay)
@@ -591,6 +638,22 @@ def spawn_ranks(world: int, out, secret: str, *, control_port: int = 0, frames_p
         procs.append(subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT))
         logf.close()
     return procs
+
+
+def kill_ranks(procs) -> None:
+    """A rank dies (SIGKILL to rank 1), and the job with it: every rank is killed and reaped."""
+    import signal
+
+    try:
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(10)
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def wait_ranks(procs, out, timeout: float = 120.0, error: type[Exception] = RuntimeError) -> None:
