@@ -32,6 +32,7 @@ from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser.errors import InferenceError
 from mirrorckpt.parser.ringfind import _ringlike, sequences
 from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.tools.cliutil import NcclVersion
 
 ADVICE_OTHER = ("if the job uses NVLS (NVSwitch systems) set NCCL_NVLS_ENABLE=0; with user-buffer registration "
                 "(CUDA graphs, ncclCommRegister) set NCCL_LOCAL_REGISTER=0 NCCL_GRAPH_REGISTER=0")
@@ -101,7 +102,7 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
 
 @click.command()
 @click.argument("captures", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
-@click.option("--nccl-version", default=None, help="Check the traffic against this NCCL release.")
+@click.option("--nccl-version", default=None, type=NcclVersion(), help="Check the traffic against this NCCL release.")
 @click.option("--json", "as_json", is_flag=True)
 def doctor(captures, nccl_version, as_json):
     """What NCCL traffic CAPTURES hold and, for what the appliance cannot follow, the NCCL setting that fixes it."""

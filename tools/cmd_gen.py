@@ -12,6 +12,7 @@ import sys
 
 import click
 from mirrorckpt.parser import nccl_versions as nv
+from mirrorckpt.tools.cliutil import NcclVersion, writable_dir
 
 
 def _floats(text: str, n: int, name: str) -> tuple[float, ...]:
@@ -40,15 +41,17 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--channels", default=1, show_default=True, type=click.IntRange(1, 32), help="Communicator channels.")
 @click.option("--protocol", default="LL", show_default=True, type=click.Choice(["LL", "LL128", "Simple", "auto"]),
               help="NCCL_PROTO, or auto: per collective by NCCL's tuning model (its default).")
-@click.option("--nccl-version", default="2.18", show_default=True)
-@click.option("--nthreads", type=int, help="Simple thread count, maxThreads[RING][Simple] (NCCL_NTHREADS, or 256 on a "
-              "PCI-limited ring); LL and LL128 keep their defaults.")
+@click.option("--nccl-version", default="2.18", show_default=True, type=NcclVersion())
+@click.option("--nthreads", type=click.IntRange(32),
+              help="Simple thread count, maxThreads[RING][Simple] (NCCL_NTHREADS, or 256 on a PCI-limited ring); "
+                   "LL and LL128 keep their defaults.")
 @click.option("--ring-orders", help="Ring order per channel from rank 0, e.g. '0,1,2;0,2,1' (default: 0..R-1).")
 @click.option("--mtu", default=1024, show_default=True, type=click.Choice(["256", "512", "1024", "2048", "4096"]))
 @click.option("--ipv6/--ipv4", default=True, show_default=True, help="RoCEv2 over IPv6 (link-local) or IPv4.")
 @click.option("--grad-dtype", default="float32", show_default=True,
               type=click.Choice(["float32", "bfloat16", "float16"]))
-@click.option("--bucket-cap-mb", type=float, help="DDP bucket_cap_mb (default: DDP's 25 MiB, 1 MiB first bucket).")
+@click.option("--bucket-cap-mb", type=click.FloatRange(0, min_open=True),
+              help="DDP bucket_cap_mb (default: DDP's 25 MiB, 1 MiB first bucket).")
 @click.option("--model", default="linear:5000", show_default=True, help="linear:N, mlp:IN,H,...,OUT or "
               "gpt:layers=L,d=D,heads=H,vocab=V,ctx=C.")
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(1))
@@ -70,15 +73,17 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--lr-schedule-kwargs", default="{}", show_default=True, help="Its arguments as JSON.")
 @click.option("--clip", "clip_norm", type=float, help="clip_grad_norm_ max_norm.")
 @click.option("--clip-norm-type", default=2.0, show_default=True, type=float)
-@click.option("--loss-scale", type=float, help="float16: initial loss scale (default 65536).")
-@click.option("--growth-interval", type=int, help="float16: good steps before the scale grows.")
-@click.option("--force-overflow-at", type=int, help="float16: put an inf into this 0-based iteration's gradient.")
+@click.option("--loss-scale", type=click.FloatRange(0, min_open=True),
+              help="float16: initial loss scale (default 65536).")
+@click.option("--growth-interval", type=click.IntRange(1), help="float16: good steps before the scale grows.")
+@click.option("--force-overflow-at", type=click.IntRange(0),
+              help="float16: put an inf into this 0-based iteration's gradient.")
 @click.option("--mirror", "mirror", default="0:egress,1:egress", show_default=True,
               help="Ports and directions to capture: RANK:egress|ingress|both, comma-separated.")
 @click.option("--format", "fmt", default="pcapng", show_default=True, type=click.Choice(["pcapng", "pcap"]))
 @click.option("--adaptive-routing/--no-adaptive-routing", default=None,
               help="Split WRITE form above the AR threshold (default: NCCL's for the version on RoCE).")
-@click.option("--ar-threshold", default=nv.AR_THRESHOLD_DEFAULT, show_default=True, type=int)
+@click.option("--ar-threshold", default=nv.AR_THRESHOLD_DEFAULT, show_default=True, type=click.IntRange(0))
 @click.option("--write-only-train", is_flag=True, help="Split form as one WRITE ONLY per packet (NIC behaviour).")
 @click.option("--psn-start", default="zero", show_default=True, type=click.Choice(["zero", "random", "wrap"]),
               help="Initial PSNs: NCCL's 0, random, or just below 2^24 (wrap-around early).")
@@ -120,8 +125,13 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
     from mirrorckpt.tools.generator.gen import GenConfig, generate
     from mirrorckpt.tools.generator.wire import WireOptions
 
+    writable_dir(out_dir, "--out")
     try:
-        kwargs = json.loads(lr_schedule_kwargs)
+        try:
+            kwargs = json.loads(lr_schedule_kwargs)
+        except json.JSONDecodeError as e:
+            raise click.BadParameter(f"{lr_schedule_kwargs!r} is not JSON ({e})",
+                                     param_hint="--lr-schedule-kwargs") from None
         ls = None
         if grad_dtype == "float16":
             d = {}
@@ -150,7 +160,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
             faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
             p2p_fill=p2p_fill, send_truth=not no_send_truth)
         truth = generate(cfg, out_dir)
-    except (ValueError, SpecError, json.JSONDecodeError) as e:
+    except (ValueError, SpecError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     w = truth["wire"]

@@ -14,6 +14,7 @@ import click
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser.packet_path import PacketPath
+from mirrorckpt.tools.cliutil import NcclVersion
 
 
 def summarize(path: str, icrc: bool = True, nccl_version: str = "2.18") -> tuple[dict, str | None]:
@@ -102,7 +103,8 @@ def render(r: dict) -> str:
 @click.argument("capture", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the summary.")
 @click.option("--no-icrc", is_flag=True, help="Skip the ICRC check (every packet is taken as intact).")
-@click.option("--nccl-version", default="2.18", show_default=True, help="NCCL version that produced the traffic.")
+@click.option("--nccl-version", default="2.18", show_default=True, type=NcclVersion(),
+              help="NCCL version that produced the traffic.")
 def inspect(capture, as_json, no_icrc, nccl_version):
     """Decode CAPTURE: frames, RoCE packets, QPs, RDMA messages and NCCL sends."""
     try:

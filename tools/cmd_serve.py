@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import click
+from mirrorckpt.tools.cliutil import Pace, unwritable_dir
 
 
 def interface_problem(spec: str) -> str | None:
@@ -82,7 +83,8 @@ def tls_context(control: dict, name: str):
 
 @click.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, exists=True))
-@click.option("--pace", help="For capture-file sources: 'recorded' or a rate in Gbit/s (default: as fast as possible).")
+@click.option("--pace", type=Pace(),
+              help="For capture-file sources: 'recorded' or a rate in Gbit/s (default: as fast as possible).")
 @click.option("--pipelined/--no-pipelined", default=None,
               help="Step each bucket's parameters as soon as the bucket is final, so the replica's step ends "
                    "soon after the iteration's last packet (overrides [updater] pipelined; default off: the "
@@ -123,6 +125,9 @@ def serve(config_path, pace, pipelined, log_level):
         foreign = ckptdir.foreign_root(persist.directory, job.layout, job.name) if persist else None
         if foreign:
             raise ConfigError(f"{Path(config_path).name}: [persist] {foreign}")
+        problem = unwritable_dir(persist.directory, "[persist] directory") if persist else None
+        if problem:
+            raise ConfigError(f"{Path(config_path).name}: {problem}")
         ssl_context = tls_context(job.control, Path(config_path).name) if job.control.get("listen") else None
         pipelined = job.pipelined if pipelined is None else pipelined
         if pipelined and job.control.get("listen"):
@@ -133,7 +138,6 @@ def serve(config_path, pace, pipelined, log_level):
         sys.exit(2)
     if persist is None:
         log.warning("no [persist] table: the replica is kept in memory only and no checkpoint is ever committed")
-    pace_v = None if pace is None else ("recorded" if pace == "recorded" else float(pace))
     metrics = Metrics()
     if job.metrics.get("listen"):
         host, port = metrics.serve(job.metrics["listen"])
@@ -141,6 +145,7 @@ def serve(config_path, pace, pipelined, log_level):
     control = None
     if job.control.get("listen"):
         from mirrorckpt.control.appliance_side import AppliancePlane
+        from mirrorckpt.control.auth import MIN_SECRET
 
         c = job.control
         host, _, port = c["listen"].rpartition(":")
@@ -149,9 +154,10 @@ def serve(config_path, pace, pipelined, log_level):
         except OSError as e:
             click.echo(f"error: [control] secret_file: {e.strerror}: {c['secret_file']}", err=True)
             sys.exit(2)
-        if not secret:
+        if not secret or len(secret) < MIN_SECRET:
+            have = f" ({c['secret_file']} holds {len(secret)} bytes)" if secret else ""
             click.echo(f"error: {Path(config_path).name}: [control] needs secret_file (a shared secret, "
-                       "at least 16 bytes)", err=True)
+                       f"at least {MIN_SECRET} bytes){have}", err=True)
             sys.exit(2)
         if ssl_context is None:
             log.warning("control plane without TLS: weights, gradients and HMAC proofs cross the network in clear "
@@ -167,7 +173,7 @@ def serve(config_path, pace, pipelined, log_level):
     # the packet path: each capture process and the parser thread
     torch.set_num_threads(job.updater_threads(sum(m.workers for m in job.mirrors) + 1))
     log.info("updater: %d torch thread(s)", torch.get_num_threads())
-    daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control, pipelined=pipelined)
+    daemon = Daemon(job, training, persist, metrics, pace=pace, control=control, pipelined=pipelined)
     metrics.follow_persister(lambda: getattr(daemon.appliance, "persister", None))
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import click
@@ -89,8 +90,14 @@ def status(config_path, url):
             click.echo(f"error: {config_path} has no [metrics] listen address", err=True)
             sys.exit(2)
         url = f"http://{listen}/metrics"
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https") or not urllib.parse.urlsplit(url).netloc:
+        click.echo(f"error: --url {url!r}: expected the metrics endpoint as http://HOST:PORT/metrics", err=True)
+        sys.exit(2)
     try:
         click.echo(render(fetch(url)))
     except (urllib.error.URLError, OSError) as e:
         click.echo(f"error: no appliance answers at {url}: {getattr(e, 'reason', e)}", err=True)
+        sys.exit(1)
+    except (ValueError, UnicodeDecodeError) as e:  # a bad port, or an answer that is not Prometheus text
+        click.echo(f"error: {url}: not an appliance's metrics endpoint ({e})", err=True)
         sys.exit(1)
