@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+from mirrorckpt.config.layout import RingSpec
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.concat import CollectiveResult, Concatenator
 from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
@@ -41,6 +42,16 @@ class JobReport:
     placement: Counter = field(default_factory=Counter)  # reason -> sends (0 for any other reason)
     mismatches: list[str] = field(default_factory=list)
     streams: list[StreamStats] = field(default_factory=list)
+    # What the wire showed against what the job model names, to say why nothing was placed:
+    # RoCEv2 packets and other frames by class (None: the send stream does not count them),
+    # the data connections seen (with their QPs), the model's ring and its ranks by wire address,
+    # and the ring links that fit no channel.
+    roce_packets: int | None = None
+    other_frames: dict[str, int] = field(default_factory=dict)
+    connections: dict[ConnKey, int] = field(default_factory=dict)
+    ring: RingSpec | None = None
+    ranks: dict[bytes, int] = field(default_factory=dict)
+    unfit: set[ConnKey] = field(default_factory=set)
 
     @property
     def damage(self) -> list[str]:
@@ -261,4 +272,15 @@ class JobStream:
 
     def report(self) -> JobReport:
         placement, mismatches = self.assembler.report() if self.assembler is not None else (Counter(), [])
-        return JobReport(list(self.notes), placement, mismatches, list(self.streams.stats))
+        rep = JobReport(list(self.notes), placement, mismatches, list(self.streams.stats),
+                        ring=self.model.ring if self.model is not None else None, ranks=dict(self.ranks or {}))
+        counters = getattr(self.streams, "counters", None)
+        if counters is not None:
+            rep.roce_packets = sum(counters.by_opcode().values())
+            rep.other_frames = {k: n for k, n in sorted(counters.classes.items()) if n and not k.startswith("roce:")}
+        for d in self.streams.decoders:
+            for conn, qps in getattr(d, "qps_by_connection", dict)().items():
+                rep.connections[conn] = max(qps, rep.connections.get(conn, 0))
+        resolver = self.assembler.resolver if self.assembler is not None else None
+        rep.unfit = set(resolver.unplaced) if resolver is not None else set()
+        return rep
