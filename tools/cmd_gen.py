@@ -2,17 +2,21 @@
 
 R ranks train a built-in model in one process (tools.generator.train); every collective DDP issues
 goes over a simulated NCCL ring on RoCEv2 (tools.generator.packetize), and the mirrored ports are
-written as pcapng/pcap with truth.json and job.toml next to them (tools.generator.gen).
+written as pcapng/pcap with truth.json and job.toml next to them (tools.generator.gen); it ends with
+the command that replays them. A terminal shows its progress per iteration trained.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
+from pathlib import Path
 
 import click
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.tools.cliutil import NcclVersion, writable_dir
+from mirrorckpt.tools.progress import Progress
 
 
 def _floats(text: str, n: int, name: str) -> tuple[float, ...]:
@@ -122,7 +126,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
     )
     from mirrorckpt.tools.generator import noise as noise_mod
     from mirrorckpt.tools.generator.faults import FaultOptions
-    from mirrorckpt.tools.generator.gen import GenConfig, generate
+    from mirrorckpt.tools.generator.gen import JOB_FILE, GenConfig, generate
     from mirrorckpt.tools.generator.wire import WireOptions
 
     writable_dir(out_dir, "--out")
@@ -159,7 +163,8 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
             noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
             faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
             p2p_fill=p2p_fill, send_truth=not no_send_truth)
-        truth = generate(cfg, out_dir)
+        with Progress("[gen]", total=steps, unit="iterations", tick=0.5) as bar:
+            truth = generate(cfg, out_dir, on_step=bar.set)
     except (ValueError, SpecError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -168,3 +173,4 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
         click.echo(f"{out_dir}/{c['file']}: {c['frames']} frames (rank {c['rank']} {c['direction']})")
     click.echo(f"{len(truth['collectives'])} collectives, {len(truth['iterations'])} iterations, "
                f"{len(w['faults'])} faults; truth.json and job.toml in {out_dir}")
+    click.echo(f"replay it: mirrorckpt replay --config {shlex.quote(str(Path(out_dir) / JOB_FILE))}")
