@@ -10,6 +10,7 @@ error).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -32,6 +33,21 @@ def fail(message: str, exit_code: int = 2) -> NoReturn:
 
 def json_error(message: str) -> str:
     return json.dumps({"error": message}, indent=1)
+
+
+class Number(click.FloatRange):
+    """A float range that refuses nan (click's ranges let it through: it compares false) and, unless
+    ``inf_ok``, infinity."""
+
+    def __init__(self, *args, inf_ok: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inf_ok = inf_ok
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if number is not None and (math.isnan(number) or (math.isinf(number) and not self.inf_ok)):
+            self.fail(f"{value!r} is not a {'number' if self.inf_ok else 'finite number'}", param, ctx)
+        return number
 
 
 class NcclVersion(click.ParamType):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 from mirrorckpt.parser import nccl_versions as nv
-from mirrorckpt.tools.cliutil import NcclVersion, writable_dir
+from mirrorckpt.tools.cliutil import NcclVersion, Number, writable_dir
 from mirrorckpt.tools.progress import Progress
 
 
@@ -29,14 +29,37 @@ def _floats(text: str, n: int, name: str) -> tuple[float, ...]:
     return vals
 
 
-def _orders(text: str | None) -> list[list[int]] | None:
+def _orders(text: str | None, ranks: int, channels: int) -> list[list[int]] | None:
     if not text:
         return None
+    from mirrorckpt.tools.generator.gen import GenConfig
+
     try:
-        return [[int(x) for x in o.split(",")] for o in text.split(";")]
+        orders = [[int(x) for x in o.split(",")] for o in text.split(";")]
     except ValueError:
         raise click.BadParameter(f"expected 'a,b,c;a,c,b' (one ring order per channel), got {text!r}",
                                  param_hint="--ring-orders") from None
+    try:  # the ring's own checks, on this ring
+        GenConfig(ranks=ranks, channels=channels, ring_orders=orders).ring()
+    except ValueError as e:
+        raise click.BadParameter(f"{text!r}: {e}", param_hint="--ring-orders") from None
+    return orders
+
+
+def _schedule(name: str, kwargs_text: str):
+    from mirrorckpt.config.training import LRScheduleSpec, SpecError
+
+    try:
+        kwargs = json.loads(kwargs_text)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"{kwargs_text!r} is not JSON ({e})", param_hint="--lr-schedule-kwargs") from None
+    if not isinstance(kwargs, dict):
+        raise click.BadParameter(f"{kwargs_text!r}: expected a JSON object of the scheduler's arguments",
+                                 param_hint="--lr-schedule-kwargs")
+    try:
+        return LRScheduleSpec(name, kwargs)
+    except SpecError as e:
+        raise click.BadParameter(str(e), param_hint="--lr-schedule/--lr-schedule-kwargs") from None
 
 
 @click.command()
@@ -54,7 +77,7 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--ipv6/--ipv4", default=True, show_default=True, help="RoCEv2 over IPv6 (link-local) or IPv4.")
 @click.option("--grad-dtype", default="float32", show_default=True,
               type=click.Choice(["float32", "bfloat16", "float16"]))
-@click.option("--bucket-cap-mb", type=click.FloatRange(0, min_open=True),
+@click.option("--bucket-cap-mb", type=Number(0, min_open=True),
               help="DDP bucket_cap_mb (default: DDP's 25 MiB, 1 MiB first bucket).")
 @click.option("--model", default="linear:5000", show_default=True, help="linear:N, mlp:IN,H,...,OUT or "
               "gpt:layers=L,d=D,heads=H,vocab=V,ctx=C.")
@@ -63,21 +86,21 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--batch-size", default=4, show_default=True, type=click.IntRange(1))
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch intra-op threads.")
 @click.option("--optimizer", default="adamw", show_default=True, type=click.Choice(["adam", "adamw", "sgd"]))
-@click.option("--lr", default=1e-3, show_default=True, type=float)
+@click.option("--lr", default=1e-3, show_default=True, type=Number())
 @click.option("--betas", default="0.9,0.999", show_default=True)
-@click.option("--eps", default=1e-8, show_default=True, type=float)
-@click.option("--weight-decay", default=0.0, show_default=True, type=float)
-@click.option("--momentum", default=0.0, show_default=True, type=float)
-@click.option("--dampening", default=0.0, show_default=True, type=float)
+@click.option("--eps", default=1e-8, show_default=True, type=Number())
+@click.option("--weight-decay", default=0.0, show_default=True, type=Number())
+@click.option("--momentum", default=0.0, show_default=True, type=Number())
+@click.option("--dampening", default=0.0, show_default=True, type=Number())
 @click.option("--nesterov", is_flag=True)
 @click.option("--amsgrad", is_flag=True)
 @click.option("--maximize", is_flag=True)
 @click.option("--foreach", is_flag=True, help="Optimizer foreach implementation.")
 @click.option("--lr-schedule", default="none", show_default=True, help="torch.optim.lr_scheduler class or none.")
 @click.option("--lr-schedule-kwargs", default="{}", show_default=True, help="Its arguments as JSON.")
-@click.option("--clip", "clip_norm", type=float, help="clip_grad_norm_ max_norm.")
-@click.option("--clip-norm-type", default=2.0, show_default=True, type=float)
-@click.option("--loss-scale", type=click.FloatRange(0, min_open=True),
+@click.option("--clip", "clip_norm", type=Number(), help="clip_grad_norm_ max_norm.")
+@click.option("--clip-norm-type", default=2.0, show_default=True, type=Number(0, min_open=True, inf_ok=True))
+@click.option("--loss-scale", type=Number(0, min_open=True),
               help="float16: initial loss scale (default 65536).")
 @click.option("--growth-interval", type=click.IntRange(1), help="float16: good steps before the scale grows.")
 @click.option("--force-overflow-at", type=click.IntRange(0),
@@ -95,17 +118,19 @@ def _orders(text: str | None) -> list[list[int]] | None:
               help="NCCL_IB_QPS_PER_CONNECTION: QPs per connection.")
 @click.option("--split-data-on-qps/--no-split-data-on-qps", default=None,
               help="NCCL_IB_SPLIT_DATA_ON_QPS: cut each message over the QPs (default: yes up to 2.19, no from 2.20).")
-@click.option("--line-rate-gbps", default=100.0, show_default=True, type=float)
+@click.option("--line-rate-gbps", default=100.0, show_default=True, type=Number(0, min_open=True))
 @click.option("--p2p-fill", is_flag=True, help="After each gradient all-reduce, rank 0 sends its next rank the "
               "final values its egress lacks, point to point (as the iter_40000_p2p_iter10 capture does).")
 @click.option("--noise", default="", help="Background traffic: comma-separated arp,ptp,tcp,probes,vendor or all.")
-@click.option("--noise-rate", default=2000.0, show_default=True, type=float, help="Events/s per kind and direction.")
-@click.option("--loss", default=0.0, type=float, help="Fault rate per RC frame of a capture file.")
-@click.option("--reorder", default=0.0, type=float)
-@click.option("--duplicate", default=0.0, type=float)
-@click.option("--corrupt", default=0.0, type=float)
-@click.option("--truncate", default=0.0, type=float)
-@click.option("--message-loss", default=0.0, type=float, help="Rate per RDMA WRITE message of losing all its frames.")
+@click.option("--noise-rate", default=2000.0, show_default=True, type=Number(0),
+              help="Events/s per kind and direction.")
+@click.option("--loss", default=0.0, type=Number(), help="Fault rate per RC frame of a capture file.")
+@click.option("--reorder", default=0.0, type=Number())
+@click.option("--duplicate", default=0.0, type=Number())
+@click.option("--corrupt", default=0.0, type=Number())
+@click.option("--truncate", default=0.0, type=Number())
+@click.option("--message-loss", default=0.0, type=Number(),
+              help="Rate per RDMA WRITE message of losing all its frames.")
 @click.option("--fault-seed", default=0, show_default=True, type=int)
 @click.option("--no-send-truth", is_flag=True, help="Leave the per-send records out of truth.json (big runs).")
 def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders, mtu, ipv6, grad_dtype,
@@ -119,7 +144,6 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
     from mirrorckpt.config.training import (
         ClipSpec,
         LossScaleSpec,
-        LRScheduleSpec,
         OptimizerSpec,
         SpecError,
         TrainingSpec,
@@ -131,11 +155,6 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
 
     writable_dir(out_dir, "--out")
     try:
-        try:
-            kwargs = json.loads(lr_schedule_kwargs)
-        except json.JSONDecodeError as e:
-            raise click.BadParameter(f"{lr_schedule_kwargs!r} is not JSON ({e})",
-                                     param_hint="--lr-schedule-kwargs") from None
         ls = None
         if grad_dtype == "float16":
             d = {}
@@ -148,13 +167,14 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
             optimizer=OptimizerSpec(name=optimizer, lr=lr, betas=_floats(betas, 2, "--betas"), eps=eps,
                                     weight_decay=weight_decay, momentum=momentum, dampening=dampening,
                                     nesterov=nesterov, amsgrad=amsgrad, maximize=maximize, foreach=foreach),
-            lr_schedule=LRScheduleSpec(lr_schedule, kwargs),
+            lr_schedule=_schedule(lr_schedule, lr_schedule_kwargs),
             clip=ClipSpec(clip_norm, clip_norm_type) if clip_norm is not None else None,
             loss_scale=ls, grad_dtype=grad_dtype)
         kinds = set(noise_mod.KINDS) if noise.strip() == "all" else {k.strip() for k in noise.split(",") if k.strip()}
         cfg = GenConfig(
             ranks=ranks, channels=channels, protocol=protocol, nccl_version=nccl_version, nthreads=nthreads,
-            ring_orders=_orders(ring_orders), model=model, steps=steps, seed=seed, batch_size=batch_size,
+            ring_orders=_orders(ring_orders, ranks, channels), model=model, steps=steps, seed=seed,
+            batch_size=batch_size,
             bucket_cap_mb=bucket_cap_mb, training=training, threads=threads, force_overflow_at=force_overflow_at,
             mirrors=mirror, fmt=fmt,
             wire=WireOptions(pmtu=int(mtu), ipv6=ipv6, adaptive_routing=adaptive_routing, ar_threshold=ar_threshold,

@@ -29,7 +29,7 @@ from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.parser.pipeline import JobStream
 from mirrorckpt.parser.roce import SLOW_ICRC
 from mirrorckpt.parser.streams import MirrorStreams
-from mirrorckpt.tools.cliutil import NcclVersion, check_nccl_version, fail, writable_dir
+from mirrorckpt.tools.cliutil import NcclVersion, Number, check_nccl_version, fail, writable_dir
 from mirrorckpt.tools.progress import Progress
 from mirrorckpt.tools.wirefit import nothing_matched
 
@@ -184,7 +184,7 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
 @click.option("--optimizer", type=click.Choice(["adam", "adamw", "sgd"]), default="adam", show_default=True,
               help="Replica optimizer when the configuration has no [training]: a replica is kept without "
                    "[training] only when --optimizer or --lr is stated.")
-@click.option("--lr", type=click.FloatRange(0), default=1e-3, show_default=True)
+@click.option("--lr", type=Number(0), default=1e-3, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with every all-reduce's verdict.")
 @click.option("--verbose", is_flag=True, help=f"List every incomplete all-reduce (else the first {SHOWN}).")
 @click.option("--no-icrc", is_flag=True, help="Skip the ICRC check.")
