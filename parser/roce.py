@@ -112,7 +112,7 @@ class RocePackets:
 ICRC_BACKEND: str = _fast.ICRC_BACKEND
 SLOW_ICRC: str | None = None if ICRC_BACKEND == "isa-l" else (
     f"the ICRC check runs on {ICRC_BACKEND}'s crc32, several times slower than ISA-L's: install libisal-dev "
-    "(tools/install-system-deps.sh) and rebuild (python setup.py build_ext --inplace --force)")
+    "(tools/install-system-deps.sh libisal-dev) and run `make build`, which rebuilds on it")
 
 
 # Field offsets and EtherTypes for the compiled frame walk, in its K_* order, taken from the header tables.
