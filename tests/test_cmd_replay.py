@@ -1,5 +1,7 @@
 """`mirrorckpt replay` shows its progress on a terminal, and the demo ends with its numbers: the
-iterations, the checkpoints and the pipeline's throughput without the start-up."""
+iterations, the checkpoints and the pipeline's throughput without the start-up. A replay that
+reassembles nothing exits 1 and says why in one sentence; a replica steps only with an optimizer
+the job file or the command line names; incomplete all-reduces are summarised."""
 
 from __future__ import annotations
 
