@@ -2,15 +2,14 @@
 `mirrorckpt.<folder>.<name>`. Everything else is declared in pyproject.toml.
 
 The ICRC (parser/roce/_fast.pyx) uses ISA-L's CRC-32 when its header is installed (Debian libisal-dev),
-zlib's otherwise; MIRRORCKPT_ICRC=zlib forces zlib (to measure the difference)."""
+zlib's otherwise; MIRRORCKPT_ICRC=zlib forces zlib (to measure the difference). `python3 setup.py
+--icrc` prints which of the two a build here would link ("isa-l" or "zlib") with no build
+dependency imported: the Makefile rebuilds when that changes (libisal-dev installed later)."""
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
-
-import numpy
-from Cython.Build import cythonize
-from setuptools import Extension, setup
 
 here = Path(__file__).parent
 
@@ -27,6 +26,15 @@ def isal_include_dirs() -> list[str] | None:
     return [d for d in dirs if (Path(d) / "isa-l" / "crc.h").is_file()][:1] or None
 
 
+if __name__ == "__main__" and sys.argv[1:] == ["--icrc"]:
+    print("isa-l" if isal_include_dirs() else "zlib")
+    sys.exit(0)
+
+import numpy  # noqa: E402  (build dependencies: not needed to answer --icrc)
+from Cython.Build import cythonize  # noqa: E402
+from setuptools import Extension, setup  # noqa: E402
+from setuptools.command.build_py import build_py  # noqa: E402
+
 isal = isal_include_dirs()
 print(f"mirrorckpt: ICRC through {'ISA-L' if isal else 'zlib (slow: install libisal-dev)'}")
 
@@ -42,8 +50,17 @@ def extension(p: Path) -> Extension:
     return e
 
 
+class BuildPy(build_py):
+    """The repository root is the package: everything in it but this file (mirrorckpt.setup would
+    run the build when imported)."""
+
+    def find_package_modules(self, package, package_dir):
+        return [m for m in super().find_package_modules(package, package_dir) if m[:2] != ("mirrorckpt", "setup")]
+
+
 ext = [extension(p) for folder in ("capture", "parser", "updater") for p in sorted((here / folder).rglob("*.pyx"))]
 
-setup(ext_modules=cythonize(ext, language_level=3, quiet=True,
+setup(cmdclass={"build_py": BuildPy},
+      ext_modules=cythonize(ext, language_level=3, quiet=True,
                             compiler_directives={"boundscheck": False, "wraparound": False,
                                                  "initializedcheck": False, "cdivision": True}))

@@ -88,6 +88,13 @@ def _addr_list(v):
     return [_addr(x) for x in v]
 
 
+def _listen(v):
+    host, colon, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
+    if not colon or not port.isdigit() or int(port) > 65535 or " " in host:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9100; port 0 picks a free one), got {v!r}")
+    return v
+
+
 def _table(v):
     if not isinstance(v, dict):
         raise ValueError(f"expected a table, got {v!r}")
@@ -113,10 +120,10 @@ SCHEMA = {
     "persist": {"directory": (_str(), True), "every_iterations": (_int(1), False),
                 "every_seconds": (_num(0), False), "keep_last": (_int(1), False),
                 "memory_budget_bytes": (_int(0), False), "writer_threads": (_int(1), False)},
-    "control": {"listen": (_str(), False), "secret_file": (_str(), False), "fallback_parts": (_int(1), False),
+    "control": {"listen": (_listen, False), "secret_file": (_str(), False), "fallback_parts": (_int(1), False),
                 "fingerprint_every": (_int(1), False), "tls_cert": (_str(), False), "tls_key": (_str(), False),
                 "tls_ca": (_str(), False)},
-    "metrics": {"listen": (_str(), False)},
+    "metrics": {"listen": (_listen, False)},
     # control.protection.Limits: when the job counts as protected, and degraded mode's fallbacks
     "protection": {"max_lag_steps": (_int(1), False), "silent_seconds": (_num(0), False),
                    "fallback_interval": (_num(0), False), "fallback_every": (_int(1), False)},
@@ -213,6 +220,8 @@ def load_job(path) -> JobConfig:
         raw = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{name}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: not a TOML job file (byte {e.start} is not UTF-8 text)") from None
     except OSError as e:
         raise ConfigError(f"{name}: {e.strerror}") from None
     return parse_job(raw, name, p.resolve().parent)

@@ -310,10 +310,6 @@ class PinnedPool:
         return t
 
 
-def part_bytes(tensors: list[torch.Tensor]) -> list[int]:
-    return [t.numel() * t.element_size() for t in tensors]
-
-
 class CudaCopier:
     """GPU training: device-to-host copies on a side stream into pooled pinned buffers
     (``PinnedPool``: allocated on the first fallback, or ahead by ``reserve`` when a fallback is

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+from mirrorckpt.config.layout import RingSpec
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.concat import CollectiveResult, Concatenator
 from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
@@ -42,6 +43,16 @@ class JobReport:
     placement: Counter = field(default_factory=Counter)  # reason -> sends (0 for any other reason)
     mismatches: list[str] = field(default_factory=list)
     streams: list[StreamStats] = field(default_factory=list)
+    # What the wire showed against what the job model names, to say why nothing was placed:
+    # RoCEv2 packets and other frames by class (None: the send stream does not count them),
+    # the data connections seen (with their QPs), the model's ring and its ranks by wire address,
+    # and the ring links that fit no channel.
+    roce_packets: int | None = None
+    other_frames: dict[str, int] = field(default_factory=dict)
+    connections: dict = field(default_factory=dict)
+    ring: RingSpec | None = None
+    ranks: dict[bytes, int] = field(default_factory=dict)
+    unfit: set = field(default_factory=set)
 
     @property
     def damage(self) -> list[str]:

@@ -118,9 +118,10 @@ def test_replay_of_another_job_into_the_demo_directory_fails_and_keeps_it(tmp_pa
     shutil.copytree(tmp_path / "mirrorckpt-demo", tmp_path / "x", symlinks=True)
     before = snapshot(tmp_path / "x")
     before.pop(".lock", None)
-    # --p2p-fill: the capture's workload sends the values rank 0's egress lacks (its iterations complete)
+    # --p2p-fill: the capture's workload sends the values rank 0's egress lacks (its iterations complete);
+    # without a job file the replica's optimizer is stated
     run = CliRunner().invoke(main, ["replay", "--quiet", "--p2p-fill", str(FLOWCHECK / "iter_40000_p2p_iter10.pcapng"),
-                                    "--checkpoint-dir", "x"], catch_exceptions=False)
+                                    "--checkpoint-dir", "x", "--optimizer", "adam"], catch_exceptions=False)
     assert run.exit_code != 0
     assert "checkpoint directory of another job" in run.stderr and "nothing was written" in run.stderr
     after = snapshot(tmp_path / "x")

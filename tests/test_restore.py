@@ -126,12 +126,12 @@ def test_cli_restore(tmp_path):
     assert res.exit_code == 0
     res = runner.invoke(restore_cmd, [str(path), "--verify"])
     assert res.exit_code == 1 and "Traceback" not in res.output
-    assert f"mirrorckpt restore: {path}/__0_0.distcp: sha256 does not match the manifest" in res.stderr
+    assert f"error: {path}/__0_0.distcp: sha256 does not match the manifest" in res.stderr
     res = runner.invoke(restore_cmd, [str(path), "--verify", "--json"])
     assert res.exit_code == 1 and not json.loads(res.stdout)["ok"]
 
     res = runner.invoke(restore_cmd, [str(tmp_path / "nowhere")])
-    assert res.exit_code == 1 and res.stderr == f"mirrorckpt restore: {tmp_path / 'nowhere'}: no such directory\n"
+    assert res.exit_code == 1 and res.stderr == f"error: {tmp_path / 'nowhere'}: no such directory\n"
     (tmp_path / "empty").mkdir()
     res = runner.invoke(restore_cmd, [str(tmp_path / "empty"), "--json"])
     assert res.exit_code == 1 and "no committed checkpoint" in json.loads(res.stdout)["problems"][0]

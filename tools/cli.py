@@ -3,9 +3,12 @@ so `mirrorckpt inspect` does not pay for importing torch."""
 
 from __future__ import annotations
 
+import errno
 import importlib
+import sys
 
 import click
+from mirrorckpt.tools.cliutil import json_error
 
 # name -> (module, attribute, one-line help)
 COMMANDS = {
@@ -24,6 +27,38 @@ COMMANDS = {
 
 
 class LazyGroup(click.Group):
+    """Subcommands imported on use; every error, a usage error included, ends as one ``error:``
+    line and a non-zero exit (with ``--json``, also ``{"error": ...}`` on stdout), never a traceback
+    (see tools.cliutil)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = list(sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:  # `mirrorckpt` alone: its help, as click shows it
+            if not standalone_mode:
+                raise
+            e.show()
+            code = e.exit_code
+        except click.ClickException as e:
+            if not standalone_mode:
+                raise
+            code = _report(e.format_message() + _usage_hint(e), "--json" in args, e.exit_code)
+        except click.Abort:
+            if not standalone_mode:
+                raise
+            code = _report("interrupted", "--json" in args, 130)
+        except OSError as e:  # a file or socket the command was pointed at: said, not a traceback
+            if not standalone_mode:
+                raise
+            if e.errno == errno.EPIPE:  # the reader of stdout went away (`| head`)
+                sys.exit(1)
+            where = f"{e.filename}: " if e.filename else ""
+            code = _report(f"{where}{e.strerror or e}", "--json" in args, 1)
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
     def list_commands(self, ctx):
         return sorted(COMMANDS)
 
@@ -42,6 +77,18 @@ class LazyGroup(click.Group):
         rows = [(n, COMMANDS[n][2]) for n in self.list_commands(ctx)]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
+
+
+def _usage_hint(e: click.ClickException) -> str:
+    ctx = getattr(e, "ctx", None)
+    return f" (see `{ctx.command_path} --help`)" if isinstance(e, click.UsageError) and ctx is not None else ""
+
+
+def _report(message: str, as_json: bool, code: int) -> int:
+    if as_json:
+        click.echo(json_error(message))
+    click.echo(f"error: {message}", err=True)
+    return code
 
 
 @click.group(cls=LazyGroup)

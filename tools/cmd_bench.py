@@ -2,7 +2,9 @@
 
 Every claim is a ratio between two measurements taken in the same run (the machines are shared
 and noisy: absolute numbers move between runs, ratios much less). The raw results are kept as
-JSON beside the report.
+JSON beside the report, both in the working directory unless --out says otherwise. Sections that
+drive the test rigs (tools/testbed, not in the installed package) or read the shared captures
+beside the repository need a source checkout, and say so in their result.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import time
 from pathlib import Path
 
 import click
+from mirrorckpt.tools.cliutil import writable_dir
 from mirrorckpt.tools.progress import Progress
-
-REPO = Path(__file__).resolve().parents[1]
 
 SERVE_WORKERS = ("shared ring, 1 worker", "shared ring, 2 workers")  # bench_serve.VARIANTS
 
@@ -541,6 +542,15 @@ def _render_large(name, r) -> list[str]:
     return lines
 
 
+def _needs_checkout(e: Exception) -> str | None:
+    """Why a section could not run from an installed package, or None for any other failure."""
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").startswith("mirrorckpt.tools.testbed"):
+        return "drives the test rigs (tools/testbed), which the installed package does not ship"
+    if isinstance(e, FileNotFoundError) and "shared/captures" in str(e.filename or ""):
+        return f"reads {e.filename}, beside the repository"
+    return None
+
+
 def _render_generic(name, r) -> list[str]:
     return [f"## {name}", "", "```json", json.dumps(r, indent=1, default=str)[:20000], "```"]
 
@@ -549,9 +559,11 @@ def _render_generic(name, r) -> list[str]:
 @click.option("--only", "--section", "only", multiple=True, type=click.Choice(list(SECTIONS)),
               help="Run only these sections; their results replace those sections in an existing report.")
 @click.option("--quick", is_flag=True, help="Smaller sizes (minutes, not tens of minutes).")
-@click.option("--out", type=click.Path(dir_okay=False), default=str(REPO / "BENCHMARKS.md"), show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default="BENCHMARKS.md", show_default=True,
+              help="The report (BENCHMARKS.json beside it); relative to the working directory.")
 def bench(only, quick, out):
     """Run the benchmarks and write BENCHMARKS.md (and BENCHMARKS.json beside it)."""
+    writable_dir(Path(out).parent, "--out")  # found out before the benchmarks run, not after
     info = machine()
     info["command"] = " ".join(["mirrorckpt bench", *(f"--only {n}" for n in only), *(["--quick"] if quick else [])])
     results = {}
@@ -569,7 +581,12 @@ def bench(only, quick, out):
                     kwargs["packet_path"] = results["packet_path"]  # measured minutes ago, in this run
                 results[name] = fn(**kwargs)
             except Exception as e:  # one failing section must not lose the others' numbers
-                results[name] = {"error": f"{type(e).__name__}: {e}"}
+                why = _needs_checkout(e)
+                results[name] = {"error": f"needs a source checkout: this section {why}; run `mirrorckpt bench` "
+                                          "from a git clone installed with `pip install -e .`" if why
+                                 else f"{type(e).__name__}: {e}"}
+                if why:
+                    bar.echo(f"[bench] {name}: {results[name]['error']}")
             bar.echo(f"[bench] {name}: {time.perf_counter() - t0:.0f} s")
             bar.set(i + 1)
     outp = Path(out)

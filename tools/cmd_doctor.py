@@ -22,6 +22,7 @@ listed), 2 unreadable capture.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -32,6 +33,8 @@ from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser.errors import InferenceError
 from mirrorckpt.parser.roce.ringfind import _ringlike, sequences
 from mirrorckpt.parser.roce.streams import MirrorStreams
+from mirrorckpt.tools.cliutil import NcclVersion, fail
+from mirrorckpt.tools.progress import Progress
 
 ADVICE_OTHER = ("if the job uses NVLS (NVSwitch systems) set NCCL_NVLS_ENABLE=0; with user-buffer registration "
                 "(CUDA graphs, ncclCommRegister) set NCCL_LOCAL_REGISTER=0 NCCL_GRAPH_REGISTER=0")
@@ -44,10 +47,12 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
     sends = []
     causes: list[dict] = []
     try:
-        for batch in streams:
-            sends += batch
-            if len(sends) >= window:
-                break
+        with Progress("[doctor]", sum(os.path.getsize(c) for c in captures) / 1e6, "MB") as bar:
+            for batch in streams:
+                sends += batch
+                bar.set(sum(s.bytes for s in streams.stats) / 1e6)
+                if len(sends) >= window:
+                    break
         fam = wire_family(streams.decoders)
     except InferenceError as e:  # a stated release the wire contradicts
         return {"family": None, "causes": [{"cause": str(e), "fix": "drop --nccl-version (the release is read "
@@ -101,15 +106,14 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
 
 @click.command()
 @click.argument("captures", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
-@click.option("--nccl-version", default=None, help="Check the traffic against this NCCL release.")
+@click.option("--nccl-version", default=None, type=NcclVersion(), help="Check the traffic against this NCCL release.")
 @click.option("--json", "as_json", is_flag=True)
 def doctor(captures, nccl_version, as_json):
     """What NCCL traffic CAPTURES hold and, for what the appliance cannot follow, the NCCL setting that fixes it."""
     try:
         rep = diagnose(list(captures), nccl_version)
     except CaptureError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        fail(str(e))
     if as_json:
         click.echo(json.dumps(rep, indent=1))
     else:

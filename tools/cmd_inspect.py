@@ -7,6 +7,7 @@ damaged part-way (everything before the damage is reported).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -15,18 +16,21 @@ from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser import encap
 from mirrorckpt.parser.roce.packet_path import PacketPath
+from mirrorckpt.tools.cliutil import NcclVersion, fail
+from mirrorckpt.tools.progress import Progress
 
 
 def summarize(path: str, icrc: bool = True, nccl_version: str = "2.18") -> tuple[dict, str | None]:
     """Runs the packet path over a capture; returns the report and the damage message, if any."""
     pp = PacketPath(icrc=icrc, nccl_version=nccl_version)
     msgs, sends, damage = [], [], None
-    with open_capture(path) as reader:
+    with open_capture(path) as reader, Progress("[inspect]", os.path.getsize(path) / 1e6, "MB") as bar:
         try:
             for batch in reader:
                 m, s = pp.feed(batch)
                 msgs += m
                 sends += s
+                bar.update(batch.nbytes / 1e6)
         except CaptureError as e:
             damage = str(e)
     m, s = pp.flush()
@@ -105,25 +109,27 @@ def render(r: dict) -> str:
 @click.argument("capture", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the summary.")
 @click.option("--no-icrc", is_flag=True, help="Skip the ICRC check (every packet is taken as intact).")
-@click.option("--nccl-version", default="2.18", show_default=True, help="NCCL version that produced the traffic.")
+@click.option("--nccl-version", default="2.18", show_default=True, type=NcclVersion(),
+              help="NCCL version that produced the traffic.")
 def inspect(capture, as_json, no_icrc, nccl_version):
     """Decode CAPTURE: frames, RoCE packets, QPs, RDMA messages and NCCL sends."""
     try:
         report, damage = summarize(capture, icrc=not no_icrc, nccl_version=nccl_version)
     except CaptureError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        fail(str(e))
     except OSError as e:
-        click.echo(f"error: {capture}: {e.strerror or e}", err=True)
-        sys.exit(2)
+        fail(f"{capture}: {e.strerror or e}")
+    error, code = None, 0
     if damage:
         report["damage"] = damage
+        error, code = f"{damage} (everything before it is reported above)", 3
+    elif report["roce"]["packets"] == 0:
+        error, code = f"{capture}: no RoCEv2 traffic (UDP port 4791) in {report['frames']} frames", 1
+    if error and as_json:
+        report["error"] = error
     click.echo(json.dumps(report, indent=1) if as_json else render(report))
     if encap.truncation_advice(report["mirror"]):
         click.echo(f"error: {capture}: {encap.truncation_advice(report['mirror'])}", err=True)
-    if damage:
-        click.echo(f"error: {damage} (everything before it is reported above)", err=True)
-        sys.exit(3)
-    if report["roce"]["packets"] == 0:
-        click.echo(f"error: {capture}: no RoCEv2 traffic (UDP port 4791) in {report['frames']} frames", err=True)
-        sys.exit(1)
+    if error:
+        click.echo(f"error: {error}", err=True)
+        sys.exit(code)

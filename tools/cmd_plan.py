@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 from mirrorckpt.tools import goodput, planner
+from mirrorckpt.tools.cliutil import Number
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -41,11 +42,11 @@ OPTIONS = {
     "target": "target",
 }
 
-_POS = click.FloatRange(min=0)
+_POS = Number(min=0)
 
 
 @click.command()
-@click.option("--mtbf-hours", type=click.FloatRange(min=0, min_open=True), required=True,
+@click.option("--mtbf-hours", type=Number(min=0, min_open=True), required=True,
               help="Mean time between failures of the whole job.")
 @click.option("--params", type=Count(), help="Model parameters (7e9, 7B, 350M).")
 @click.option("--job", "job_file", type=click.Path(exists=True, dir_okay=False),
@@ -53,27 +54,27 @@ _POS = click.FloatRange(min=0)
 @click.option("--precision", type=click.Choice(list(goodput.PRECISIONS)), help="Training precision [bf16].")
 @click.option("--optimizer", type=click.Choice(list(goodput.OPTIMIZER_STATES)), help="Optimizer [adam].")
 @click.option("--bytes-per-param", type=_POS, help="Checkpoint bytes per parameter, instead of the recipe's.")
-@click.option("--step-seconds", type=click.FloatRange(min=0, min_open=True), help="One training step.")
+@click.option("--step-seconds", type=Number(min=0, min_open=True), help="One training step.")
 @click.option("--restart-seconds", type=_POS, help="Detection and rescheduling after a failure [0].")
 @click.option("--checkpoint-seconds", type=_POS, help="Stall of one synchronous checkpoint (measured or given).")
 @click.option("--async-stall-seconds", type=_POS, help="Stall of one asynchronous checkpoint (the snapshot).")
 @click.option("--gockpt-stall-seconds", type=_POS, help="Stall of one GoCkpt multi-step checkpoint.")
 @click.option("--gockpt-steps", type=click.IntRange(min=1), help="Steps a GoCkpt checkpoint is copied over.")
-@click.option("--write-gbps", type=click.FloatRange(min=0, min_open=True), help="Storage write, GB/s (job total).")
-@click.option("--snapshot-gbps", type=click.FloatRange(min=0, min_open=True), help="Device-to-host copy, GB/s.")
-@click.option("--read-gbps", type=click.FloatRange(min=0, min_open=True), help="Storage read at restart, GB/s.")
-@click.option("--restore-gbps", type=click.FloatRange(min=0, min_open=True),
+@click.option("--write-gbps", type=Number(min=0, min_open=True), help="Storage write, GB/s (job total).")
+@click.option("--snapshot-gbps", type=Number(min=0, min_open=True), help="Device-to-host copy, GB/s.")
+@click.option("--read-gbps", type=Number(min=0, min_open=True), help="Storage read at restart, GB/s.")
+@click.option("--restore-gbps", type=Number(min=0, min_open=True),
               help="Appliance-to-trainers restore, GB/s.")
 @click.option("--mirror-restore-seconds", type=_POS, help="Restore from the appliance (measured or given).")
 @click.option("--mirror-overhead-seconds", type=_POS, help="The control link's cost per step [0].")
 @click.option("--mirror-lag-seconds", type=_POS, help="How far the appliance's replica trails [one step].")
-@click.option("--mirror-loss", type=click.FloatRange(min=0, max=1, max_open=True),
+@click.option("--mirror-loss", type=Number(min=0, max=1, max_open=True),
               help="Packet loss rate of a mirror link [1e-9, FlowCheck's measurement].")
 @click.option("--ranks", type=click.IntRange(min=2), help="Data-parallel ranks in the ring [3].")
 @click.option("--mirrors", type=click.IntRange(min=1), help="Mirrored ranks [2].")
 @click.option("--packets", type=_POS, help="Packets of reduced gradients per iteration [gradient bytes / MTU].")
 @click.option("--mtu", type=click.IntRange(min=256), help="RoCE path MTU, bytes [4096].")
-@click.option("--target", type=click.FloatRange(min=0, max=1), help="Fallback probability per iteration the "
+@click.option("--target", type=Number(min=0, max=1), help="Fallback probability per iteration the "
               "recommended number of mirrors meets [1e-6].")
 @click.option("--measured", "measured_file", type=click.Path(exists=True, dir_okay=False),
               help="Costs measured by `mirrorckpt bench --only stall` (its BENCHMARKS.json): bandwidths, and "

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.parser import encap, memory
@@ -28,13 +29,16 @@ from mirrorckpt.parser.roce import SLOW_ICRC
 from mirrorckpt.parser.roce.collectives import NcclJobModel
 from mirrorckpt.parser.roce.jobstream import JobStream
 from mirrorckpt.parser.roce.streams import MirrorStreams
+from mirrorckpt.tools.cliutil import NcclVersion, Number, check_nccl_version, fail, writable_dir
 from mirrorckpt.tools.progress import Progress
+from mirrorckpt.tools.wirefit import nothing_matched
 
 DEMO = Path(__file__).resolve().parents[1] / "tests" / "pcaps" / "demo"
 # Lists of sends the packet path's thread may hold ready (each a batch's: tens of MB at most). One:
 # the packet path is the slower side on every protocol, so a second waited rarely, but when it did
 # it raised the peak (2 GB Simple capture, 10 runs: peak RSS median 300 -> 285 MB, no change in speed).
 READ_AHEAD = 1
+SHOWN = 5  # incomplete all-reduces listed without --verbose (a long capture can have tens of thousands)
 
 
 class Digests:
@@ -176,15 +180,17 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
               help="Job configuration (TOML); without it the job is inferred from the traffic.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "int32"]),
               help="Element type of the all-reduced data (inferred when absent).")
-@click.option("--nccl-version", default=None,
+@click.option("--nccl-version", default=None, type=NcclVersion(),
               help="NCCL release (e.g. 2.23) if it must be stated; read from the wire when absent "
                    "(a stated release the wire contradicts is an error).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
               help="Keep a CPU replica and commit checkpoints here.")
 @click.option("--optimizer", type=click.Choice(["adam", "adamw", "sgd"]), default="adam", show_default=True,
-              help="Replica optimizer when the configuration has no [training].")
-@click.option("--lr", type=float, default=1e-3, show_default=True)
+              help="Replica optimizer when the configuration has no [training]: a replica is kept without "
+                   "[training] only when --optimizer or --lr is stated.")
+@click.option("--lr", type=Number(0), default=1e-3, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with every all-reduce's verdict.")
+@click.option("--verbose", is_flag=True, help=f"List every incomplete all-reduce (else the first {SHOWN}).")
 @click.option("--no-icrc", is_flag=True, help="Skip the ICRC check.")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 @click.option("--transport", type=click.Choice(["roce", "gloo"]), default="roce", show_default=True,
@@ -198,72 +204,55 @@ def run(captures, job=None, dtype=None, nccl_version=None, icrc=True, training=N
 @click.option("--pipelined/--no-pipelined", default=None,
               help="Step each bucket's parameters as soon as the bucket is final (overrides [updater] "
                    "pipelined; default off: see `serve --pipelined`).")
-def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer, lr, as_json, no_icrc, quiet,
-           transport, p2p_fill, pipelined):
+@click.pass_context
+def replay(ctx, captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer, lr, as_json, verbose,
+           no_icrc, quiet, transport, p2p_fill, pipelined):
     """Replay mirror CAPTURES of one job: reassemble every all-reduce, keep the replica, commit checkpoints.
 
-    With no CAPTURE, the bundled demo (tests/pcaps/demo) is replayed into ./mirrorckpt-demo."""
-    from mirrorckpt.config.jobfile import ConfigError, load_job
+    With no CAPTURE, the bundled demo capture is replayed into ./mirrorckpt-demo. Exit status: 0
+    done (incomplete all-reduces are listed), 1 nothing reassembled or a checkpoint write failed
+    (the reason is said), 2 bad input, 3 a capture damaged part-way."""
     from mirrorckpt.config.training import SpecError
 
-    demo = not captures and not config_path
-    if demo:
+    if not captures and not config_path:
         if not (DEMO / "job.toml").is_file():
-            click.echo(f"error: the bundled demo capture is missing ({DEMO}); regenerate it with `make pcaps`",
-                       err=True)
-            sys.exit(2)
+            fail(f"the bundled demo capture is missing ({DEMO}); regenerate it with `make pcaps`")
         config_path = str(DEMO / "job.toml")
         checkpoint_dir = checkpoint_dir or "mirrorckpt-demo"
-    job = None
-    if config_path:
-        try:
-            job = load_job(config_path)
-            if job.kind == "ddp" and job.layout is None:
-                raise ConfigError(f"{config_path}: replay needs the layout ([[job.params]] in [job]); "
-                                  "without --config it is inferred from the traffic")
-        except ConfigError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+    job = _load_job(config_path) if config_path else None
+    if job is not None:
         nccl_version = nccl_version or job.ring.nccl_version
         if any(m.workers > 1 for m in job.mirrors) and not quiet:  # said, not silently ignored
             click.echo("note: [[mirror]] workers is serve's: replay decodes each capture on one thread "
                        "(use `mirrorckpt serve` to split a port over several processes)", err=True)
         if not captures:  # the job file lists its capture files as mirror sources
             captures = tuple(m.source for m in job.mirrors if not m.live)
-        try:
-            encap.check(job.encap)
-        except ConfigError as e:
-            click.echo(f"error: {config_path}: {e}", err=True)
-            sys.exit(2)
     if not captures:
-        click.echo("error: no capture to replay: give CAPTURE files, or a --config whose [[mirror]] sources "
-                   "are capture files", err=True)
-        sys.exit(2)
+        fail("no capture to replay: give CAPTURE files, or a --config whose [[mirror]] sources are capture files")
     keep_replica = checkpoint_dir is not None or (job is not None and bool(job.persist))
-    try:
-        persist = persist_spec(job, checkpoint_dir) if keep_replica else None
-        training = (lambda layout: training_spec(job, dtype or layout.grad_dtype, optimizer, lr)) \
-            if keep_replica else None
-    except SpecError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    if persist is not None and job is not None:  # another job's root: said before anything is touched
-        from mirrorckpt.updater import ckptdir
+    persist = training = None
+    if keep_replica:
+        stated = {p for p in ("optimizer", "lr") if ctx.get_parameter_source(p) != ParameterSource.DEFAULT}
+        _say_optimizer(job, optimizer, lr, stated, checkpoint_dir)
+        try:
+            persist = persist_spec(job, checkpoint_dir)
+        except SpecError as e:
+            fail(str(e))
+        training = lambda layout: training_spec(job, dtype or layout.grad_dtype, optimizer, lr)  # noqa: E731
+        writable_dir(persist.directory, "--checkpoint-dir" if checkpoint_dir else "[persist] directory")
+        if job is not None:  # another job's root: said before anything is written
+            from mirrorckpt.updater import ckptdir
 
-        foreign = ckptdir.foreign_root(persist.directory, job.layout, job.name)
-    else:
-        foreign = None
-    if foreign:
-        click.echo(f"error: {foreign}", err=True)
-        sys.exit(2)
+            foreign = ckptdir.foreign_root(persist.directory, job.layout, job.name)
+            if foreign:
+                fail(foreign)
 
     if job is not None and transport == "roce" and (nccl_version is None or job.ring.protocol == "auto"):
         try:  # what the job file leaves open (release, protocol per collective) is read from the wire
             job, nccl_version = _complete_from_wire(job, captures, nccl_version, dtype, not no_icrc)
         except InferenceError as e:
             _mirror_verdict(getattr(e, "streams", []), quiet=True)
-            click.echo(f"error: cannot reassemble: {e}", err=True)
-            sys.exit(1)
+            fail(f"cannot reassemble: {e}", 1)
     if SLOW_ICRC and not no_icrc and transport == "roce":
         click.echo(f"warning: {SLOW_ICRC}", err=True)
     t_imports = time.perf_counter()
@@ -295,15 +284,12 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
                                                pipelined=(job is not None and job.pipelined) if pipelined is None
                                                else pipelined, hashes=as_json)
     except CaptureError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        fail(str(e))
     except InferenceError as e:
         _mirror_verdict(getattr(e, "streams", []), quiet=True)
-        click.echo(f"error: cannot reassemble: {e}", err=True)
-        sys.exit(1)
+        fail(f"cannot reassemble: {e}", 1)
     except SpecError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        fail(str(e))
     t_parsed = time.perf_counter()
     summary = app.close().to_dict() if app is not None else None
     if summary is not None and persist is not None and not summary["checkpoints"]:
@@ -314,7 +300,7 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
     secs = time.perf_counter() - t0
     ars = allreduce_report(results)
     rep = js.report()
-    damage, nbytes = rep.damage, rep.bytes
+    nbytes = rep.bytes
     report = {
         "captures": list(captures),
         "notes": rep.notes,
@@ -326,27 +312,34 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
                        for it in iterations],
         "replica": summary,
         "mirror": {st.source: st.mirror.to_dict() for st in rep.streams if st.mirror is not None},
-        "damage": damage,
+        "damage": rep.damage,
         "seconds": round(secs, 3),
         "capture_bytes": nbytes,
         "timing": timing(t0, applied, t_parsed, t0 + secs, nbytes, len(iterations)) | {"imports_s": t0 - t_imports},
     }
+    warnings, error, code = [], None, 0
+    if rep.damage:
+        error, code = "; ".join(rep.damage), 3
+    else:
+        named_by = "the job file" if job is not None else "the job read from the wire"
+        error = nothing_matched(rep, len(ars), named_by)
+        code = 1 if error else 0
+    if error is None and persist is not None:
+        error, warnings = _persistence_verdict(app, summary, persist, checkpoint_dir)
+        code = 1 if error else 0
+    if error is not None:
+        report["error"] = error
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:
-        _print(report, ars, iterations, summary, secs, nbytes)
+        _print(report, ars, iterations, summary, secs, nbytes, verbose)
         _print_timing(report["timing"])
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
     _mirror_verdict(rep.streams, quiet=as_json)
-    counters = getattr(js.streams, "counters", None)  # RoCE sources (MirrorStreams)
-    if counters is not None and not ars and not counters.by_opcode():
-        click.echo(f"error: no RoCEv2 traffic in {counters.frames} frames{_not_taken_off(counters)}", err=True)
-        sys.exit(1)
-    for d in damage:
-        click.echo(f"error: {d}", err=True)
-    if damage:
-        sys.exit(3)
-    if persist is not None:
-        _persistence_verdict(app, summary, persist, checkpoint_dir)
+    for line in (rep.damage or [error]) if error else []:
+        click.echo(f"error: {line}", err=True)
+    sys.exit(code)
 
 
 def _mirror_verdict(streams, quiet: bool) -> None:
@@ -368,34 +361,56 @@ def _mirror_verdict(streams, quiet: bool) -> None:
             click.echo(f"error: {st.source}: {advice}", err=True)
 
 
-def _not_taken_off(counters) -> str:
-    """Why a mirror may show no RoCE: GRE packets no encapsulation rule took off."""
-    gre = counters.classes.get("gre_other", 0)
-    if not gre:
-        return ""
-    return (f" ({gre} GRE packets of a protocol not taken off as a mirror encapsulation: a vendor's mirror header "
-            "needs [capture] gre_protocol and gre_header_bytes in the job file, or [capture] encapsulation pins "
-            "another kind)")
+def _load_job(config_path):
+    from mirrorckpt.config.jobfile import ConfigError, load_job
+
+    try:
+        job = load_job(config_path)
+        if job.kind == "ddp" and job.layout is None:
+            raise ConfigError(f"{config_path}: replay needs the layout ([[job.params]] in [job]); "
+                              "without --config it is inferred from the traffic")
+        encap.check(job.encap)
+    except ConfigError as e:
+        fail(str(e))
+    check_nccl_version(job.ring.nccl_version, f"{config_path}: [ring] nccl_version")
+    return job
 
 
-def _persistence_verdict(app, summary, persist, checkpoint_dir) -> None:
-    """Say so when checkpoints were asked for and none or not all were written; exit 1 when the
-    root was refused or a write failed."""
+def _say_optimizer(job, optimizer, lr, stated, checkpoint_dir) -> None:
+    """The replica steps with the trainer's optimizer: a job file's [training], or one stated on the
+    command line (said as an assumption); never the options' defaults unasked. A guessed optimizer
+    would commit checkpoints that look valid and restore another job's state."""
+    if job is not None and job.training:
+        if stated:
+            click.echo(f"note: {', '.join('--' + p for p in sorted(stated))} ignored: the job file's [training] "
+                       "names the replica's optimizer", err=True)
+        return
+    where = f"--checkpoint-dir {checkpoint_dir}" if checkpoint_dir else "[persist] directory"
+    if not stated:
+        fail(f"{where}: the replica needs the trainer's optimizer and the job names none: give --config with a "
+             "[training] table (as `mirrorckpt gen` writes it), or state --optimizer and --lr (then the replica "
+             "steps with exactly that)")
+    click.echo(f"warning: the replica steps with {optimizer} at lr {lr:g} (torch's defaults otherwise), as stated "
+               "on the command line, not read from the trainer: its checkpoints are the trainer's state only if "
+               "the job trains with exactly this optimizer", err=True)
+
+
+def _persistence_verdict(app, summary, persist, checkpoint_dir) -> tuple[str | None, list[str]]:
+    """(error, warnings) when checkpoints were asked for: an error when the root was refused or a
+    write failed, a warning when none or not all could be written."""
     stats = app.persister.stats if app is not None and app.persister is not None else None
     if stats is not None and stats.refused:
-        click.echo(f"error: {stats.refused}", err=True)
-        sys.exit(1)
+        return stats.refused, []
     if stats is not None and stats.failed:
-        click.echo(f"error: {stats.failed} checkpoint write(s) failed; last: {stats.last_error}", err=True)
-        sys.exit(1)
+        return f"{stats.failed} checkpoint write(s) failed; last: {stats.last_error}", []
     what = f"--checkpoint-dir {checkpoint_dir}" if checkpoint_dir else f"[persist] directory {persist.directory}"
     if app is None:
-        click.echo(f"warning: {what} ignored: nothing to checkpoint (the capture holds no DDP job: no layout, "
-                   "no initial weights; give --config with [job] and [training] for a plain all-reduce job)",
-                   err=True)
-    elif summary["no_initial_state"] and not summary["iterations_applied"]:
-        click.echo(f"warning: {what}: nothing committed: the capture does not start with the job (no initial "
-                   "weights broadcast on the wire to start the replica from)", err=True)
+        return None, [f"{what} ignored: nothing to checkpoint (the capture holds no DDP job: no layout, no initial "
+                      "weights; give --config with [job] and [training] for a plain all-reduce job)"]
+    if summary["no_initial_state"] and not summary["iterations_applied"]:
+        return None, [f"{what}: nothing committed: the capture does not start with the job (no initial weights "
+                      "broadcast on the wire to start the replica from)"]
+    return None, []
 
 
 def _complete_from_wire(job, captures, nccl_version, dtype, icrc):
@@ -442,18 +457,23 @@ def _print_timing(t: dict) -> None:
                    f"took {t['close_s']:.2f} s more at the end")
 
 
-def _print(report, ars, iterations, summary, secs, nbytes):
+def _print(report, ars, iterations, summary, secs, nbytes, verbose=False):
     for n in report["notes"]:
         click.echo(f"note: {n}")
     for m in report["mismatches"]:
         click.echo(f"mismatch: {m}")
-    for a in ars:
-        state = "complete" if a["complete"] else f"INCOMPLETE coverage {a['coverage']:.4f} holes {a['holes'][:4]}"
-        extra = " (hole filled by a point-to-point send)" if a["filled_by_p2p"] else ""
-        click.echo(f"all-reduce {a['index']} (iteration {a['iteration']}, bucket {a['bucket']}): "
-                   f"{a['count']} x {a['dtype']} {state}{extra}")
+    incomplete = [a for a in ars if not a["complete"]]
+    for a in incomplete if verbose else incomplete[:SHOWN]:
+        click.echo(f"incomplete: all-reduce {a['index']} (iteration {a['iteration']}, bucket {a['bucket']}): "
+                   f"{a['count']} x {a['dtype']}, coverage {a['coverage']:.4f}, holes {a['holes'][:4]}"
+                   + (f" and {len(a['holes']) - 4} more" if len(a["holes"]) > 4 else ""))
+    if len(incomplete) > SHOWN and not verbose:
+        click.echo(f"incomplete: {len(incomplete) - SHOWN} more (--verbose lists them, --json gives every verdict)")
+    filled = sum(bool(a["filled_by_p2p"]) for a in ars)
     good = sum(it.complete for it in iterations)
-    click.echo(f"{len(ars)} all-reduces, {good}/{len(iterations)} iterations complete")
+    click.echo(f"{len(ars)} all-reduces ({len(ars) - len(incomplete)} complete, {len(incomplete)} incomplete"
+               + (f", {filled} with a hole filled by a point-to-point send" if filled else "")
+               + f"), {good}/{len(iterations)} iterations complete")
     hinted = sum(bool(a.get("p2p_candidate")) for a in ars)
     if hinted:
         click.echo(f"note: {hinted} incomplete all-reduce(s) have their one hole followed, before the next "
@@ -467,7 +487,8 @@ def _print(report, ars, iterations, summary, secs, nbytes):
                    + (", no initial state on the wire" if summary["no_initial_state"] else ""))
         last = summary["checkpoints"][-1] if summary["checkpoints"] else None
         kept = summary.get("latest_kept")
-        click.echo(f"checkpoints: {len(summary['checkpoints'])} committed, latest {last}" if last or not kept else
+        click.echo(f"checkpoints: {len(summary['checkpoints'])} committed, latest {last}" if last else
+                   "checkpoints: 0 committed" if not kept else
                    f"checkpoints: 0 committed: {kept} was already there (a committed checkpoint is never "
                    "overwritten; use another --checkpoint-dir)")
     click.echo(f"throughput: {nbytes / 1e6:.1f} MB of capture in {secs:.2f} s "

@@ -5,7 +5,8 @@ every tensor back through dcp.load. From a root it gives the newest checkpoint p
 trainer, else the newest intact one (--newest: the newest intact one), says which and why, and
 reports every problem it met: a torn or dangling `latest`, a damaged or uncommitted checkpoint.
 Exit status 1 when nothing can be given, or when a newer checkpoint than the one given is named
-but damaged or missing; the reasons go to stderr (or the JSON), never a traceback."""
+but damaged or missing; the reasons are `error:` lines on stderr (and, with --json, the report's
+"problems" and "error"), never a traceback. --verify shows its progress on a terminal."""
 
 from __future__ import annotations
 
@@ -14,14 +15,33 @@ import sys
 from pathlib import Path
 
 import click
+from mirrorckpt.tools.progress import Progress
 
 
 def _fail(msg: str, as_json: bool, path: str) -> None:
     if as_json:
-        click.echo(json.dumps({"path": path, "ok": False, "problems": [msg]}, indent=1))
-    else:
-        click.echo(f"mirrorckpt restore: {msg}", err=True)
+        click.echo(json.dumps({"path": path, "ok": False, "problems": [msg], "error": msg}, indent=1))
+    click.echo(f"error: {msg}", err=True)
     sys.exit(1)
+
+
+class _Bar:
+    """``verify``'s progress on one bar per checkpoint hashed and read back (a terminal only)."""
+
+    def __init__(self):
+        self.bar, self.path = None, None
+
+    def __call__(self, path, done: int, total: int) -> None:
+        if path != self.path:
+            self.close()
+            self.path = path
+            self.bar = Progress(f"[verify] {Path(path).name}", total=total / 1e6, unit="MB")
+        self.bar.set(done / 1e6)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 @click.command("restore")
@@ -34,21 +54,26 @@ def restore(checkpoint_dir: str, do_verify: bool, newest: bool, as_json: bool) -
     """Verify or inspect a committed checkpoint. CHECKPOINT_DIR is a step-* directory or a checkpoint
     root (the checkpoint to resume from is chosen, and the choice explained)."""
     sel = None
+    bar = _Bar()
     try:
         from mirrorckpt.updater.restore import _is_checkpoint, select, summarize, verify
 
         path = Path(checkpoint_dir)
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such directory")
+        if not path.is_dir():
+            raise NotADirectoryError(f"{path}: not a directory (a step-* checkpoint or a checkpoint root)")
         if _is_checkpoint(path):
-            report = verify(path) if do_verify else summarize(path)
+            report = verify(path, progress=bar) if do_verify else summarize(path)
         else:
-            sel = select(path, verify_data=do_verify, prefer_verified=not newest, check_newer=True)
+            sel = select(path, verify_data=do_verify, prefer_verified=not newest, check_newer=True, progress=bar)
             report = sel.report
     except Exception as e:  # the command reports, it does not crash
         msg = str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
         _fail(msg, as_json, checkpoint_dir)
         return
+    finally:
+        bar.close()
     problems = list(report.problems if report is not None else [])
     if sel is not None:
         problems = sel.problems + [p for p in problems if p not in sel.problems]
@@ -58,6 +83,8 @@ def restore(checkpoint_dir: str, do_verify: bool, newest: bool, as_json: bool) -
     if as_json:
         out = dict(report.to_dict() if report is not None else {"path": None}, verified=do_verify,
                    ok=not failed, problems=problems)
+        if failed:
+            out["error"] = problems[0] if problems else "no checkpoint can be given"
         if sel is not None:
             out.update(root=sel.root, reason=sel.reason, notes=sel.notes, newest=sel.newest)
         click.echo(json.dumps(out, indent=1))
@@ -81,6 +108,6 @@ def restore(checkpoint_dir: str, do_verify: bool, newest: bool, as_json: bool) -
         for n in sel.notes if sel is not None else []:
             click.echo(f"note        {n}")
         for p in problems:
-            click.echo(f"mirrorckpt restore: {p}", err=True)
+            click.echo(f"error: {p}", err=True)
     if failed:
         sys.exit(1)

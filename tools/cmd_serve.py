@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import click
+from mirrorckpt.tools.cliutil import Pace, unwritable_dir
 
 
 def interface_problem(spec: str) -> str | None:
@@ -83,7 +84,8 @@ def tls_context(control: dict, name: str):
 
 @click.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, exists=True))
-@click.option("--pace", help="For capture-file sources: 'recorded' or a rate in Gbit/s (default: as fast as possible).")
+@click.option("--pace", type=Pace(),
+              help="For capture-file sources: 'recorded' or a rate in Gbit/s (default: as fast as possible).")
 @click.option("--pipelined/--no-pipelined", default=None,
               help="Step each bucket's parameters as soon as the bucket is final, so the replica's step ends "
                    "soon after the iteration's last packet (overrides [updater] pipelined; default off: the "
@@ -142,6 +144,9 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
         foreign = ckptdir.foreign_root(persist.directory, job.layout, job.name) if persist else None
         if foreign:
             raise ConfigError(f"{Path(config_path).name}: [persist] {foreign}")
+        problem = unwritable_dir(persist.directory, "[persist] directory") if persist else None
+        if problem:
+            raise ConfigError(f"{Path(config_path).name}: {problem}")
         ssl_context = tls_context(job.control, Path(config_path).name) if job.control.get("listen") else None
         pipelined = job.pipelined if pipelined is None else pipelined
         if pipelined and job.control.get("listen"):
@@ -152,11 +157,11 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
         sys.exit(2)
     if persist is None:
         log.warning("no [persist] table: the replica is kept in memory only and no checkpoint is ever committed")
-    pace_v = None if pace is None else ("recorded" if pace == "recorded" else float(pace))
     metrics = Metrics()
     control = None
     if job.control.get("listen"):
         from mirrorckpt.control.appliance_side import AppliancePlane
+        from mirrorckpt.control.auth import MIN_SECRET
 
         c = job.control
         host, _, port = c["listen"].rpartition(":")
@@ -165,9 +170,10 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
         except OSError as e:
             click.echo(f"error: [control] secret_file: {e.strerror}: {c['secret_file']}", err=True)
             sys.exit(2)
-        if not secret:
+        if not secret or len(secret) < MIN_SECRET:
+            have = f" ({c['secret_file']} holds {len(secret)} bytes)" if secret else ""
             click.echo(f"error: {Path(config_path).name}: [control] needs secret_file (a shared secret, "
-                       "at least 16 bytes)", err=True)
+                       f"at least {MIN_SECRET} bytes){have}", err=True)
             sys.exit(2)
         if ssl_context is None:
             log.warning("control plane without TLS: weights, gradients and HMAC proofs cross the network in clear "
@@ -184,7 +190,7 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
     # the packet path: each capture process and the parser thread
     torch.set_num_threads(job.updater_threads(sum(m.workers for m in job.mirrors) + 1))
     log.info("updater: %d torch thread(s)", torch.get_num_threads())
-    daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control, pipelined=pipelined,
+    daemon = Daemon(job, training, persist, metrics, pace=pace, control=control, pipelined=pipelined,
                     limits=limits, control_only=control_only)
     metrics.follow_persister(lambda: getattr(daemon.appliance, "persister", None))
     daemon.judge()  # the endpoint answers with a verdict from its first request

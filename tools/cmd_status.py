@@ -6,9 +6,11 @@ import json
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import click
+from mirrorckpt.tools.cliutil import Number, fail
 
 
 def fetch(url: str, timeout: float = 5.0) -> dict:
@@ -128,21 +130,19 @@ def render(m: dict) -> str:
               help="The appliance's configuration (its [metrics] listen address).")
 @click.option("--url", help="The metrics endpoint, e.g. http://127.0.0.1:9100/metrics.")
 @click.option("--json", "as_json", is_flag=True, help="The verdict and the steps it compares as one JSON object.")
-@click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
-              help="Show it again every SECONDS until interrupted.")
+@click.option("--watch", type=Number(0.1), metavar="SECONDS", help="Show it again every SECONDS until interrupted.")
 def status(config_path, url, as_json, watch):
     """Whether the job is protected, and why; then frames, drops, iterations, replica, fallbacks,
     checkpoints and queues. Exits 1 when no appliance answers, 3 when the job is not protected."""
-    url = _metrics_url(config_path, url, as_json)
+    url = _metrics_url(config_path, url)
     while True:
         try:
             m = fetch(url)
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            _fail(f"no appliance answers at {url}: {getattr(e, 'reason', e)}", as_json, 1)
-        if as_json:
-            click.echo(json.dumps(summary(m)))
-        else:
-            click.echo(render(m))
+        except (urllib.error.URLError, OSError) as e:
+            fail(f"no appliance answers at {url}: {getattr(e, 'reason', e)}", 1)
+        except (ValueError, UnicodeDecodeError) as e:  # a bad port, or an answer that is not Prometheus text
+            fail(f"{url}: not an appliance's metrics endpoint ({e})", 1)
+        click.echo(json.dumps(summary(m)) if as_json else render(m))
         if watch is None:
             break
         try:
@@ -154,27 +154,20 @@ def status(config_path, url, as_json, watch):
     sys.exit(3 if summary(m)["verdict"] == "not protected" else 0)
 
 
-def _fail(msg: str, as_json: bool, code: int):
-    if as_json:
-        click.echo(json.dumps({"error": msg}))
-    else:
-        click.echo(f"error: {msg}", err=True)
-    sys.exit(code)
+def _metrics_url(config_path, url) -> str:
+    if url is None:
+        if config_path is None:
+            fail("give --config or --url")
+        from mirrorckpt.config.jobfile import ConfigError, load_job
 
-
-def _metrics_url(config_path, url, as_json: bool) -> str:
-    if url is not None:
-        if not url.startswith(("http://", "https://")):
-            _fail(f"--url {url!r}: expected http://HOST:PORT/metrics", as_json, 2)
-        return url
-    if config_path is None:
-        _fail("give --config or --url", as_json, 2)
-    from mirrorckpt.config.jobfile import ConfigError, load_job
-
-    try:
-        listen = load_job(config_path).metrics.get("listen")
-    except ConfigError as e:
-        _fail(str(e), as_json, 2)
-    if not listen:
-        _fail(f"{config_path} has no [metrics] listen address", as_json, 2)
-    return f"http://{listen}/metrics"
+        try:
+            listen = load_job(config_path).metrics.get("listen")
+        except ConfigError as e:
+            fail(str(e))
+        if not listen:
+            fail(f"{config_path} has no [metrics] listen address")
+        url = f"http://{listen}/metrics"
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        fail(f"--url {url!r}: expected the metrics endpoint as http://HOST:PORT/metrics")
+    return url

@@ -57,12 +57,6 @@ def checkpoint_bytes_per_param(precision: str, optimizer: str) -> dict:
     return {"components": parts, "total": sum(parts.values())}
 
 
-def young_daly(C: float, mtbf: float) -> tuple[float, float]:
-    """The textbook's pair: Young's interval sqrt(2 C MTBF) and its waste C/(tau+C) + tau/(2 MTBF)."""
-    tau = math.sqrt(2.0 * C * mtbf)
-    return tau, C / (tau + C) + tau / (2.0 * mtbf)
-
-
 @dataclass
 class Timeline:
     """One strategy's times, in seconds (see the module docstring)."""

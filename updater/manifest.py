@@ -58,8 +58,9 @@ def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def hash_file(path: Path, ranges: list[tuple[str, int, int]] = ()) -> tuple[int, str, dict[str, str]]:
-    """(size, sha256, {key: sha256 of its byte range}) in one sequential read. Ranges must not overlap."""
+def hash_file(path: Path, ranges: list[tuple[str, int, int]] = (), progress=None) -> tuple[int, str, dict[str, str]]:
+    """(size, sha256, {key: sha256 of its byte range}) in one sequential read. Ranges must not overlap.
+    ``progress(nbytes)`` is called after each chunk read."""
     whole = hashlib.sha256()
     todo = sorted(ranges, key=lambda r: r[1])
     parts = {k: hashlib.sha256() for k, _, _ in todo}
@@ -80,6 +81,8 @@ def hash_file(path: Path, ranges: list[tuple[str, int, int]] = ()) -> tuple[int,
                     parts[k].update(mv[a - pos:z - pos])
             todo = [r for r in todo if r[1] + r[2] > end]
             pos = end
+            if progress is not None:
+                progress(len(buf))
     return pos, whole.hexdigest(), {k: h.hexdigest() for k, h in parts.items()}
 
 

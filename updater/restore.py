@@ -75,7 +75,7 @@ def _read_flat(d: Path, keys: list[str], md) -> dict:
     return flat
 
 
-def _check_files(d: Path, m: dict, r: Report) -> None:
+def _check_files(d: Path, m: dict, r: Report, progress=None) -> None:
     present = set(os.listdir(d)) - {MANIFEST, MANIFEST_TMP}  # the temp file: a rewrite cut short, never read
     for name in sorted(present - set(m["files"])):
         r.fail(f"{d / name}: not listed in the manifest")
@@ -85,7 +85,7 @@ def _check_files(d: Path, m: dict, r: Report) -> None:
             r.fail(f"{p}: missing")
             continue
         items = sorted(((k, it) for k, it in m["items"].items() if it["file"] == name), key=lambda x: x[1]["offset"])
-        size, sha, parts = hash_file(p, [(k, it["offset"], it["length"]) for k, it in items])
+        size, sha, parts = hash_file(p, [(k, it["offset"], it["length"]) for k, it in items], progress)
         r.files += 1
         r.bytes += size
         if size == info["size"] and sha == info["sha256"]:
@@ -116,9 +116,11 @@ def _values_match(t: torch.Tensor, entry: dict) -> bool:
     return True
 
 
-def verify(checkpoint_dir, tensors: bool = True) -> Report:
+def verify(checkpoint_dir, tensors: bool = True, progress=None) -> Report:
     """Check one checkpoint directory: manifest, every file's size and sha256, DCP metadata against the
-    manifest, the required keys, and (``tensors``) every tensor's values read back through dcp.load."""
+    manifest, the required keys, and (``tensors``) every tensor's values read back through dcp.load.
+    ``progress(checkpoint_dir, bytes done, bytes in all)``, if given, follows the hashing and the
+    read-back (a large checkpoint takes minutes)."""
     d = Path(checkpoint_dir)
     r = Report(str(d))
     if not d.is_dir():
@@ -130,7 +132,8 @@ def verify(checkpoint_dir, tensors: bool = True) -> Report:
         r.fail(str(e))
         return r
     r.step, r.optimizer_step = m["step"], m.get("optimizer_step")
-    _check_files(d, m, r)
+    tick = _progress(d, m, tensors, progress)
+    _check_files(d, m, r, tick)
     if not r.ok:
         return r  # nothing in a damaged directory is unpickled
     dcp = dcp_module()
@@ -178,8 +181,28 @@ def verify(checkpoint_dir, tensors: bool = True) -> Report:
                 r.fail(f"{d}: tensor {key}: its fingerprint differs from the one it was verified by "
                        f"(step {m['verified'].get('step')})")
         r.tensors += len(batch)
+        if tick is not None:
+            tick(size)
         batch, size = [], 0
     return r
+
+
+def _progress(d: Path, m: dict, tensors: bool, progress):
+    """``progress`` as a per-chunk counter of one checkpoint's bytes: its files, then its tensors read back."""
+    if progress is None:
+        return None
+    total = sum(f["size"] for f in m["files"].values())
+    if tensors:
+        total += sum(math.prod(t["shape"]) * getattr(getattr(torch, t["dtype"], None), "itemsize", 0)
+                     for t in m["tensors"].values())  # a dtype torch does not know is verify's to report
+    done = [0]
+
+    def tick(nbytes: int) -> None:
+        done[0] += nbytes
+        progress(d, done[0], total)
+
+    progress(d, 0, total)
+    return tick
 
 
 def summarize(checkpoint_dir) -> Report:
@@ -247,11 +270,12 @@ def _pointer(root: Path, sel: Selection, have_dirs: bool) -> int | None:
     return step
 
 
-def select(root, verify_data: bool = False, prefer_verified: bool = True, check_newer: bool = False) -> Selection:
+def select(root, verify_data: bool = False, prefer_verified: bool = True, check_newer: bool = False,
+           progress=None) -> Selection:
     """Choose the checkpoint to give from a root: the newest verified intact one (with
     ``prefer_verified``), else the newest intact one. Intact: the manifest check, and with
     ``verify_data`` the full ``verify``. ``check_newer`` also fully checks every newer checkpoint
-    passed over, so damage there is reported."""
+    passed over, so damage there is reported. ``progress``: as ``verify``'s."""
     root = Path(root)
     sel = Selection(str(root))
     dirs = ckptdir.step_dirs(root)
@@ -270,7 +294,7 @@ def select(root, verify_data: bool = False, prefer_verified: bool = True, check_
         order = [x for x in intact if x[2] is not None] + [x for x in intact if x[2] is None]
     checked = set()
     for _, d, v in order:
-        r = verify(d) if verify_data else summarize(d)
+        r = verify(d, progress=progress) if verify_data else summarize(d)
         checked.add(d)
         if not r.ok:
             sel.problems.extend(r.problems)
@@ -288,7 +312,7 @@ def select(root, verify_data: bool = False, prefer_verified: bool = True, check_
         passed = [(x, d) for x, d, v in intact if x > sel.step and v is None and d not in checked]
         for _, d in passed:
             if check_newer:
-                r = verify(d) if verify_data else summarize(d)
+                r = verify(d, progress=progress) if verify_data else summarize(d)
                 if not r.ok:
                     sel.problems.extend(r.problems)
                     continue

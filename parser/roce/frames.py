@@ -102,7 +102,7 @@ class RocePackets:
 ICRC_BACKEND: str = _fast.ICRC_BACKEND
 SLOW_ICRC: str | None = None if ICRC_BACKEND == "isa-l" else (
     f"the ICRC check runs on {ICRC_BACKEND}'s crc32, several times slower than ISA-L's: install libisal-dev "
-    "(tools/install-system-deps.sh) and rebuild (python setup.py build_ext --inplace --force)")
+    "(tools/install-system-deps.sh libisal-dev) and run `make build`, which rebuilds on it")
 
 
 def decode(batch: FrameBatch, icrc: bool = True, into: Counters | None = None,

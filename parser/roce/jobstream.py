@@ -84,4 +84,14 @@ class JobStream:
 
     def report(self) -> JobReport:
         placement, mismatches = self.assembler.report() if self.assembler is not None else (Counter(), [])
-        return JobReport(list(self.notes), placement, mismatches, list(self.streams.stats))
+        rep = JobReport(list(self.notes), placement, mismatches, list(self.streams.stats),
+                        ring=self.model.ring if self.model is not None else None, ranks=dict(self.ranks or {}))
+        counters = getattr(self.streams, "counters", None)
+        if counters is not None:
+            rep.roce_packets = sum(counters.by_opcode().values())
+            rep.other_frames = {k: n for k, n in sorted(counters.classes.items()) if n and not k.startswith("roce:")}
+        for d in self.streams.decoders:
+            for conn, qps in getattr(d, "qps_by_connection", dict)().items():
+                rep.connections[conn] = max(qps, rep.connections.get(conn, 0))
+        rep.unfit = set(self.placer.resolver.unplaced) if self.placer is not None else set()
+        return rep

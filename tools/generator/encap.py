@@ -100,11 +100,12 @@ class EncapOptions:
 
     def __post_init__(self):
         if self.kind not in KINDS and not _VENDOR.match(self.kind):
-            raise ValueError(f"encapsulation {self.kind!r} is not one of {', '.join(KINDS)} or vendor:PROTOCOL:BYTES")
+            raise ValueError(f"--encap {self.kind!r} is not one of {', '.join(KINDS)} or vendor:PROTOCOL:BYTES")
         for name in ("outer_vlan", "inner_vlan"):
             tags = getattr(self, name)
             if len(tags) > MAX_TAGS or any(not 0 <= t < 4095 for t in tags):
-                raise ValueError(f"{name}: up to {MAX_TAGS} VLAN ids 0..4094 (0: priority only), got {tags}")
+                raise ValueError(f"--{name.replace('_', '-')}: up to {MAX_TAGS} VLAN ids 0..4094 (0: priority only), "
+                                 f"got {tags}")
         if self.outer_vlan and self.kind == "none":
             raise ValueError("outer VLAN tags need an encapsulation (they belong to its underlay)")
         if self.mirror_mtu is not None and self.mirror_mtu < ETH.size:
@@ -137,7 +138,7 @@ def parse_tags(text: str | None) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"VLAN tags: expected 'ID' or 'ID,ID', got {text!r}") from None
+        raise ValueError(f"VLAN tags (--outer-vlan, --inner-vlan): expected 'ID' or 'ID,ID', got {text!r}") from None
 
 
 class Encapsulator:

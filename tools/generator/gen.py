@@ -93,8 +93,9 @@ def _topology_facts(topo: topology.Topology, v6: bool) -> dict:
     }
 
 
-def generate(cfg: GenConfig, out_dir) -> dict:
-    """Run ``cfg`` into ``out_dir``; returns the truth record written to truth.json."""
+def generate(cfg: GenConfig, out_dir, on_step=None) -> dict:
+    """Run ``cfg`` into ``out_dir``; returns the truth record written to truth.json. ``on_step``:
+    called with the iterations trained so far (their traffic is written as they go)."""
     out = Path(out_dir)
     ring = cfg.ring()
     mirrors = mirrors_mod.parse_mirrors(cfg.mirrors, cfg.ranks)
@@ -107,7 +108,7 @@ def generate(cfg: GenConfig, out_dir) -> dict:
     try:
         result = run_training(cfg.model, cfg.ranks, cfg.steps, cfg.seed, cfg.training, comm,
                               batch_size=cfg.batch_size, bucket_cap_mb=cfg.bucket_cap_mb,
-                              force_overflow_at=cfg.force_overflow_at, threads=cfg.threads)
+                              force_overflow_at=cfg.force_overflow_at, threads=cfg.threads, on_step=on_step)
     finally:
         files = captures.close()
     path = write_truth(result, out)

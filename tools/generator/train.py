@@ -211,14 +211,14 @@ class Job:
 def run_training(model_spec: str, ranks: int, steps: int, seed: int, training: TrainingSpec | None = None,
                  comm: Comm | None = None, *, batch_size: int = 4, bucket_cap_mb: float | None = None,
                  force_overflow_at: int | None = None, threads: int = 1,
-                 keep_reduced: bool = False) -> TrainResult:
+                 keep_reduced: bool = False, on_step=None) -> TrainResult:
     """Train ``model_spec`` for ``steps`` iterations on ``ranks`` simulated DDP ranks.
 
     Each rank runs forward and backward on its own data shard with the one shared model; DDP's
     collectives go through ``comm`` (default LocalComm); then the optimizer step of ARCHITECTURE.md
     "Trainer semantics". ``force_overflow_at`` (fp16 only) puts an inf into rank 0's gradient at
     that 0-based iteration, so the step is skipped. ``threads``: torch intra-op threads while
-    training (the results depend on it).
+    training (the results depend on it). ``on_step(iterations done)`` follows the run.
     """
     training = training or TrainingSpec()
     spec = models.parse_spec(model_spec)
@@ -251,6 +251,8 @@ def run_training(model_spec: str, ranks: int, steps: int, seed: int, training: T
                 index=it, step=job.steps_taken, lr=lr, loss_scale=scale, skipped=skipped, losses=list(losses),
                 buckets_sha256=[sha256_arrays([b]) for b in reduced], params_sha256=psha,
                 optim_sha256=osha, grad_norm=norm))
+            if on_step is not None:
+                on_step(it + 1)
         layout = job.ddp.layout()
     return TrainResult(config=config, layout=layout, collectives=recorder.records, iterations=iterations,
                        initial_params=job.initial, model=job.model, masters=job.masters,
