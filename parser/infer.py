@@ -19,6 +19,7 @@ and NCCL's default stays. A stated ``[ring] nthreads`` is the only count tried.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ from mirrorckpt.parser.channels import ChannelResolver, channel_candidates, reso
 from mirrorckpt.parser.collectives import JobModel, ring_threads, shape
 from mirrorckpt.parser.errors import InferenceError, VersionMismatch
 from mirrorckpt.parser.nccl import ConnKey, NcclDecoder, NcclSend
-from mirrorckpt.parser.ringfind import find_ring, sequences
+from mirrorckpt.parser.ringfind import find_ring, ring_hypotheses, sequences
 from mirrorckpt.parser.statemachine import RingStateMachine
 
 __all__ = ["ChannelResolver", "InferenceError", "Inferred", "infer", "infer_from_streams", "wire_family"]
@@ -89,8 +90,12 @@ def check(model: JobModel, ranks, channels, sends: list[NcclSend], why: list | N
         return 0, 1
     if why is not None and sm.mismatches:
         why.append(sm.mismatches[0])
+    # a send past the end of an endless sequence is on a channel no collective of it uses
+    idle = sm.counts["unplaced_past_end"] if model.iterations is None else 0
+    if why is not None and idle and not sm.mismatches:
+        why.append(f"{idle} send(s) on connections taken as channels that no collective uses")
     return sm.counts["placed"], (sm.counts["mismatch"] + sm.counts["unplaced_no_message_at_step"]
-                                 + sm.counts["protocol_mismatch"])
+                                 + sm.counts["protocol_mismatch"] + idle)
 
 
 def _payload(seqs, ranks, channels, model: JobModel, coll: int) -> np.ndarray | None:
@@ -176,41 +181,37 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
     whose addresses and orders count as CTS posts (the daemon's workers keep theirs)."""
     versions, fam = versions_to_try(list(decoders), nccl_version)
     seqs = sequences(sends)
-    ranks, order, conns, notes = find_ring(seqs, list(decoders), *_known(known))
-    pairs: dict[tuple, int] = {}
-    for k in conns:
-        pairs[(k.sender, k.receiver)] = pairs.get((k.sender, k.receiver), 0) + 1
-    nch = max(pairs.values())
-    ring_list = [s for s in sends if s.connection in conns]
+    ranks, order, ring_conns, notes = find_ring(seqs, list(decoders), *_known(known))
     stated = (hint.ring.nthreads if hint is not None else None) or (known.nthreads if known is not None else None)
-    shows_simple = any(s.protocol == nv.SIMPLE for s in ring_list)
-    # Thread count outermost: a 512-thread job is found exactly as before (never under 256 with
-    # another release), a 256-thread one only once no release fits it with 512.
-    counts = [stated] if stated else ([None, SIMPLE_THREADS[1]] if shows_simple else [None])
-    misfit: dict[str, dict[int, str]] = {}  # release -> thread count -> first size mismatch
-    for nt in counts:
-        for v in versions:
-            ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=v, nthreads=nt,
-                            ring_orders=[order] * nch, addresses={r: address_text(a) for a, r in ranks.items()})
-            vnotes: list[str] = []
-            why: list[str] = []
-            if hint is not None:
-                ring = dataclasses.replace(hint.ring, nccl_version=v, nthreads=nt)
-                got = _fit_hint(hint, conns, ranks, ring, ring_list, vnotes, why)
-            else:
-                got = _infer_ddp(conns, ranks, order, ring, dtype, ring_list, vnotes, why)
-            if got is None and hint is None:
-                got = _infer_allreduces(conns, ranks, ring, dtype, ring_list, vnotes, why)
-            if got is not None:
-                model, channels = got
-                _settle_protocol(model)
-                where = "stated" if nccl_version else f"wire: {fam.describe()}"
-                notes += vnotes + [f"NCCL {v} schedule ({where}); protocols {_protocols_note(model)}"]
-                threads, tnote = _thread_verdict(model, ranks, channels, ring_list, stated, shows_simple)
-                notes.append(tnote)
-                return Inferred(model, ranks, channels, notes, threads, tnote)
-            if why:
-                misfit.setdefault(v, {})[nt or SIMPLE_THREADS[0]] = why[0]
+    misfit: dict[str, dict[int, str]] = {}  # release -> thread count -> first size mismatch (all connections)
+    tried_counts = [None]
+    for conns, left in ring_hypotheses(ring_conns):
+        ring_list = [s for s in sends if s.connection in conns]
+        shows_simple = any(s.protocol == nv.SIMPLE for s in ring_list)
+        # Thread count outermost: a 512-thread job is found exactly as before (never under 256 with
+        # another release), a 256-thread one only once no release fits it with 512.
+        counts = [stated] if stated else ([None, SIMPLE_THREADS[1]] if shows_simple else [None])
+        if not left:
+            tried_counts = counts
+        nch = max(Counter((k.sender, k.receiver) for k in conns).values())
+        for nt in counts:
+            for v in versions:
+                why: list[str] = []
+                got = _try(conns, ranks, order, nch, v, nt, hint, dtype, ring_list, why)
+                if got is not None:
+                    model, channels, vnotes = got
+                    _settle_protocol(model)
+                    if left:
+                        vnotes.append(f"{len(left)} Simple connection(s) that nothing proves ring taken as "
+                                      f"point-to-point: {', '.join(map(str, left))} (with them the sends fit no "
+                                      "plan)")
+                    where = "stated" if nccl_version else f"wire: {fam.describe()}"
+                    notes += vnotes + [f"NCCL {v} schedule ({where}); protocols {_protocols_note(model)}"]
+                    threads, tnote = _thread_verdict(model, ranks, channels, ring_list, stated, shows_simple)
+                    notes.append(tnote)
+                    return Inferred(model, ranks, channels, notes, threads, tnote)
+                if why and not left:
+                    misfit.setdefault(v, {})[nt or SIMPLE_THREADS[0]] = why[0]
     tried = ", ".join(versions)
     for v, by in misfit.items():
         a, b = SIMPLE_THREADS
@@ -221,7 +222,7 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
                 f"the Simple collectives fit neither Simple thread count under NCCL {v}: with {a} threads "
                 f"{by[a]}; with {b} threads {by[b]} (NCCL_NTHREADS set to another value? state it: "
                 "[ring] nthreads)")
-    threads = ' with 512 or 256 Simple threads' if len(counts) > 1 else ''
+    threads = ' with 512 or 256 Simple threads' if len(tried_counts) > 1 else ''
     if hint is not None:
         # what a configuration leaves open is read from the first sends, which must all fit
         first = next((by[k] for by in misfit.values() for k in sorted(by)), None)
@@ -231,6 +232,22 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
                              "NCCL is read, are damaged beyond what loss explains")
     raise InferenceError(f"the message sizes fit neither DDP's start-up nor a series of all-reduces under NCCL "
                          f"{tried}{threads} (give the job configuration)")
+
+
+def _try(conns, ranks, order, nch, v, nt, hint, dtype, ring_list, why):
+    """(model, channels, notes) of one hypothesis (ring connections, channels, release, Simple
+    threads), or None; ``why`` gets the first size mismatch."""
+    notes: list[str] = []
+    if hint is not None:
+        ring = dataclasses.replace(hint.ring, nccl_version=v, nthreads=nt)
+        got = _fit_hint(hint, conns, ranks, ring, ring_list, notes, why)
+    else:
+        ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=v, nthreads=nt,
+                        ring_orders=[order] * nch, addresses={r: address_text(a) for a, r in ranks.items()})
+        got = _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes, why)
+        if got is None:
+            got = _infer_allreduces(conns, ranks, ring, dtype, ring_list, notes, why)
+    return None if got is None else (*got, notes)
 
 
 def _thread_verdict(model: JobModel, ranks, channels, ring_list, stated, shows_simple) -> tuple[int | None, str]:

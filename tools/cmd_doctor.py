@@ -59,7 +59,7 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
     for k, seq in seqs.items():
         protos = sorted({s.protocol for s in seq.values() if s.protocol and len(s.data)})
         ring = _ringlike(seq)
-        conns.append({"connection": str(k), "sends": len(seq), "qps": nqps.get(k, 1), "protocols": protos,
+        conns.append({"key": k, "connection": str(k), "sends": len(seq), "qps": nqps.get(k, 1), "protocols": protos,
                       "kind": "collective" if ring else "point-to-point"})
         pair_conns[(k.sender, k.receiver)].add(k.sport)
         if ring:
@@ -85,6 +85,9 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
                         "simple_threads": got.simple_threads or got.threads_note.removeprefix("Simple threads: "),
                         "protocols": {f"{k[0]} {k[1]}x{k[2]}": p for k, p in sorted(got.model.protocols.items())}}
             notes = got.notes
+            for c in conns:  # what the inferred ring left out is point-to-point
+                if c["kind"] == "collective" and c["key"] not in got.channels:
+                    c["kind"] = "point-to-point"
         except InferenceError as e:
             causes.append({"cause": str(e), "fix": "mirror the egress of two adjacent ranks from the job's start, "
                                                    "or give the job file (--config); " + ADVICE_OTHER})
@@ -95,7 +98,7 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
         "qps_per_connection": sorted({c["qps"] for c in conns}),
         "algorithm": "ring" if peers and all(len(b) == 1 for b in peers.values()) else
                      ("not a ring" if peers else "none (no collective traffic)"),
-        "connections": conns, "inferred": inferred, "notes": notes, "causes": causes,
+        "connections": [{k: v for k, v in c.items() if k != "key"} for c in conns], "inferred": inferred, "notes": notes, "causes": causes,
     }
 
 

@@ -24,6 +24,18 @@ def _floats(text: str, n: int, name: str) -> tuple[float, ...]:
     return vals
 
 
+def _p2p_sends(text: str) -> tuple[tuple[int, int, int], ...]:
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        try:
+            pair, nbytes = item.split(":")
+            src, dst = pair.split(">")
+            out.append((int(src), int(dst), int(nbytes)))
+        except ValueError:
+            raise click.BadParameter(f"expected SRC>DST:BYTES, got {item!r}", param_hint="--p2p-send") from None
+    return tuple(out)
+
+
 def _orders(text: str | None) -> list[list[int]] | None:
     if not text:
         return None
@@ -89,6 +101,9 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--line-rate-gbps", default=100.0, show_default=True, type=float)
 @click.option("--p2p-fill", is_flag=True, help="After each gradient all-reduce, rank 0 sends its next rank the "
               "final values its egress lacks, point to point (as the iter_40000_p2p_iter10 capture does).")
+@click.option("--p2p-send", "p2p_send", default="", help="After each gradient all-reduce, point-to-point sends "
+              "of values foreign to it (Simple, on each pair's own connection): SRC>DST:BYTES, comma-separated, "
+              "e.g. '0>1:4096,1>0:8192'.")
 @click.option("--noise", default="", help="Background traffic: comma-separated arp,ptp,tcp,probes,vendor or all.")
 @click.option("--noise-rate", default=2000.0, show_default=True, type=float, help="Events/s per kind and direction.")
 @click.option("--loss", default=0.0, type=float, help="Fault rate per RC frame of a capture file.")
@@ -104,7 +119,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
         dampening, nesterov, amsgrad, maximize, foreach, lr_schedule, lr_schedule_kwargs, clip_norm,
         clip_norm_type, loss_scale, growth_interval, force_overflow_at, mirror, fmt, adaptive_routing,
         ar_threshold, write_only_train, psn_start, qps_per_connection, split_data_on_qps, line_rate_gbps, p2p_fill,
-        noise, noise_rate, loss, reorder,
+        p2p_send, noise, noise_rate, loss, reorder,
         duplicate, corrupt, truncate, message_loss, fault_seed, no_send_truth):
     """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
     from mirrorckpt.config.training import (
@@ -148,7 +163,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
                              qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps),
             noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
             faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
-            p2p_fill=p2p_fill, send_truth=not no_send_truth)
+            p2p_fill=p2p_fill, p2p_noise=_p2p_sends(p2p_send), send_truth=not no_send_truth)
         truth = generate(cfg, out_dir)
     except (ValueError, SpecError, json.JSONDecodeError) as e:
         click.echo(f"error: {e}", err=True)

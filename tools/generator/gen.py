@@ -57,7 +57,9 @@ class GenConfig:
     noise: NoiseOptions = field(default_factory=NoiseOptions)
     faults: FaultOptions = field(default_factory=FaultOptions)
     p2p_fill: bool = False
-    p2p_noise: tuple[int, ...] = ()  # after each gradient all-reduce, foreign point-to-point sends of these sizes
+    # after each gradient all-reduce, foreign point-to-point sends: a size (bytes, rank 0 to its next
+    # rank) or a (sender, receiver, bytes) triple each
+    p2p_noise: tuple = ()
     send_truth: bool = True  # every captured send in truth.json (large for big runs)
 
     def ring(self) -> RingSpec:

@@ -100,7 +100,7 @@ class NcclRing:
     """Comm for ``ring.nranks`` ranks; emits through ``wire`` (its sink writes the mirrors)."""
 
     def __init__(self, ring: RingSpec, topo: Topology, wire: Wire, p2p_fill: bool = False,
-                 p2p_noise: tuple[int, ...] = (), seed: int = 0):
+                 p2p_noise: tuple = (), seed: int = 0):
         if not 2 <= ring.nranks <= 16:
             raise ValueError(f"the generator simulates 2..16 ranks, not {ring.nranks}")
         self.ring, self.topo, self.wire = ring, topo, wire
@@ -204,24 +204,30 @@ class NcclRing:
         self.index += 1
 
     def _noise(self, result: np.ndarray, what: str) -> None:
-        """Rank 0 sends its next rank, point to point on the connection ``_fill`` uses, one message of
-        each ``p2p_noise`` size (bytes) of values that are not the all-reduce's (a pipeline activation,
-        a tensor-parallel exchange): foreign sends as large as pieces of the result."""
-        dst = self.orders[0][1]
-        pair = self.topo.p2p_pair(0, dst, self.version)
-        conn = self.wire.conn(("p2p", 0, dst), pair)
+        """Point-to-point sends of values that are not the all-reduce's (a pipeline activation, a
+        tensor-parallel exchange), one message of each ``p2p_noise`` size: a plain size goes from rank
+        0 to its next rank on the connection ``_fill`` uses, a (sender, receiver, size) triple on the
+        pair's own point-to-point connection; foreign sends as large as pieces of the result."""
         es = result.itemsize
-        vals = self._noise_rng.standard_normal(sum(self.p2p_noise) // es).astype(result.dtype)
-        msgs, lo = [], 0
-        for k, nbytes in enumerate(self.p2p_noise):
+        by_pair: dict[tuple[int, int], list[int]] = {}
+        for item in self.p2p_noise:
+            src, dst, nbytes = item if isinstance(item, tuple) else (0, self.orders[0][1], item)
             if nbytes % es or not 0 < nbytes <= P2P_CHUNK_BYTES:
                 raise ValueError(f"p2p noise message of {nbytes} bytes: not a positive multiple of {es} "
                                  f"up to {P2P_CHUNK_BYTES}")
-            msgs.append(P2pMsg(nbytes, k, lo, nbytes // es))
-            lo += nbytes // es
-        label = {"collective": None, "what": f"p2p_noise:{what}", "kind": "p2p"}
-        self.wire.run([Work(conn, msgs, channel=-1)], Layer(nv.SIMPLE, nv.BROADCAST, p2p=True),
-                      SliceValues(vals), label, self.wire.opts.collective_gap_ns)
+            if src == dst or not (0 <= src < self.ring.nranks and 0 <= dst < self.ring.nranks):
+                raise ValueError(f"p2p noise from rank {src} to rank {dst}: not two ranks of 0..{self.ring.nranks - 1}")
+            by_pair.setdefault((src, dst), []).append(nbytes)
+        for (src, dst), sizes in by_pair.items():
+            conn = self.wire.conn(("p2p", src, dst), self.topo.p2p_pair(src, dst, self.version))
+            vals = self._noise_rng.standard_normal(sum(sizes) // es).astype(result.dtype)
+            msgs, lo = [], 0
+            for k, nbytes in enumerate(sizes):
+                msgs.append(P2pMsg(nbytes, k, lo, nbytes // es))
+                lo += nbytes // es
+            label = {"collective": None, "what": f"p2p_noise:{what}", "kind": "p2p"}
+            self.wire.run([Work(conn, msgs, channel=-1)], Layer(nv.SIMPLE, nv.BROADCAST, p2p=True),
+                          SliceValues(vals), label, self.wire.opts.collective_gap_ns)
 
     def _fill(self, plan: schedule.AllReducePlan, result: np.ndarray, what: str) -> None:
         """Rank 0 sends its next rank, point to point, the final values its egress lacks (the extra
