@@ -181,6 +181,10 @@ RETH = Header("reth", 16, [Field("va", 0, 8), Field("rkey", 8, 4), Field("dlen",
 IMMDT = Header("immdt", 4, [Field("imm", 0, 4, "big")])
 AETH = Header("aeth", 4, [Field("syndrome", 0, 1), Field("msn", 1, 3)])
 DETH = Header("deth", 8, [Field("qkey", 0, 4), Field("srcqp", 5, 3)])
+ATOMIC_ETH = Header("atomiceth", 28, [Field("va", 0, 8), Field("rkey", 8, 4), Field("swap_add", 12, 8),
+                                      Field("compare", 20, 8)])
+ATOMIC_ACK_ETH = Header("atomicacketh", 8, [Field("orig", 0, 8)])
+IETH = Header("ieth", 4, [Field("rkey", 0, 4)])
 ICRC_BYTES = 4
 PSN_MODULUS = 1 << 24
 
