@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from mirrorckpt.config import ddp
+from mirrorckpt.config.ddp import CollSpec
 from mirrorckpt.config.layout import BucketSpec, JobLayout, RingSpec, address_text, dtype_size
 from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import protocols, protowalk, schedule
@@ -37,6 +38,7 @@ from mirrorckpt.parser.statemachine import RingStateMachine
 __all__ = ["ChannelResolver", "InferenceError", "Inferred", "infer", "infer_from_streams", "wire_family"]
 
 ESIZE_DTYPES = {4: "float32", 2: "bfloat16", 8: "float64"}
+DTYPES = ("float32", "bfloat16", "float16")  # gradient dtypes a DDP start-up is tried with, in order
 
 
 @dataclass
@@ -196,6 +198,8 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
         nch = max(Counter((k.sender, k.receiver) for k in conns).values())
         for nt in counts:
             for v in versions:
+                if nt == SIMPLE_THREADS[1] and not stated and not nv.pci_thread_rule(v):
+                    continue  # 2.31+ keeps 512 Simple threads on a PCI-limited ring
                 why: list[str] = []
                 got = _try(conns, ranks, order, nch, v, nt, hint, dtype, ring_list, why)
                 if got is not None:
@@ -234,15 +238,15 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
                          f"{tried}{threads} (give the job configuration)")
 
 
-def _try(conns, ranks, order, nch, v, nt, hint, dtype, ring_list, why):
+def _try(conns, ranks, order, nch, release, threads, hint, dtype, ring_list, why):
     """(model, channels, notes) of one hypothesis (ring connections, channels, release, Simple
     threads), or None; ``why`` gets the first size mismatch."""
     notes: list[str] = []
     if hint is not None:
-        ring = dataclasses.replace(hint.ring, nccl_version=v, nthreads=nt)
+        ring = dataclasses.replace(hint.ring, nccl_version=release, nthreads=threads)
         got = _fit_hint(hint, conns, ranks, ring, ring_list, notes, why)
     else:
-        ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=v, nthreads=nt,
+        ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=release, nthreads=threads,
                         ring_orders=[order] * nch, addresses={r: address_text(a) for a, r in ranks.items()})
         got = _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes, why)
         if got is None:
@@ -306,16 +310,20 @@ def _shapes_payload(seq, ring, nparams) -> list | None:
                                    nthreads=ring_threads(ring, s0.protocol))
     start = len(plan.messages(0, 0))
     payload = np.zeros(0, np.uint8)
+    longest = 2 * ddp.MAX_TENSOR_DIMS * nparams  # sizes and strides of every dimension of every parameter
+    tried = 0
     for t in range(start, start + 128):
         s = seq.get(t)
-        if s is None or not s.complete:
+        if s is None or not s.complete or tried >= longest:
             return None
         if not len(s.data):
             continue
         payload = np.concatenate([payload, s.data])
         vals = payload[: len(payload) // 8 * 8].view("<i8")
         # LL/LL128 pad a message's last line or group: the payload is the shortest prefix that parses
-        for n in range(2, len(vals) + 1, 2):
+        # (prefixes tried after an earlier message are not tried again)
+        for n in range(tried + 2, min(len(vals), longest) + 1, 2):
+            tried = n
             try:
                 cand = ddp.parse_shapes(vals[:n], nparams)
             except ValueError:
@@ -327,21 +335,9 @@ def _shapes_payload(seq, ring, nparams) -> list | None:
 
 def _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes, why=None):
     """DDP start-up on rank 0's egress: all-gather of the parameter count, shapes, weights."""
-    for k, seq in conns.items():
-        if ranks[k.sender] != 0:
-            continue
-        s0 = seq.get(0)
-        if s0 is None or not s0.complete or s0.protocol is None \
-                or s0.wire_bytes != protocols.wire_bytes(s0.protocol, 8):
-            continue
-        nparams = int(s0.data[:8].view("<i8")[0])
-        if not 1 <= nparams <= 1 << 20:
-            continue
-        shapes = _shapes_payload(seq, ring, nparams)
-        if shapes is None:
-            continue
-        for dt in ([dtype] if dtype else ["float32", "bfloat16", "float16"]):
-            got = _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes, why)
+    for shapes in _startup_shapes(conns, ranks, ring):
+        for dt in ([dtype] if dtype else DTYPES):
+            got = _ddp_model(conns, ranks, order, ring, shapes, len(shapes), dt, ring_list, notes, why)
             if got is not None:
                 if not dtype and dt != "float32":
                     notes.append(f"gradient dtype taken as {dt} (2-byte elements); give --dtype to be sure")
@@ -396,6 +392,76 @@ def _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes,
         notes.append(f"DDP job: {nparams} parameters, {len(layout.buckets)} buckets after the rebuild")
         return model, channels
     return None
+
+
+def startup_without_allreduces(sends: list[NcclSend], decoders=(), nccl_version: str | None = None) -> str | None:
+    """A sentence when every ring send is DDP's start-up and its bucket rebuild, with no gradient
+    all-reduce between them or after: the job reduces its gradients off the mirrored links (NVLS
+    inside the node, CollNet in the network). The rebuild broadcasts come after iteration 0's
+    all-reduce, so a capture cut short before it cannot look like this. None otherwise."""
+    try:
+        versions, _ = versions_to_try(list(decoders), nccl_version)
+        ranks, order, ring_conns, _ = find_ring(sequences(sends), list(decoders))
+    except InferenceError:
+        return None
+    for conns, _left in ring_hypotheses(ring_conns):
+        ring_list = [s for s in sends if s.connection in conns and s.length_known]
+        nch = max(Counter((k.sender, k.receiver) for k in conns).values())
+        for v in versions:
+            ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=v,
+                            ring_orders=[order] * nch, addresses={r: address_text(a) for a, r in ranks.items()})
+            for shapes in _startup_shapes(conns, ranks, ring):
+                for dt in DTYPES:
+                    layout = ddp.layout_from_wire(shapes, dt)
+                    head = ddp.startup(layout) + ddp.rebuild(layout)[:1]
+                    got = _fit_startup(head, ring, conns, ranks, ring_list)
+                    if got is None:
+                        continue
+                    idx = _payload(conns, ranks, got[1], got[0], len(head) - 1)
+                    nbuckets = int(idx.view("<i4")[-1]) if idx is not None else 0
+                    if not 1 <= nbuckets <= len(shapes):
+                        continue
+                    whole = head + [CollSpec(nv.BROADCAST, nbuckets, "int32", "rebuild_sizes")]
+                    if _fit_startup(whole, ring, conns, ranks, ring_list, every=True) is not None:
+                        return (f"the ring carries DDP's start-up ({len(shapes)} parameters, {dt}) and its bucket "
+                                f"rebuild ({nbuckets} buckets), and no gradient all-reduce before or after the "
+                                "rebuild")
+    return None
+
+
+def _startup_shapes(conns, ranks, ring):
+    """Parameter shapes read off rank 0's start-up broadcasts (the first message its connection
+    sends is the parameter-count all-gather's)."""
+    for k, seq in conns.items():
+        if ranks[k.sender] != 0:
+            continue
+        s0 = seq.get(0)
+        if s0 is None or not s0.complete or s0.protocol is None \
+                or s0.wire_bytes != protocols.wire_bytes(s0.protocol, 8):
+            continue
+        nparams = int(s0.data[:8].view("<i8")[0])
+        shapes = _shapes_payload(seq, ring, nparams) if 1 <= nparams <= 1 << 20 else None
+        if shapes is not None:
+            yield shapes
+
+
+def _fit_startup(colls: list, ring: RingSpec, conns, ranks, ring_list, every: bool = False):
+    """(model, channels) of a sequence of ``colls`` alone that every ring send before its end fits
+    (``every``: that places every ring send), else None."""
+    model = JobModel(ring, None, startup=list(colls), per_iteration=[], iterations=0)
+    got = _learn(model, conns, ranks, upto=len(colls))
+    if got is None:
+        return None
+    model.protocols.update(got[0])
+    # channels from the sends of these collectives (rank 0's next message, if any, is later)
+    early = {k: [s for s in v.values() if got[1] is None or s.ts_ns < got[1]] for k, v in conns.items()}
+    channels = resolve_channels(model, ranks, early, [])
+    if channels is None:
+        return None
+    placed, bad = check(model, ranks, channels, [s for s in ring_list if every or got[1] is None or s.ts_ns < got[1]])
+    if bad or not placed or (every and placed < len(ring_list)):
+        return None
+    return model, channels
 
 
 def _misfit(model: JobModel, conns, ranks, upto: int) -> list[str]:
@@ -478,6 +544,8 @@ def _solve_counts(conns, ranks, ring, es, limit: int = 64) -> tuple[list[int], l
     connections message by message: each all-reduce's protocol is that of its data sends."""
     R = ring.nranks
     keys = [k for k in conns if ranks[k.sender] == 0]
+    if not keys:  # rank 0 sends on no ring connection: nothing to read the counts off
+        return [], []
     seqs = {k: conns[k] for k in keys}
     counts, protos = [], []
     m = {k: 0 for k in keys}

@@ -96,21 +96,31 @@ def ring_hypotheses(conns: dict[ConnKey, dict[int, NcclSend]]):
     return out
 
 
+def cts_ranks(decoders: list[NcclDecoder]) -> dict[bytes, int]:
+    """Address -> rank as the CTS posts' tags name it (a receiver tags its post with the data
+    sender's rank); an address tagged with several ranks is left out."""
+    out: dict[bytes, int] = {}
+    for dec in decoders:
+        for key, c in dec.conns.items():
+            if len(set(c.tags)) == 1:
+                out.setdefault(key.sender, next(iter(c.tags)))
+    return out
+
+
 def find_ring(seqs: dict[ConnKey, dict[int, NcclSend]], decoders: list[NcclDecoder],
               known_ranks: dict[bytes, int] | None = None, known_links=()):
     """(address -> rank, ring order from rank 0, ring connections, notes). ``known_ranks`` and
     ``known_links`` ((sender, receiver) addresses): the configured ring, taken like CTS posts."""
     notes: list[str] = []
     tags: dict[bytes, int] = dict(known_ranks or {})
+    for a, r in cts_ranks(decoders).items():
+        tags.setdefault(a, r)
     edges: dict[bytes, dict[bytes, int]] = defaultdict(lambda: defaultdict(int))  # a -> b -> weight
     for a, b in known_links:
         edges[a][b] += 1
     for dec in decoders:
         for key, c in dec.conns.items():
             if c.tags:
-                t = set(c.tags)
-                if len(t) == 1:
-                    tags.setdefault(key.sender, t.pop())
                 edges[key.sender][key.receiver] += 1
     ring = {k: v for k, v in seqs.items() if _ringlike(v)}
     strong = {k for k, v in ring.items() if any(s.protocol in (nv.LL, nv.LL128) for s in v.values())}

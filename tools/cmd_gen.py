@@ -101,6 +101,12 @@ def _orders(text: str | None) -> list[list[int]] | None:
 @click.option("--line-rate-gbps", default=100.0, show_default=True, type=float)
 @click.option("--p2p-fill", is_flag=True, help="After each gradient all-reduce, rank 0 sends its next rank the "
               "final values its egress lacks, point to point (as the iter_40000_p2p_iter10 capture does).")
+@click.option("--algorithm", default="ring", show_default=True,
+              type=click.Choice(["ring", "tree", "pat", "nvls", "collnet"]),
+              help="What NCCL runs besides the ring: tree (gradient all-reduces by NCCL's double binary tree), pat "
+              "(all-gathers to log-distance peers, one rank per node), nvls (gradient all-reduces inside the node: "
+              "nothing on the network), collnet (gradient all-reduces through an in-network aggregation node). The "
+              "appliance follows only the ring; `doctor` names the others.")
 @click.option("--p2p-send", "p2p_send", default="", help="After each gradient all-reduce, point-to-point sends "
               "of values foreign to it (Simple, on each pair's own connection): SRC>DST:BYTES, comma-separated, "
               "e.g. '0>1:4096,1>0:8192'.")
@@ -119,7 +125,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
         dampening, nesterov, amsgrad, maximize, foreach, lr_schedule, lr_schedule_kwargs, clip_norm,
         clip_norm_type, loss_scale, growth_interval, force_overflow_at, mirror, fmt, adaptive_routing,
         ar_threshold, write_only_train, psn_start, qps_per_connection, split_data_on_qps, line_rate_gbps, p2p_fill,
-        p2p_send, noise, noise_rate, loss, reorder,
+        algorithm, p2p_send, noise, noise_rate, loss, reorder,
         duplicate, corrupt, truncate, message_loss, fault_seed, no_send_truth):
     """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
     from mirrorckpt.config.training import (
@@ -163,7 +169,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
                              qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps),
             noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
             faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
-            p2p_fill=p2p_fill, p2p_noise=_p2p_sends(p2p_send), send_truth=not no_send_truth)
+            p2p_fill=p2p_fill, p2p_noise=_p2p_sends(p2p_send), algorithm=algorithm, send_truth=not no_send_truth)
         truth = generate(cfg, out_dir)
     except (ValueError, SpecError, json.JSONDecodeError) as e:
         click.echo(f"error: {e}", err=True)

@@ -29,6 +29,11 @@ JOBS = [
     ("auto-r4-ch4-qp2-v218", 4, 4, "auto", "2.18", "mlp:512,1024,200", 0.5, 2),
     ("simple-r3-ch1-qp2-v229", 3, 1, "Simple", "2.29", "mlp:64,128,10", 0.01, 2),
     ("simple-r2-ch1-qp4-v218", 2, 1, "Simple", "2.18", "mlp:64,128,10", 0.01, 4),
+    # issue 39: 2.31 and 2.32, every protocol, 2 QPs per connection
+    ("ll-r2-ch2-v231", 2, 2, "LL", "2.31", "mlp:64,128,10", 0.01, 1),
+    ("ll128-r3-ch1-qp2-v232", 3, 1, "LL128", "2.32", "mlp:40,64,8", 0.004, 2),
+    ("simple-r3-ch2-qp2-v231", 3, 2, "Simple", "2.31", "mlp:64,128,10", 0.01, 2),
+    ("auto-r3-ch2-qp2-v232", 3, 2, "auto", "2.32", "mlp:600,64,8", 0.002, 2),
 ]
 
 
@@ -82,7 +87,7 @@ def test_wire_family_candidates():
     assert nv.WireFamily(nv.CTS64_V220).candidates() == ["2.21", "2.22", "2.23"]
     assert nv.WireFamily(nv.CTS64_V224, "big").candidates() == ["2.29"]
     assert nv.WireFamily(nv.CTS64_V224, "little").candidates() == ["2.25", "2.28"]
-    assert nv.WireFamily(nv.CTS64_V230).candidates() == ["2.30"]
+    assert nv.WireFamily(nv.CTS64_V230).candidates() == ["2.30", "2.32"]  # 2.31-2.32 keep 2.30's layout
     assert nv.WireFamily(nv.CTS32, "big").candidates() == []  # no release writes both
     assert nv.WireFamily(nv.CTS32).contradicts("2.23") and not nv.WireFamily(nv.CTS32).contradicts("2.15")
     assert nv.imm_order_of(nv.encode_imm(65536, "2.29"), 65536) == "big"
@@ -118,6 +123,7 @@ def test_doctor_names_point_to_point_only_traffic(tmp_path):
     cap = FLOWCHECK / "allreduce+p2p.pcapng"
     r = CliRunner().invoke(main, ["doctor", str(cap)])
     assert r.exit_code == 0 and "algorithm: ring" in r.output and "point-to-point" in r.output
+    assert r.output.startswith("verdict: followable\n")
     assert "QPs per connection: 1 ([[mirror]] workers > 1 keeps every message in one worker)" in r.output
     p2p = {int(line.split(":")[-1].split(":")[0]) for line in r.output.splitlines()
            if line.startswith("connection ") and "point-to-point" in line
@@ -127,16 +133,18 @@ def test_doctor_names_point_to_point_only_traffic(tmp_path):
     r = CliRunner().invoke(main, ["doctor", str(tmp_path / "p2p.pcap")])
     assert r.exit_code == 1, r.output
     assert "only point-to-point sends" in r.output and "fix:" in r.output
+    assert r.output.startswith("verdict: not followable\n")
 
 
 def test_doctor_names_collective_traffic_to_several_peers(tmp_path):
-    """A rank whose collective connections go to two peers is not one ring (Tree, or per-channel ring
-    orders): the cause and NCCL_ALGO=Ring are named (the generator has no Tree algorithm; two ring
-    orders give the same wire symptom)."""
+    """A rank whose collective connections go to two peers, one way each, is not one ring: channels
+    of different ring orders, or Tree (tests/e2e/test_doctor_algorithms.py has Tree's own shape);
+    the cause, the job file's ring orders and NCCL_ALGO=Ring are named."""
     generate(GenConfig(ranks=3, channels=2, ring_orders=[[0, 1, 2], [0, 2, 1]], model="mlp:2000,64,8", steps=1,
                        mirrors="0:egress", send_truth=False), tmp_path)
     r = CliRunner().invoke(main, ["doctor", str(tmp_path / "rank0_egress.pcapng")])
     assert r.exit_code == 1 and "sends collective traffic to 2 peers" in r.output and "NCCL_ALGO=Ring" in r.output
+    assert r.output.startswith("verdict: not followable\n") and "[ring] orders" in r.output
 
 
 @pytest.mark.parametrize("release", ["2.18", "2.23"])

@@ -35,7 +35,7 @@ from mirrorckpt.parser import nccl_versions as nv
 from mirrorckpt.parser import protocols, schedule
 from mirrorckpt.parser.headers import BTH, ETH, ICRC_BYTES, IMMDT, IPV6, PSN_MODULUS, RETH, UDP
 from mirrorckpt.parser.schedule import RingStep
-from mirrorckpt.tools.generator.messages import ACK, NORMAL, PLAIN, SPLIT, TRAIN, packet_count, rdma_messages
+from mirrorckpt.tools.generator.messages import ACK, NORMAL, PLAIN, SEND, SPLIT, TRAIN, packet_count, rdma_messages
 from mirrorckpt.tools.generator.topology import P2P_CHUNK_BYTES, QpPair
 
 # AETH credit count encoding (IBTA vol. 1, AETH syndrome: 5-bit credit code -> receive credits).
@@ -314,6 +314,46 @@ class Wire:
         if c.posted - w.first_idx < len(w.msgs):  # one in, one more posted: the proxy stays `depth` ahead
             end = max(end, self._post_cts(w, layer, arrive + opts.cts_ns))
         return end
+
+    # -- an in-network aggregation (CollNet) ----------------------------------------------------------
+
+    def aggregate(self, topo, inputs: list[np.ndarray], result: np.ndarray, label: dict, gap_ns: int) -> None:
+        """Every rank SENDs its buffer to the aggregation node on a QP pair of its own, then the node
+        SENDs the sum back on the same pair (RC SENDs, each ACKed): no CTS, no RDMA WRITE."""
+        opts, log = self.opts, self.sink.log
+        self.clock += gap_ns
+        node = topo.add_switch().rank
+        pkt = opts.pkt_ns()
+        end = self.clock
+        for up in (True, False):
+            t0 = end
+            for r, x in enumerate(inputs):
+                conn = self.conn(("collnet", r), topo.collnet_pair(r, self.version))
+                qp, data = conn.qp, (x if up else result)
+                wire = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+                src, dst = (r, node) if up else (node, r)
+                dqp, back = (qp.recv_qpn, qp.send_qpn) if up else (qp.send_qpn, qp.recv_qpn)
+                ts = t0 + r * pkt
+                for off in range(0, max(1, wire.size), P2P_CHUNK_BYTES):
+                    piece = wire[off:off + P2P_CHUNK_BYTES]
+                    npk = packet_count(SEND, piece.size, opts.pmtu)
+                    psn = conn.data_psn[0] if up else conn.cts_psn
+                    if up:
+                        conn.data_psn[0] = (psn + npk) % PSN_MODULUS
+                    else:
+                        conn.cts_psn = (psn + npk) % PSN_MODULUS
+                    if self.sink.wants(src, dst):
+                        log.add(SEND, src, dst, qp.sport, dqp, psn, ts, length=piece.size, pmtu=opts.pmtu,
+                                pay_off=log.payload(piece), dt=pkt * len(inputs))
+                    last = ts + (npk - 1) * pkt * len(inputs)
+                    if self.sink.wants(dst, src):
+                        log.add(ACK, dst, src, qp.sport, back, (psn + npk - 1) % PSN_MODULUS,
+                                last + opts.switch_ns + opts.ack_ns, syndrome=credit_code(16), msn=0)
+                    ts = last + pkt * len(inputs)
+                    end = max(end, ts + opts.switch_ns + opts.ack_ns)
+            end += opts.step_ns
+            self.sink.after_slot()
+        self.clock = end
 
     def _truth(self, w, msg, layer, label, t, seq, flag, form, wire_len, padded, nbytes) -> None:
         qp = w.conn.qp
