@@ -209,6 +209,9 @@ CTS64_V230 = Header("cts64_v2.30", 64, [
     Field("addr", 0, 8, "little"), Field("size", 8, 8, "little"), Field("rkey", 16, 4, "little"),
     Field("nreqs", 48, 4, "little"), Field("tag", 52, 4, "little"), Field("idx", 56, 8, "little"),
 ])
+# Port speeds a receiver WRITEs to its sender after a port speed change (2.31+ with
+# NCCL_IB_EVENT_BASED_LB=1; nccl_versions.SPEED_UPDATE_SINCE): {u64 counter, u16 speedGbps[8]}.
+SPEED_UPDATE = Header("speed_update", 32, [Field("counter", 0, 8, "little"), Field("speeds", 8, 16)])
 
 # LL line: {u32 data_lo, u32 flag, u32 data_hi, u32 flag} (NCCL devcomm.h union ncclLLFifoLine).
 LL_LINE = Header("ll_line", 16, [

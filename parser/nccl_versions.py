@@ -467,6 +467,12 @@ def encode_imm(size: int, v: str | NcclVersion) -> int:
     return decode_imm(size & 0xFFFFFFFF, v)  # the swap is its own inverse
 
 
+# 2.31+: with NCCL_IB_EVENT_BASED_LB=1 (default 0) a receiver WRITEs its port speeds (32 B,
+# headers.SPEED_UPDATE, no immediate, another VA and rkey than the CTS FIFO's) to the sender on QP 0
+# after a port speed change: a reverse-direction WRITE that is no CTS post. 2.31 doc section 2
+# (v2.31.2-1 net_ib/common.cc:26-27, v2.32.3-1 p2p.cc ncclIbPostSpeedUpdateToRemote).
+SPEED_UPDATE_SINCE = "2.31"
+
 # --- 6.5 QPs ------------------------------------------------------------------------------------
 
 # NCCL_IB_QPS_PER_CONNECTION default, every version. v2.18.6-1:src/transport/net_ib.cc:495,

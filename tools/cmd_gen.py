@@ -98,6 +98,8 @@ def _orders(text: str | None) -> list[list[int]] | None:
               help="NCCL_IB_QPS_PER_CONNECTION: QPs per connection.")
 @click.option("--split-data-on-qps/--no-split-data-on-qps", default=None,
               help="NCCL_IB_SPLIT_DATA_ON_QPS: cut each message over the QPs (default: yes up to 2.19, no from 2.20).")
+@click.option("--speed-update", is_flag=True, help="NCCL 2.31+ with NCCL_IB_EVENT_BASED_LB=1: each receiver writes "
+              "its port speeds (32 bytes, no immediate) to the sender after its first CTS post.")
 @click.option("--line-rate-gbps", default=100.0, show_default=True, type=float)
 @click.option("--p2p-fill", is_flag=True, help="After each gradient all-reduce, rank 0 sends its next rank the "
               "final values its egress lacks, point to point (as the iter_40000_p2p_iter10 capture does).")
@@ -124,9 +126,9 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
         bucket_cap_mb, model, steps, seed, batch_size, threads, optimizer, lr, betas, eps, weight_decay, momentum,
         dampening, nesterov, amsgrad, maximize, foreach, lr_schedule, lr_schedule_kwargs, clip_norm,
         clip_norm_type, loss_scale, growth_interval, force_overflow_at, mirror, fmt, adaptive_routing,
-        ar_threshold, write_only_train, psn_start, qps_per_connection, split_data_on_qps, line_rate_gbps, p2p_fill,
-        algorithm, p2p_send, noise, noise_rate, loss, reorder,
-        duplicate, corrupt, truncate, message_loss, fault_seed, no_send_truth):
+        ar_threshold, write_only_train, psn_start, qps_per_connection, split_data_on_qps, speed_update, line_rate_gbps,
+        p2p_fill, algorithm, p2p_send, noise, noise_rate, loss, reorder, duplicate, corrupt, truncate, message_loss,
+        fault_seed, no_send_truth):
     """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
     from mirrorckpt.config.training import (
         ClipSpec,
@@ -166,7 +168,8 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
             mirrors=mirror, fmt=fmt,
             wire=WireOptions(pmtu=int(mtu), ipv6=ipv6, adaptive_routing=adaptive_routing, ar_threshold=ar_threshold,
                              write_only_train=write_only_train, initial_psn=psn_start, line_rate_gbps=line_rate_gbps,
-                             qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps),
+                             qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps,
+                             speed_update=speed_update),
             noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
             faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
             p2p_fill=p2p_fill, p2p_noise=_p2p_sends(p2p_send), algorithm=algorithm, send_truth=not no_send_truth)

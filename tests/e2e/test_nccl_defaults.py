@@ -165,3 +165,26 @@ def test_doctor_counts_qps_per_connection(tmp_path, release):
     r1 = CliRunner().invoke(main, ["doctor"] + [str(tmp_path / f) for f in EGRESS])
     assert "QPs per connection: 2" in r1.output and "2 QP(s)" in r1.output
     assert "a live port's kernel split would part them" in r1.output  # [[mirror]] workers on a live port
+
+
+def test_2_31_port_speed_updates_are_no_cts_posts(tmp_path):
+    """2.31+ with NCCL_IB_EVENT_BASED_LB=1: a receiver WRITEs its port speeds (32 bytes, no immediate)
+    to the sender on the CTS's QP. It is no CTS post (the 2.30 layout is 64 bytes, and read as a
+    32-byte entry it is implausible), no send, and the job replays exactly with no configuration."""
+    import json
+
+    cfg = dict(ranks=3, channels=2, nccl_version="2.31", model="mlp:600,64,8", steps=2, seed=3,
+               mirrors="0:egress,1:egress", send_truth=False)
+    plain = generate(GenConfig(**cfg), tmp_path / "plain")
+    truth = generate(GenConfig(**cfg, wire=WireOptions(speed_update=True)), tmp_path / "speed")
+    js, results, iterations, _ = cmd_replay.run([str(tmp_path / "speed" / f) for f in EGRESS], nccl_version=None)
+    assert [r.sha256() for r in results if r.spec.kind == "allreduce"] == \
+        [c["sha256"] for c in truth["collectives"] if c["kind"] == "all_reduce"]
+    assert all(it.complete for it in iterations) and not js.report().mismatches
+    seen = [json.loads(CliRunner().invoke(main, ["inspect", "--json", str(cap)]).output)
+            for cap in (tmp_path / "plain" / "rank0_egress.pcapng", tmp_path / "speed" / "rank0_egress.pcapng")]
+    assert seen[0]["cts_posts"] == seen[1]["cts_posts"] and len(seen[0]["sends"]) == len(seen[1]["sends"])
+    assert seen[0]["nccl"]["not_nccl_writes"] == 0 < seen[1]["nccl"]["not_nccl_writes"]
+    assert plain["collectives"] == truth["collectives"]
+    with pytest.raises(ValueError, match="no port speed updates"):
+        generate(GenConfig(**dict(cfg, nccl_version="2.30"), wire=WireOptions(speed_update=True)), tmp_path / "old")
