@@ -120,7 +120,7 @@ def generate(cfg: GenConfig, out_dir) -> dict:
     wire_extra = {"p2p_noise": list(cfg.p2p_noise)} if cfg.p2p_noise else {}  # absent: the sets make.sh made
     truth["wire"] = {
         "ring": ring.to_dict(),
-        "options": asdict(cfg.wire),
+        "options": {k: v for k, v in asdict(cfg.wire).items() if k != "speed_update" or v},  # the sets make.sh made
         "p2p_fill": cfg.p2p_fill,
         **({"algorithm": cfg.algorithm} if cfg.algorithm != "ring" else {}),
         **wire_extra,
