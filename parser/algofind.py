@@ -93,11 +93,16 @@ def find_peers(links: dict[bytes, dict[bytes, _Link]], ranks: dict[bytes, int]) 
     """Tree, PAT or rings of several orders, from senders with collective traffic to more than one peer."""
     out: list[Finding] = []
     tree, pat, orders = [], [], []
+    mains = {a: max(peers, key=lambda b: peers[b].sends) for a, peers in links.items()}
+    # the job's ranks as far as the wire shows them: senders, their main peers, CTS-tagged addresses
+    members = set(links) | set(mains.values()) | set(ranks)
     for a, peers in links.items():
         if len(peers) < 2:
             continue
-        main = max(peers, key=lambda b: peers[b].sends)
+        main = mains[a]
         extra = [b for b in peers if b != main]
+        if not all(b in members for b in extra):
+            continue  # a host that is none of the job's ranks: point-to-point, not an algorithm
         if all(peers[b].protocols <= {nv.SIMPLE} and peers[b].sends * 4 <= peers[main].sends for b in extra):
             pat.append((a, main, extra))
         elif len(peers) >= 3 or sum(a in links.get(b, {}) for b in peers) >= 2:

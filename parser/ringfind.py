@@ -143,7 +143,9 @@ def find_ring(seqs: dict[ConnKey, dict[int, NcclSend]], decoders: list[NcclDecod
                                  f"{', '.join(address_text(b) for b in bs)}: channels use different ring orders; "
                                  "give them in the configuration")
         nxt[a] = top[0]
-    addrs = set(edges) | {b for bs in edges.values() for b in bs}
+    # the ring's addresses: every sender and each one's successor (a receiver only a lesser edge
+    # reaches, e.g. one Simple send to another host's second port, is none of the ring's)
+    addrs = set(edges) | set(nxt.values())
     zero = by_rank.get(0, [None])[0]
     untagged = sorted(addrs - set(tags))
     if zero is None and len(untagged) == 1 and len(addrs) == len(tags) + 1:

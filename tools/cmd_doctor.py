@@ -122,7 +122,7 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
                                  for (a, b), v in sorted(pair_conns.items())},
         "qps_per_connection": sorted({c["qps"] for c in conns}),
         "algorithm": (", ".join(f.algorithm for f in findings) if findings else
-                      "ring" if ring_peers and all(n == 1 for n in ring_peers.values()) else
+                      "ring" if inferred or (ring_peers and all(n == 1 for n in ring_peers.values())) else
                       "not a ring" if ring_peers else "none (no collective traffic)"),
         "connections": [{k: v for k, v in c.items() if k != "key"} for c in conns], "inferred": inferred,
         "notes": notes, "causes": causes,
