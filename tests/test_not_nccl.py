@@ -136,3 +136,8 @@ def test_a_connection_s_sends_before_its_proof_are_kept(tmp_path):
     got = lost.feed(frames(rows[rows != close]))[1] + lost.flush()[1]
     assert len(got) == len(sends) and lost.nccl.not_nccl == 0
     assert got[0].size is None and got[0].connection == got[1].connection and got[1].size is not None
+
+
+def test_replay_of_no_nccl_traffic_exits_non_zero(soft_roce):
+    res = run("replay", "--quiet", soft_roce)
+    assert res.exit_code == 1 and "no NCCL send in the captures" in res.stderr

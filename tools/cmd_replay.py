@@ -328,6 +328,10 @@ def replay(captures, config_path, dtype, nccl_version, checkpoint_dir, optimizer
         click.echo(f"error: {d}", err=True)
     if damage:
         sys.exit(3)
+    if transport == "roce" and not results and not rep.placement:
+        click.echo("error: no NCCL send in the captures: nothing to reassemble (`mirrorckpt inspect` and `doctor` "
+                   "say what they hold)", err=True)
+        sys.exit(1)
     if persist is not None:
         _persistence_verdict(app, summary, persist, checkpoint_dir)
 
