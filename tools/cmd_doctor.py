@@ -34,6 +34,7 @@ from mirrorckpt.capture.pcapfile import open_capture
 from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser.errors import InferenceError
 from mirrorckpt.parser.streams import MirrorStreams
+from mirrorckpt.tools.progress import Progress
 
 FOLLOWABLE, NOT_FOLLOWABLE, NOT_NCCL = "followable", "not followable", "not NCCL"
 ADVICE_OTHER = ("with user-buffer registration (CUDA graphs, ncclCommRegister) set NCCL_LOCAL_REGISTER=0 "
@@ -58,10 +59,12 @@ def diagnose(captures, nccl_version=None, window: int = 20000) -> dict:
     streams = MirrorStreams([(c, open_capture(c)) for c in captures], nccl_version=nccl_version)
     sends = []
     try:
-        for batch in streams:
-            sends += batch
-            if len(sends) >= window:
-                break
+        with Progress("[doctor] reading", total=window, unit="sends", tick=1.0) as bar:  # a terminal only
+            for batch in streams:
+                sends += batch
+                bar.set(min(len(sends), window))
+                if len(sends) >= window:
+                    break
         fam = wire_family(streams.decoders)
     except InferenceError as e:  # a stated release the wire contradicts
         return {"verdict": NOT_FOLLOWABLE, "family": None, "connections": [], "inferred": None,

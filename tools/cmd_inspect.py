@@ -24,6 +24,7 @@ from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser import opcodes
 from mirrorckpt.parser.errors import VersionMismatch
 from mirrorckpt.parser.packet_path import PacketPath
+from mirrorckpt.tools.progress import Progress
 
 OTHER_KINDS = {"read": "RDMA READ", "send": "SEND", "atomic": "atomic"}
 
@@ -60,12 +61,13 @@ def summarize(path: str, icrc: bool = True, nccl_version: str | None = None) -> 
     """Runs the packet path over a capture; returns the report and the damage message, if any."""
     pp = PacketPath(icrc=icrc, nccl_version=nccl_version)
     msgs, sends, damage = [], [], None
-    with open_capture(path) as reader:
+    with open_capture(path) as reader, Progress("[inspect]", unit="frames", tick=1.0) as bar:  # a terminal only
         try:
             for batch in reader:
                 m, s = pp.feed(batch)
                 msgs += m
                 sends += s
+                bar.update(len(batch))
         except CaptureError as e:
             damage = str(e)
     m, s = pp.flush()
