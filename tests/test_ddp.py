@@ -52,4 +52,4 @@ def test_parse_shapes_gives_up_on_garbage_at_once():
     for n, count in ((400, 10**6), (4000, 10**6), (127, 40), (2001, 300), (1000, None)):
         with pytest.raises(ValueError):
             ddp.parse_shapes(np.ones(n, np.int64) + (n == 1000), count)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # minutes before; about 2 s on a loaded 2-core machine
