@@ -165,6 +165,13 @@ def iteration(layout: JobLayout, i: int) -> list[CollSpec]:
 # -- reading DDP's payloads back -------------------------------------------------------------
 
 
+# PyTorch's limit on a tensor's dimensions: bounds a parameter's entry in the shapes broadcast
+MAX_TENSOR_DIMS = 64
+# parse_shapes' budget of segment tries per value: a real payload takes at most a tensor's dimensions
+# per parameter (two values at least), a little more where size-1 dimensions make splits ambiguous
+PARSE_TRIES_PER_VALUE = MAX_TENSOR_DIMS // 2
+
+
 def parse_shapes(meta: np.ndarray, count: int | None = None) -> list[tuple[int, ...]]:
     """Parameter shapes from the int64 sizes-then-strides payload.
 
@@ -182,18 +189,29 @@ def parse_shapes(meta: np.ndarray, count: int | None = None) -> list[tuple[int, 
             acc *= max(s, 1)
         return tuple(reversed(st))
 
+    dead: set = set()  # (pos, left) that parse no further: garbage (another collective's bytes)
+    # would otherwise be walked again from every way of reaching it, exponentially often
+    budget = [PARSE_TRIES_PER_VALUE * len(vals) + 1024]  # a real payload parses in a few tries a value
+
     def walk(pos, left):
         if pos == len(vals):
             return [] if left in (None, 0) else None
-        if left == 0:
-            return None
-        for d in range((len(vals) - pos) // 2, 0, -1):
+        if left == 0 or (pos, left) in dead or (left is not None and 2 * left > len(vals) - pos):
+            return None  # (a parameter takes two values at least)
+        for d in range(min((len(vals) - pos) // 2, MAX_TENSOR_DIMS), 0, -1):
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise ValueError(f"int64 payload of {len(vals)} values: too irregular for DDP's sizes-and-strides "
+                                 "list")
+            if vals[pos + 2 * d - 1] != 1:  # a contiguous tensor's last stride
+                continue
             shape = tuple(vals[pos:pos + d])
             if any(s < 0 for s in shape) or tuple(vals[pos + d:pos + 2 * d]) != contiguous(shape):
                 continue
             rest = walk(pos + 2 * d, None if left is None else left - 1)
             if rest is not None:
                 return [shape] + rest
+        dead.add((pos, left))
         return None
 
     if len(vals) > 4096:

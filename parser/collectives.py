@@ -75,6 +75,8 @@ class JobModel:
                 return i, k
             k -= n
         n = len(self._iteration(2))
+        if not n:  # iterations of no collective: the sequence ends with its start-up
+            return 2, k
         return 2 + k // n, k % n
 
     def __getitem__(self, index: int) -> CollSpec | None:
@@ -86,9 +88,10 @@ class JobModel:
         c = self._cache.get(index)
         if c is None:
             i, j = self._locate(index - len(self.startup))
-            if self.iterations is not None and i >= self.iterations:
+            its = self._iteration(i)
+            if (self.iterations is not None and i >= self.iterations) or j >= len(its):
                 return None
-            c = self._cache[index] = self._iteration(i)[j]
+            c = self._cache[index] = its[j]
             if len(self._cache) > CACHED_COLLECTIVES:  # a daemon runs for weeks: the oldest go (recomputed if asked)
                 for k in list(itertools.islice(self._cache, CACHED_COLLECTIVES // 2)):
                     del self._cache[k]

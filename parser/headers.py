@@ -217,6 +217,10 @@ RETH = Header("reth", 16, [Field("va", 0, 8), Field("rkey", 8, 4), Field("dlen",
 IMMDT = Header("immdt", 4, [Field("imm", 0, 4, "big")])
 AETH = Header("aeth", 4, [Field("syndrome", 0, 1), Field("msn", 1, 3)])
 DETH = Header("deth", 8, [Field("qkey", 0, 4), Field("srcqp", 5, 3)])
+ATOMIC_ETH = Header("atomiceth", 28, [Field("va", 0, 8), Field("rkey", 8, 4), Field("swap_add", 12, 8),
+                                      Field("compare", 20, 8)])
+ATOMIC_ACK_ETH = Header("atomicacketh", 8, [Field("orig", 0, 8)])
+IETH = Header("ieth", 4, [Field("rkey", 0, 4)])
 ICRC_BYTES = 4
 PSN_MODULUS = 1 << 24
 
@@ -241,6 +245,9 @@ CTS64_V230 = Header("cts64_v2.30", 64, [
     Field("addr", 0, 8, "little"), Field("size", 8, 8, "little"), Field("rkey", 16, 4, "little"),
     Field("nreqs", 48, 4, "little"), Field("tag", 52, 4, "little"), Field("idx", 56, 8, "little"),
 ])
+# Port speeds a receiver WRITEs to its sender after a port speed change (2.31+ with
+# NCCL_IB_EVENT_BASED_LB=1; nccl_versions.SPEED_UPDATE_SINCE): {u64 counter, u16 speedGbps[8]}.
+SPEED_UPDATE = Header("speed_update", 32, [Field("counter", 0, 8, "little"), Field("speeds", 8, 16)])
 
 # LL line: {u32 data_lo, u32 flag, u32 data_hi, u32 flag} (NCCL devcomm.h union ncclLLFifoLine).
 LL_LINE = Header("ll_line", 16, [

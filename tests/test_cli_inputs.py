@@ -40,6 +40,7 @@ TEXT = {
     ("gen", "encap"): ["junk", "vendor:xyz", "vendor:0x8949:abc", "vendor:0x8949:-4"],
     ("gen", "outer_vlan"): ["x", "5000", "1,2,3"],
     ("gen", "inner_vlan"): ["x", "-1", "1,2,3"],
+    ("gen", "p2p_send"): ["junk", "0>1", "0>9:100", "a>b:c", "0>1:-5"],
     ("status", "url"): ["notaurl", "http://", "ftp://127.0.0.1/metrics"],
 }
 # Numbers with a range the option's type does not carry (checked where the value is used).

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from common import FLOWCHECK, flowcheck_captures
+from common import FLOWCHECK, PCAPS, flowcheck_captures
 from mirrorckpt.capture.writer import PcapWriter
 from mirrorckpt.tools.cli import main
 
@@ -82,3 +82,24 @@ def test_capture_without_roce(tmp_path):
     res = run(f)
     assert res.exit_code == 1 and "no RoCEv2 traffic" in res.stderr
     assert "arp 5" in res.stdout
+
+
+BUNDLED = sorted(str(p.relative_to(PCAPS)) for p in PCAPS.glob("*/*.pcap*"))
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_every_bundled_capture_inspects_with_no_option(name):
+    """The release is read from the wire, as replay and doctor read it (a default of 2.18 ended
+    ll128_bf16_v229 in a traceback)."""
+    res = run(PCAPS / name)
+    assert res.exit_code == 0, res.output
+    assert "verdict: NCCL traffic: NCCL 2." in res.stdout
+
+
+def test_release_read_from_the_wire_and_a_contradicting_one_refused():
+    cap = PCAPS / "ll128_bf16_v229" / "rank0_egress.pcapng"
+    r = json.loads(run("--json", cap).stdout)
+    assert r["nccl"]["release"] == "NCCL 2.29" and r["nccl"]["cts_layout"] == "cts64_v2.24"
+    assert r["sends"] and all(s["protocol"] == "LL128" for s in r["sends"] if s["bytes"])
+    res = run("--nccl-version", "2.18", cap)
+    assert res.exit_code == 4 and "contradicts the stated NCCL 2.18" in res.stderr

@@ -40,3 +40,16 @@ def test_parse_rebuild_checks_consistency():
     for idx, sizes in (([2, 1, 0, 3], [1, 2]), ([2, 1, 1, 2], [1, 2]), ([2, 1, 0, 2], [2, 2])):
         with pytest.raises(ValueError):
             ddp.parse_rebuild(np.array(idx), np.array(sizes), 3)
+
+
+def test_parse_shapes_gives_up_on_garbage_at_once():
+    """Another collective's bytes read as the shapes broadcast (a PAT all-gather in its place) were
+    backtracked exponentially: doctor spent minutes in it. Dead ends are remembered, a parameter
+    takes two values at least, a tensor 64 dimensions at most, and the tries are budgeted."""
+    import time
+
+    start = time.monotonic()
+    for n, count in ((400, 10**6), (4000, 10**6), (127, 40), (2001, 300), (1000, None)):
+        with pytest.raises(ValueError):
+            ddp.parse_shapes(np.ones(n, np.int64) + (n == 1000), count)
+    assert time.monotonic() - start < 30  # minutes before; about 2 s on a loaded 2-core machine

@@ -3,11 +3,12 @@
 The generator and the parser share ``parser.schedule``, so they can agree with each other while both
 disagree with NCCL. Here a reference written only from the pseudocode of
 /work/shared/docs/nccl-ring-schedule.md (section 3.1 channels and threads; 3.2 the "loop" family,
-2.12-2.19; 3.3 "CBD", 2.20-2.21; 3.4 "cells", 2.23-2.30), importing nothing from the parser, gives
-each channel's chunks of a ring all-reduce. It is anchored to the doc's worked examples (3.5), then
-compared with the plan the generator builds (``schedule.allreduce_plan``, what
-``tools/generator/packetize.py`` sends) over a grid of sizes, ranks, channels, protocols and element
-sizes; and a generated capture's wire is checked against the worked example's message sizes.
+2.12-2.19; 3.3 "CBD", 2.20-2.21; 3.4 "cells", 2.23-2.30, which 2.31 and 2.32 keep: nccl-2.31-2.32.md
+section 1), importing nothing from the parser, gives each channel's chunks of a ring all-reduce. It is
+anchored to the doc's worked examples (3.5), then compared with the plan the generator builds
+(``schedule.allreduce_plan``, what ``tools/generator/packetize.py`` sends) over a grid of sizes, ranks,
+channels, protocols and element sizes; and a generated capture's wire is checked against the worked
+example's message sizes.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def spans(table, ch):
 
 
 @pytest.mark.parametrize("v,split", [("2.12", 3072), ("2.18", 3072), ("2.21", 3072), ("2.23", 2500),
-                                     ("2.27", 2500), ("2.30", 2500)])
+                                     ("2.27", 2500), ("2.30", 2500), ("2.32", 2500)])
 def test_reference_ll_5000_one_channel(v, split):
     assert spans(reference(5000, 4, 2, 1, "LL", v), 0) == [(0, split), (split, 5000)]
     ten = [(0, 5120), (5120, 10000)] if vt(v) <= (2, 21) else [(0, 5000), (5000, 10000)]
@@ -190,7 +191,7 @@ def test_reference_simple_1e6_two_channels(v, ch1):
 # -- the generator against the reference ----------------------------------------------------------------
 
 COUNTS = [1, 7, 100, 999, 4999, 5000, 10000, 33333, 100001, 262144, 1_000_000, 3_000_001]
-VERSIONS = ["2.12", "2.18", "2.20", "2.21", "2.23", "2.26", "2.28", "2.29", "2.30"]
+VERSIONS = ["2.12", "2.18", "2.20", "2.21", "2.23", "2.26", "2.28", "2.29", "2.30", "2.31", "2.32"]
 
 
 @pytest.mark.parametrize("v", VERSIONS)

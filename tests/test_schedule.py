@@ -12,7 +12,7 @@ from mirrorckpt.parser.roce import schedule as S
 FAMILY_VERSIONS = {
     "loop": ["2.12", "2.15", "2.16", "2.18.6", "2.19"],
     "cbd": ["2.20", "2.21"],
-    "cells": ["2.22", "2.23", "2.25", "2.26", "2.28", "2.29", "2.30"],
+    "cells": ["2.22", "2.23", "2.25", "2.26", "2.28", "2.29", "2.30", "2.31", "2.32.3"],
 }
 ALL_VERSIONS = [v for vs in FAMILY_VERSIONS.values() for v in vs]
 
@@ -42,7 +42,7 @@ TWO_CHANNELS = {
     ("2.22", "2.22"): ([(0, 1252), (1252, 2500)], [(2500, 3752), (3752, 5000)]),
     ("2.23", "2.25"): ([(0, 2048), (2048, 4096)], [(4096, 4548), (4548, 5000)]),
     ("2.26", "2.28"): ([(0, 1280), (1280, 2560)], [(2560, 3780), (3780, 5000)]),
-    ("2.29", "2.30"): ([(0, 1536), (1536, 3072)], [(3072, 4036), (4036, 5000)]),
+    ("2.29", "2.32"): ([(0, 1536), (1536, 3072)], [(3072, 4036), (4036, 5000)]),
 }
 
 
@@ -301,3 +301,27 @@ def test_byte_plan_properties(case, kind, data):
             cov = coverage(count, [(m.offset, m.nelem) for m in msgs if m.chunk == origin])
             assert (cov == 1).all()
         assert origins <= ({root} if kind == "broadcast" else set(range(R)) - {(r + 1) % R})
+
+
+def test_simple_pci_thread_rule_ends_at_2_30():
+    """2.31 doc section 1's example: R = 2, fp32, 10 000 elements, a 2-channel PCI-limited ring. Up to
+    2.30 Simple runs 256 threads there, on 2 channels; from 2.31 512, on one (20 000 B + 0 B)."""
+    assert nv.pci_thread_rule("2.30") and not nv.pci_thread_rule("2.31") and not nv.pci_thread_rule("2.32")
+    old = S.allreduce_plan(10000, 4, 2, 2, "Simple", "2.30", nthreads=nv.max_threads("Simple", pci_limited=True))
+    new = S.allreduce_plan(10000, 4, 2, 2, "Simple", "2.31",
+                           nthreads=nv.max_threads("Simple", pci_limited=nv.pci_thread_rule("2.31")))
+    assert old.channels == [0, 1] and new.channels == [0]
+    assert [m.wire_bytes for m in old.messages(0, 0)][:2] == [16384, 0]
+    assert [m.wire_bytes for m in old.messages(0, 1)][:2] == [3616, 0]
+    assert [m.wire_bytes for m in new.messages(0, 0)][:2] == [20000, 0]
+
+
+def test_2_31_and_2_32_write_2_30_s_cts_entry():
+    for v in ("2.31", "2.32"):
+        assert nv.cts_header(v) is headers.CTS64_V230 and nv.cts_fifo_stride(v) == 512
+        assert nv.imm_byte_order(v) == "big" and nv.chunk_family(v) == nv.CELLS
+        assert nv.cells_rules(v) == nv.cells_rules("2.30")
+    fam = nv.WireFamily(headers.CTS64_V230, "big")
+    assert fam.describe() == "NCCL 2.30-2.32" and fam.candidates() == ["2.30", "2.32"]
+    with pytest.raises(ValueError, match="outside the supported range"):
+        nv.version("2.33")

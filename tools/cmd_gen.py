@@ -29,6 +29,18 @@ def _floats(text: str, n: int, name: str) -> tuple[float, ...]:
     return vals
 
 
+def _p2p_sends(text: str) -> tuple[tuple[int, int, int], ...]:
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        try:
+            pair, nbytes = item.split(":")
+            src, dst = pair.split(">")
+            out.append((int(src), int(dst), int(nbytes)))
+        except ValueError:
+            raise click.BadParameter(f"expected SRC>DST:BYTES, got {item!r}", param_hint="--p2p-send") from None
+    return tuple(out)
+
+
 def _orders(text: str | None, ranks: int, channels: int) -> list[list[int]] | None:
     if not text:
         return None
@@ -118,9 +130,20 @@ def _schedule(name: str, kwargs_text: str):
               help="NCCL_IB_QPS_PER_CONNECTION: QPs per connection.")
 @click.option("--split-data-on-qps/--no-split-data-on-qps", default=None,
               help="NCCL_IB_SPLIT_DATA_ON_QPS: cut each message over the QPs (default: yes up to 2.19, no from 2.20).")
+@click.option("--speed-update", is_flag=True, help="NCCL 2.31+ with NCCL_IB_EVENT_BASED_LB=1: each receiver writes "
+              "its port speeds (32 bytes, no immediate) to the sender after its first CTS post.")
 @click.option("--line-rate-gbps", default=100.0, show_default=True, type=Number(0, min_open=True))
 @click.option("--p2p-fill", is_flag=True, help="After each gradient all-reduce, rank 0 sends its next rank the "
               "final values its egress lacks, point to point (as the iter_40000_p2p_iter10 capture does).")
+@click.option("--algorithm", default="ring", show_default=True,
+              type=click.Choice(["ring", "tree", "pat", "nvls", "collnet"]),
+              help="What NCCL runs besides the ring: tree (gradient all-reduces by NCCL's double binary tree), pat "
+              "(all-gathers to log-distance peers, one rank per node), nvls (gradient all-reduces inside the node: "
+              "nothing on the network), collnet (gradient all-reduces through an in-network aggregation node). The "
+              "appliance follows only the ring; `doctor` names the others.")
+@click.option("--p2p-send", "p2p_send", default="", help="After each gradient all-reduce, point-to-point sends "
+              "of values foreign to it (Simple, on each pair's own connection): SRC>DST:BYTES, comma-separated, "
+              "e.g. '0>1:4096,1>0:8192'.")
 @click.option("--noise", default="", help="Background traffic: comma-separated arp,ptp,tcp,probes,vendor or all.")
 @click.option("--noise-rate", default=2000.0, show_default=True, type=Number(0),
               help="Events/s per kind and direction.")
@@ -150,8 +173,8 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
         bucket_cap_mb, model, steps, seed, batch_size, threads, optimizer, lr, betas, eps, weight_decay, momentum,
         dampening, nesterov, amsgrad, maximize, foreach, lr_schedule, lr_schedule_kwargs, clip_norm,
         clip_norm_type, loss_scale, growth_interval, force_overflow_at, mirror, fmt, adaptive_routing,
-        ar_threshold, write_only_train, psn_start, qps_per_connection, split_data_on_qps, line_rate_gbps, p2p_fill,
-        noise, noise_rate, loss, reorder,
+        ar_threshold, write_only_train, psn_start, qps_per_connection, split_data_on_qps, speed_update,
+        line_rate_gbps, p2p_fill, algorithm, p2p_send, noise, noise_rate, loss, reorder,
         duplicate, corrupt, truncate, message_loss, fault_seed, no_send_truth, encap, outer_vlan, inner_vlan, underlay,
         erspan_platform, mirror_mtu, vxlan_port):
     """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
@@ -194,10 +217,11 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
             mirrors=mirror, fmt=fmt,
             wire=WireOptions(pmtu=int(mtu), ipv6=ipv6, adaptive_routing=adaptive_routing, ar_threshold=ar_threshold,
                              write_only_train=write_only_train, initial_psn=psn_start, line_rate_gbps=line_rate_gbps,
-                             qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps),
+                             qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps,
+                             speed_update=speed_update),
             noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
             faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
-            p2p_fill=p2p_fill, send_truth=not no_send_truth,
+            p2p_fill=p2p_fill, p2p_noise=_p2p_sends(p2p_send), algorithm=algorithm, send_truth=not no_send_truth,
             encap=EncapOptions(kind=encap, outer_vlan=parse_tags(outer_vlan), inner_vlan=parse_tags(inner_vlan),
                                ipv6=underlay == "ipv6", platform=erspan_platform, mirror_mtu=mirror_mtu,
                                vxlan_port=vxlan_port))

@@ -1,7 +1,14 @@
-"""`mirrorckpt inspect CAPTURE [--json]`: what a capture holds, layer by layer.
+"""`mirrorckpt inspect CAPTURE [--json]`: what a capture holds, layer by layer, and whether its
+RoCE traffic is NCCL's.
 
-Exit codes: 0 fine; 1 no RoCEv2 traffic at all; 2 not a readable capture; 3 the capture is
-damaged part-way (everything before the damage is reported).
+The NCCL release is read from the wire (CTS layout, immediate byte order) as replay and doctor read
+it; a stated ``--nccl-version`` the wire contradicts is an error. A WRITE is an NCCL send only
+where its connection shows NCCL (``NcclDecoder._vouch``); RoCE traffic that shows none (an RDMA
+application's WRITEs, READs, SENDs, atomics) gets the verdict "not NCCL".
+
+Exit codes: 0 fine (NCCL or not); 1 no RoCEv2 traffic at all; 2 not a readable capture; 3 the
+capture is damaged part-way (everything before the damage is reported); 4 the stated release
+contradicts the wire.
 """
 
 from __future__ import annotations
@@ -14,13 +21,46 @@ from collections import defaultdict
 import click
 from mirrorckpt.capture.batch import CaptureError
 from mirrorckpt.capture.pcapfile import open_capture
+from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser import encap
+from mirrorckpt.parser.errors import VersionMismatch
+from mirrorckpt.parser.roce import opcodes
 from mirrorckpt.parser.roce.packet_path import PacketPath
 from mirrorckpt.tools.cliutil import NcclVersion, fail
 from mirrorckpt.tools.progress import Progress
 
+OTHER_KINDS = {"read": "RDMA READ", "send": "SEND", "atomic": "atomic"}
 
-def summarize(path: str, icrc: bool = True, nccl_version: str = "2.18") -> tuple[dict, str | None]:
+
+def nccl_verdict(pp: PacketPath, nsends: int) -> dict:
+    """Whether the RoCE traffic is NCCL's, and what showed it (or that nothing did)."""
+    dec = pp.nccl
+    fam = dec.family
+    other = {}
+    for name, n in pp.counters.by_opcode().items():
+        op = opcodes.BY_NAME.get(name)
+        if op is not None and op.kind in OTHER_KINDS:
+            other[OTHER_KINDS[op.kind]] = other.get(OTHER_KINDS[op.kind], 0) + n
+    nccl = bool(nsends or dec.cts_posts)
+    if nccl:
+        text = f"NCCL traffic: {fam.describe()} (" + ", ".join(
+            f"{n} connection(s) by {why}" for why, n in sorted(dec.proofs.items())) + ")"
+    else:
+        shown = [f"{dec.not_nccl} WRITE message(s) that no NCCL connection claims" if dec.not_nccl else "",
+                 ", ".join(f"{what} {n} packets" for what, n in sorted(other.items()))]
+        text = ("not NCCL: no CTS post, no WRITE closed by an immediate equal to its length, no LL/LL128 line "
+                "flags; " + ("; ".join(x for x in shown if x) or "no RDMA WRITE messages") +
+                " (an RDMA application's traffic; NCCL's data path is RDMA WRITE only)")
+    return {
+        "nccl": nccl, "verdict": text, "release": fam.describe() if nccl else None,
+        "cts_layout": fam.cts.name if fam.cts else None, "imm_order": fam.imm_order,
+        "proofs": dict(dec.proofs), "not_nccl_writes": dec.not_nccl, "other_operations": other,
+        "verbs_qps": [{"qp": f"{address_text(d)}/qp{q:#x}", "packets_left_out": n}
+                      for (d, q), n in sorted(pp.verbs_qps.items())],
+    }
+
+
+def summarize(path: str, icrc: bool = True, nccl_version: str | None = None) -> tuple[dict, str | None]:
     """Runs the packet path over a capture; returns the report and the damage message, if any."""
     pp = PacketPath(icrc=icrc, nccl_version=nccl_version)
     msgs, sends, damage = [], [], None
@@ -66,6 +106,7 @@ def summarize(path: str, icrc: bool = True, nccl_version: str = "2.18") -> tuple
             "wire_bytes": x.wire_bytes, "complete": x.complete,
             "missing_bytes": sum(n for _, n in x.holes), "sha256": x.sha256(),
         } for x in sends],
+        "nccl": nccl_verdict(pp, len(sends)),
     }
     return report, damage
 
@@ -102,6 +143,10 @@ def render(r: dict) -> str:
         fl = f", flags {min(flags)}..{max(flags)}" if flags else ""
         out.append(f"  {conn}: {len(ss)} sends ({'/'.join(protos)}{fl}), "
                    f"{sum(s['bytes'] for s in ss)} data bytes, {bad} incomplete")
+    for q in r["nccl"]["verbs_qps"]:
+        out.append(f"  {q['qp']}: SEND/READ/atomic requests, {q['packets_left_out']} packets left out of reassembly")
+    if r["roce"]["packets"]:
+        out.append(f"verdict: {r['nccl']['verdict']}")
     return "\n".join(out)
 
 
@@ -109,8 +154,9 @@ def render(r: dict) -> str:
 @click.argument("capture", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the summary.")
 @click.option("--no-icrc", is_flag=True, help="Skip the ICRC check (every packet is taken as intact).")
-@click.option("--nccl-version", default="2.18", show_default=True, type=NcclVersion(),
-              help="NCCL version that produced the traffic.")
+@click.option("--nccl-version", default=None, type=NcclVersion(),
+              help="NCCL release that produced the traffic (read from the wire when absent; a stated one the wire "
+                   "contradicts is an error).")
 def inspect(capture, as_json, no_icrc, nccl_version):
     """Decode CAPTURE: frames, RoCE packets, QPs, RDMA messages and NCCL sends."""
     try:
@@ -119,6 +165,8 @@ def inspect(capture, as_json, no_icrc, nccl_version):
         fail(str(e))
     except OSError as e:
         fail(f"{capture}: {e.strerror or e}")
+    except VersionMismatch as e:
+        fail(f"{capture}: {e}", 4)
     error, code = None, 0
     if damage:
         report["damage"] = damage

@@ -32,6 +32,10 @@ def nothing_matched(rep: JobReport, allreduces: int, named_by: str = "the job fi
                 f"session copying the ranks' RDMA port (interface, VLAN, mirror encapsulation)?{hint}")
     sends = sum(rep.placement.values())
     placed = rep.placement.get("placed", 0)
+    if not sends and rep.roce_packets and rep.ring is None:
+        return (f"no NCCL send in the captures: {rep.roce_packets:,} RoCEv2 packets in {frames} show nothing of "
+                "NCCL (an RDMA application's traffic?): nothing to reassemble (`mirrorckpt inspect` and `doctor` "
+                "say what they hold)")
     if rep.connections:
         shown = _wire(rep, named_by)
     elif rep.roce_packets:

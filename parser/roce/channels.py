@@ -243,12 +243,18 @@ class ChannelResolver:
         if not (stepped or by_order or final):
             return []  # nothing identifying yet (empty steps, or flagless sends still few)
         taken = {self.mapped[k] for k in self._pair(conn) if k in self.mapped}
+        a, b = self.ranks[conn.sender], self.ranks[conn.receiver]
+        if {ch for ch in range(self.model.ring.nchannels) if self.model.ring.next_rank(ch, a) == b} <= taken:
+            # a hop has one connection per channel: another one between the ranks is point-to-point
+            self.rejected.add(conn)
+            self.notes.append(f"connection {conn}: every channel of ranks {a}->{b} has its connection: "
+                              "point-to-point")
+            return self._release(conn)
         if stepped:
             cands = self._fit[key]
         else:  # channels whose first messages have the sizes of the connection's first sends
             cands = self._order_fit.get(key)
             if cands is None:  # none numbered yet: every channel of the pair
-                a, b = self.ranks[conn.sender], self.ranks[conn.receiver]
                 cands = [ch for ch in range(self.model.ring.nchannels) if self.model.ring.next_rank(ch, a) == b]
         cands = [c for c in cands if c not in taken]
         if not cands:

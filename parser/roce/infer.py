@@ -19,10 +19,12 @@ and NCCL's default stays. A stated ``[ring] nthreads`` is the only count tried.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 from mirrorckpt.config import ddp
+from mirrorckpt.config.ddp import CollSpec
 from mirrorckpt.config.layout import BucketSpec, JobLayout, RingSpec, address_text, dtype_size
 from mirrorckpt.parser.errors import InferenceError, VersionMismatch
 from mirrorckpt.parser.roce import nccl_versions as nv
@@ -30,12 +32,13 @@ from mirrorckpt.parser.roce import protocols, protowalk, schedule
 from mirrorckpt.parser.roce.channels import ChannelResolver, channel_candidates, resolve_channels  # noqa: F401
 from mirrorckpt.parser.roce.collectives import NcclJobModel, ring_threads, shape
 from mirrorckpt.parser.roce.nccl import ConnKey, NcclDecoder, NcclSend
-from mirrorckpt.parser.roce.ringfind import find_ring, sequences
+from mirrorckpt.parser.roce.ringfind import find_ring, ring_hypotheses, sequences
 from mirrorckpt.parser.roce.statemachine import RingStateMachine
 
 __all__ = ["ChannelResolver", "InferenceError", "Inferred", "infer", "infer_from_streams", "wire_family"]
 
 ESIZE_DTYPES = {4: "float32", 2: "bfloat16", 8: "float64"}
+DTYPES = ("float32", "bfloat16", "float16")  # gradient dtypes a DDP start-up is tried with, in order
 
 
 @dataclass
@@ -89,8 +92,12 @@ def check(model: NcclJobModel, ranks, channels, sends: list[NcclSend], why: list
         return 0, 1
     if why is not None and sm.mismatches:
         why.append(sm.mismatches[0])
+    # a send past the end of an endless sequence is on a channel no collective of it uses
+    idle = sm.counts["unplaced_past_end"] if model.iterations is None else 0
+    if why is not None and idle and not sm.mismatches:
+        why.append(f"{idle} send(s) on connections taken as channels that no collective uses")
     return sm.counts["placed"], (sm.counts["mismatch"] + sm.counts["unplaced_no_message_at_step"]
-                                 + sm.counts["protocol_mismatch"])
+                                 + sm.counts["protocol_mismatch"] + idle)
 
 
 def _payload(seqs, ranks, channels, model: NcclJobModel, coll: int) -> np.ndarray | None:
@@ -176,41 +183,39 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
     whose addresses and orders count as CTS posts (the daemon's workers keep theirs)."""
     versions, fam = versions_to_try(list(decoders), nccl_version)
     seqs = sequences(sends)
-    ranks, order, conns, notes = find_ring(seqs, list(decoders), *_known(known))
-    pairs: dict[tuple, int] = {}
-    for k in conns:
-        pairs[(k.sender, k.receiver)] = pairs.get((k.sender, k.receiver), 0) + 1
-    nch = max(pairs.values())
-    ring_list = [s for s in sends if s.connection in conns]
+    ranks, order, ring_conns, notes = find_ring(seqs, list(decoders), *_known(known))
     stated = (hint.ring.nthreads if hint is not None else None) or (known.nthreads if known is not None else None)
-    shows_simple = any(s.protocol == nv.SIMPLE for s in ring_list)
-    # Thread count outermost: a 512-thread job is found exactly as before (never under 256 with
-    # another release), a 256-thread one only once no release fits it with 512.
-    counts = [stated] if stated else ([None, SIMPLE_THREADS[1]] if shows_simple else [None])
-    misfit: dict[str, dict[int, str]] = {}  # release -> thread count -> first size mismatch
-    for nt in counts:
-        for v in versions:
-            ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=v, nthreads=nt,
-                            ring_orders=[order] * nch, addresses={r: address_text(a) for a, r in ranks.items()})
-            vnotes: list[str] = []
-            why: list[str] = []
-            if hint is not None:
-                ring = dataclasses.replace(hint.ring, nccl_version=v, nthreads=nt)
-                got = _fit_hint(hint, conns, ranks, ring, ring_list, vnotes, why)
-            else:
-                got = _infer_ddp(conns, ranks, order, ring, dtype, ring_list, vnotes, why)
-            if got is None and hint is None:
-                got = _infer_allreduces(conns, ranks, ring, dtype, ring_list, vnotes, why)
-            if got is not None:
-                model, channels = got
-                _settle_protocol(model)
-                where = "stated" if nccl_version else f"wire: {fam.describe()}"
-                notes += vnotes + [f"NCCL {v} schedule ({where}); protocols {_protocols_note(model)}"]
-                threads, tnote = _thread_verdict(model, ranks, channels, ring_list, stated, shows_simple)
-                notes.append(tnote)
-                return Inferred(model, ranks, channels, notes, threads, tnote)
-            if why:
-                misfit.setdefault(v, {})[nt or SIMPLE_THREADS[0]] = why[0]
+    misfit: dict[str, dict[int, str]] = {}  # release -> thread count -> first size mismatch (all connections)
+    tried_counts = [None]
+    for conns, left in ring_hypotheses(ring_conns):
+        ring_list = [s for s in sends if s.connection in conns]
+        shows_simple = any(s.protocol == nv.SIMPLE for s in ring_list)
+        # Thread count outermost: a 512-thread job is found exactly as before (never under 256 with
+        # another release), a 256-thread one only once no release fits it with 512.
+        counts = [stated] if stated else ([None, SIMPLE_THREADS[1]] if shows_simple else [None])
+        if not left:
+            tried_counts = counts
+        nch = max(Counter((k.sender, k.receiver) for k in conns).values())
+        for nt in counts:
+            for v in versions:
+                if nt == SIMPLE_THREADS[1] and not stated and not nv.pci_thread_rule(v):
+                    continue  # 2.31+ keeps 512 Simple threads on a PCI-limited ring
+                why: list[str] = []
+                got = _try(conns, ranks, order, nch, v, nt, hint, dtype, ring_list, why)
+                if got is not None:
+                    model, channels, vnotes = got
+                    _settle_protocol(model)
+                    if left:
+                        vnotes.append(f"{len(left)} Simple connection(s) that nothing proves ring taken as "
+                                      f"point-to-point: {', '.join(map(str, left))} (with them the sends fit no "
+                                      "plan)")
+                    where = "stated" if nccl_version else f"wire: {fam.describe()}"
+                    notes += vnotes + [f"NCCL {v} schedule ({where}); protocols {_protocols_note(model)}"]
+                    threads, tnote = _thread_verdict(model, ranks, channels, ring_list, stated, shows_simple)
+                    notes.append(tnote)
+                    return Inferred(model, ranks, channels, notes, threads, tnote)
+                if why and not left:
+                    misfit.setdefault(v, {})[nt or SIMPLE_THREADS[0]] = why[0]
     tried = ", ".join(versions)
     for v, by in misfit.items():
         a, b = SIMPLE_THREADS
@@ -221,7 +226,7 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
                 f"the Simple collectives fit neither Simple thread count under NCCL {v}: with {a} threads "
                 f"{by[a]}; with {b} threads {by[b]} (NCCL_NTHREADS set to another value? state it: "
                 "[ring] nthreads)")
-    threads = ' with 512 or 256 Simple threads' if len(counts) > 1 else ''
+    threads = ' with 512 or 256 Simple threads' if len(tried_counts) > 1 else ''
     if hint is not None:
         # what a configuration leaves open is read from the first sends, which must all fit
         first = next((by[k] for by in misfit.values() for k in sorted(by)), None)
@@ -231,6 +236,22 @@ def infer(sends: list[NcclSend], decoders: list[NcclDecoder] = (), dtype: str | 
                              "NCCL is read, are damaged beyond what loss explains")
     raise InferenceError(f"the message sizes fit neither DDP's start-up nor a series of all-reduces under NCCL "
                          f"{tried}{threads} (give the job configuration)")
+
+
+def _try(conns, ranks, order, nch, release, threads, hint, dtype, ring_list, why):
+    """(model, channels, notes) of one hypothesis (ring connections, channels, release, Simple
+    threads), or None; ``why`` gets the first size mismatch."""
+    notes: list[str] = []
+    if hint is not None:
+        ring = dataclasses.replace(hint.ring, nccl_version=release, nthreads=threads)
+        got = _fit_hint(hint, conns, ranks, ring, ring_list, notes, why)
+    else:
+        ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=release, nthreads=threads,
+                        ring_orders=[order] * nch, addresses={r: address_text(a) for a, r in ranks.items()})
+        got = _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes, why)
+        if got is None:
+            got = _infer_allreduces(conns, ranks, ring, dtype, ring_list, notes, why)
+    return None if got is None else (*got, notes)
 
 
 def _thread_verdict(model: NcclJobModel, ranks, channels, ring_list, stated, shows_simple) -> tuple[int | None, str]:
@@ -289,16 +310,20 @@ def _shapes_payload(seq, ring, nparams) -> list | None:
                                    nthreads=ring_threads(ring, s0.protocol))
     start = len(plan.messages(0, 0))
     payload = np.zeros(0, np.uint8)
+    longest = 2 * ddp.MAX_TENSOR_DIMS * nparams  # sizes and strides of every dimension of every parameter
+    tried = 0
     for t in range(start, start + 128):
         s = seq.get(t)
-        if s is None or not s.complete:
+        if s is None or not s.complete or tried >= longest:
             return None
         if not len(s.data):
             continue
         payload = np.concatenate([payload, s.data])
         vals = payload[: len(payload) // 8 * 8].view("<i8")
         # LL/LL128 pad a message's last line or group: the payload is the shortest prefix that parses
-        for n in range(2, len(vals) + 1, 2):
+        # (prefixes tried after an earlier message are not tried again)
+        for n in range(tried + 2, min(len(vals), longest) + 1, 2):
+            tried = n
             try:
                 cand = ddp.parse_shapes(vals[:n], nparams)
             except ValueError:
@@ -310,21 +335,9 @@ def _shapes_payload(seq, ring, nparams) -> list | None:
 
 def _infer_ddp(conns, ranks, order, ring, dtype, ring_list, notes, why=None):
     """DDP start-up on rank 0's egress: all-gather of the parameter count, shapes, weights."""
-    for k, seq in conns.items():
-        if ranks[k.sender] != 0:
-            continue
-        s0 = seq.get(0)
-        if s0 is None or not s0.complete or s0.protocol is None \
-                or s0.wire_bytes != protocols.wire_bytes(s0.protocol, 8):
-            continue
-        nparams = int(s0.data[:8].view("<i8")[0])
-        if not 1 <= nparams <= 1 << 20:
-            continue
-        shapes = _shapes_payload(seq, ring, nparams)
-        if shapes is None:
-            continue
-        for dt in ([dtype] if dtype else ["float32", "bfloat16", "float16"]):
-            got = _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes, why)
+    for shapes in _startup_shapes(conns, ranks, ring):
+        for dt in ([dtype] if dtype else DTYPES):
+            got = _ddp_model(conns, ranks, order, ring, shapes, len(shapes), dt, ring_list, notes, why)
             if got is not None:
                 if not dtype and dt != "float32":
                     notes.append(f"gradient dtype taken as {dt} (2-byte elements); give --dtype to be sure")
@@ -380,6 +393,76 @@ def _ddp_model(conns, ranks, order, ring, shapes, nparams, dt, ring_list, notes,
         notes.append(f"DDP job: {nparams} parameters, {len(layout.buckets)} buckets after the rebuild")
         return model, channels
     return None
+
+
+def startup_without_allreduces(sends: list[NcclSend], decoders=(), nccl_version: str | None = None) -> str | None:
+    """A sentence when every ring send is DDP's start-up and its bucket rebuild, with no gradient
+    all-reduce between them or after: the job reduces its gradients off the mirrored links (NVLS
+    inside the node, CollNet in the network). The rebuild broadcasts come after iteration 0's
+    all-reduce, so a capture cut short before it cannot look like this. None otherwise."""
+    try:
+        versions, _ = versions_to_try(list(decoders), nccl_version)
+        ranks, order, ring_conns, _ = find_ring(sequences(sends), list(decoders))
+    except InferenceError:
+        return None
+    for conns, _left in ring_hypotheses(ring_conns):
+        ring_list = [s for s in sends if s.connection in conns and s.length_known]
+        nch = max(Counter((k.sender, k.receiver) for k in conns).values())
+        for v in versions:
+            ring = RingSpec(nranks=len(ranks), nchannels=nch, protocol=nv.AUTO, nccl_version=v,
+                            ring_orders=[order] * nch, addresses={r: address_text(a) for a, r in ranks.items()})
+            for shapes in _startup_shapes(conns, ranks, ring):
+                for dt in DTYPES:
+                    layout = ddp.layout_from_wire(shapes, dt)
+                    head = ddp.startup(layout) + ddp.rebuild(layout)[:1]
+                    got = _fit_startup(head, ring, conns, ranks, ring_list)
+                    if got is None:
+                        continue
+                    idx = _payload(conns, ranks, got[1], got[0], len(head) - 1)
+                    nbuckets = int(idx.view("<i4")[-1]) if idx is not None else 0
+                    if not 1 <= nbuckets <= len(shapes):
+                        continue
+                    whole = head + [CollSpec(nv.BROADCAST, nbuckets, "int32", "rebuild_sizes")]
+                    if _fit_startup(whole, ring, conns, ranks, ring_list, every=True) is not None:
+                        return (f"the ring carries DDP's start-up ({len(shapes)} parameters, {dt}) and its bucket "
+                                f"rebuild ({nbuckets} buckets), and no gradient all-reduce before or after the "
+                                "rebuild")
+    return None
+
+
+def _startup_shapes(conns, ranks, ring):
+    """Parameter shapes read off rank 0's start-up broadcasts (the first message its connection
+    sends is the parameter-count all-gather's)."""
+    for k, seq in conns.items():
+        if ranks[k.sender] != 0:
+            continue
+        s0 = seq.get(0)
+        if s0 is None or not s0.complete or s0.protocol is None \
+                or s0.wire_bytes != protocols.wire_bytes(s0.protocol, 8):
+            continue
+        nparams = int(s0.data[:8].view("<i8")[0])
+        shapes = _shapes_payload(seq, ring, nparams) if 1 <= nparams <= 1 << 20 else None
+        if shapes is not None:
+            yield shapes
+
+
+def _fit_startup(colls: list, ring: RingSpec, conns, ranks, ring_list, every: bool = False):
+    """(model, channels) of a sequence of ``colls`` alone that every ring send before its end fits
+    (``every``: that places every ring send), else None."""
+    model = NcclJobModel(ring, None, startup=list(colls), per_iteration=[], iterations=0)
+    got = _learn(model, conns, ranks, upto=len(colls))
+    if got is None:
+        return None
+    model.protocols.update(got[0])
+    # channels from the sends of these collectives (rank 0's next message, if any, is later)
+    early = {k: [s for s in v.values() if got[1] is None or s.ts_ns < got[1]] for k, v in conns.items()}
+    channels = resolve_channels(model, ranks, early, [])
+    if channels is None:
+        return None
+    placed, bad = check(model, ranks, channels, [s for s in ring_list if every or got[1] is None or s.ts_ns < got[1]])
+    if bad or not placed or (every and placed < len(ring_list)):
+        return None
+    return model, channels
 
 
 def _misfit(model: NcclJobModel, conns, ranks, upto: int) -> list[str]:
@@ -462,6 +545,8 @@ def _solve_counts(conns, ranks, ring, es, limit: int = 64) -> tuple[list[int], l
     connections message by message: each all-reduce's protocol is that of its data sends."""
     R = ring.nranks
     keys = [k for k in conns if ranks[k.sender] == 0]
+    if not keys:  # rank 0 sends on no ring connection: nothing to read the counts off
+        return [], []
     seqs = {k: conns[k] for k in keys}
     counts, protos = [], []
     m = {k: 0 for k in keys}

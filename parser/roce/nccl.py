@@ -27,6 +27,7 @@ missing a piece has that piece as a hole. Whole messages round robin (2.20+) nee
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -57,6 +58,8 @@ class ConnKey(Key, NamedTuple("ConnKeyFields", [("sender", bytes), ("receiver", 
 # had 20 posts queued at one address when its send came), and addresses.
 CTS_KEPT_PER_ADDR = 64
 CTS_ADDRS_KEPT = 256
+# Sends held per connection until it shows NCCL (NcclDecoder._vouch); older ones are not NCCL's.
+UNPROVEN_KEPT = 64
 
 
 @dataclass
@@ -207,6 +210,8 @@ class _Conn:
     cut_done: set[int] = field(default_factory=set)  # numbers already sent on (never joined twice)
     qp_mode: str | None = None  # several QPs: "cut" (each message over all) or "whole"; None: undecided
     held: list = field(default_factory=list)  # WRITE sequences waiting for the mode to be decided
+    nccl: bool = False  # the connection has shown NCCL (a CTS post, or a send that proves it: _proof)
+    unproven: list = field(default_factory=list)  # its sends before that, held (at most UNPROVEN_KEPT)
 
 
 @dataclass
@@ -270,6 +275,10 @@ class NcclDecoder(RunLane):
         self.malformed_pieces = 0  # WRITE sequences of a cut connection that fit no piece: all holes
         self.lost_pieces = 0  # pieces whose message or place was never proven: dropped (holes)
         self.merged_tails = 0  # sends recovered from the end of messages run together by loss
+        # WRITE sequences of connections that never showed NCCL (an RDMA application's WRITEs that no
+        # immediate equal to their length, CTS post, split-form close or LL/LL128 line flag claims)
+        self.not_nccl = 0
+        self.proofs: Counter = Counter()  # what each connection first showed of NCCL (_proof)
         self._layouts: dict = {}  # CTS layouts to try, by the one known first
 
     def _conn(self, key: ConnKey) -> _Conn:
@@ -283,7 +292,7 @@ class NcclDecoder(RunLane):
         if messages and all(type(m) is MessageRun for m in messages):
             out = self.take_runs(messages)
             if out is not None:
-                return out
+                return self._vouch(out)
         if any(type(m) is MessageRun for m in messages):
             messages = [x for m in messages for x in (m.messages() if type(m) is MessageRun else (m,))]
         # CTS first: a receiver posts it before the data it announces, whatever the QP order.
@@ -300,7 +309,34 @@ class NcclDecoder(RunLane):
         out = []
         for m in data_msgs:
             out += self._data(m)
+        return self._vouch(out)
+
+    def _vouch(self, sends: list[NcclSend]) -> list[NcclSend]:
+        """The sends of connections that have shown NCCL; a connection's sends before it does are
+        held (copies, at most UNPROVEN_KEPT) and go out ahead of the send that proves it. A WRITE is
+        no NCCL send by itself: RDMA applications write too."""
+        out = []
+        for s in sends:
+            conn = self.conns[s.connection]
+            if not conn.nccl:
+                why = _proof(s)
+                if why is None:
+                    conn.unproven.append(s.keep())
+                    if len(conn.unproven) > UNPROVEN_KEPT:
+                        conn.unproven.pop(0)
+                        self.not_nccl += 1
+                    continue
+                self._proven(conn, why)
+            if conn.unproven:
+                out += conn.unproven
+                conn.unproven = []
+            out.append(s)
         return out
+
+    def _proven(self, conn: _Conn, why: str) -> None:
+        if not conn.nccl:
+            conn.nccl = True
+            self.proofs[why] += 1
 
     def flush(self) -> list[NcclSend]:
         """Split-form pieces never closed become incomplete sends of unknown size; messages cut
@@ -314,10 +350,16 @@ class NcclDecoder(RunLane):
             for k in sorted(c.cut):
                 if c.nq:
                     out += self._emit_cut(c, g, k)
-                else:
+                elif c.nccl:
                     self.lost_pieces += len(c.cut.pop(k))
+                else:  # WRITEs shorter than their immediate on a connection that never showed NCCL
+                    self.not_nccl += len(c.cut.pop(k))
             out += [self._make(c, *a) for a in c.held]
             c.held = []
+        out = self._vouch(out)
+        for c in self.conns.values():  # never shown NCCL: not NCCL's
+            self.not_nccl += len(c.unproven)
+            c.unproven = []
         return out
 
     # -- connections of several QPs ----------------------------------------------------------------
@@ -522,7 +564,10 @@ class NcclDecoder(RunLane):
     def _lone(self, c: _Conn, g: _Group, p: _Piece) -> list[NcclSend]:
         where = self._place_ok(g, p, None) if c.nq else None
         if where is None:
-            self.lost_pieces += 1
+            if c.nccl:
+                self.lost_pieces += 1
+            else:  # a WRITE shorter than its immediate where nothing shows NCCL: an application's
+                self.not_nccl += 1
             return []
         self.lone_pieces += 1
         s = self._cut_send(c, g, {where[0]: p}, p.size, where[1])
@@ -612,13 +657,14 @@ class NcclDecoder(RunLane):
         self.cts_posts += 1
         return True
 
-    @staticmethod
-    def _post(conn: _Conn, post: tuple) -> None:
+    def _post(self, conn: _Conn, post: tuple) -> None:
         """Keeps a CTS post (``Cts``'s fields, made a ``Cts`` only if taken) until a send to its
         address takes it (``_match_cts``). An egress-only mirror shows a connection's posts and its
         data in different streams (they go opposite ways), so most posts are never taken: the
         newest are kept per address and a bounded number of addresses, the oldest going first."""
         idx, addr = post[0], post[1]
+        if not conn.nccl:
+            self._proven(conn, "CTS posts")
         conn.cts[idx] = post
         conn.tags.add(post[5])
         q = conn.by_addr.get(addr)
@@ -803,7 +849,7 @@ class NcclDecoder(RunLane):
                 form = "malformed"  # never placed: it proves neither its step nor its bytes
         qp = msgs[0].qp if msgs else None
         g = self._qp_group.get(qp) if qp is not None else None
-        return NcclSend(
+        send = NcclSend(
             connection=c.key, qp=msgs[0].qp if msgs else None, protocol=proto, data=user, holes=holes,
             wire_bytes=len(wire), size=size, va=va, form=form, flag=flag,
             seq=cts.idx if cts else None, cts=cts, ts_ns=min(m.ts_ns for m in msgs) if msgs else 0,
@@ -812,6 +858,26 @@ class NcclDecoder(RunLane):
             pmtu=self.pmtu.get(qp, 0), qp_index=g.index(qp) if g and len(g.qps) > 1 else 0,
             nqps=len(g.qps) if g else 1,
         )
+        if not c.nccl:  # known at once: pieces decoded later in the batch count on it (_lone)
+            why = _proof(send)
+            if why is not None:
+                self._proven(c, why)
+        return send
+
+
+def _proof(s: NcclSend) -> str | None:
+    """What in one send shows NCCL, or None: LL/LL128 line flags, the split form's closing WRITE,
+    a CTS post it answers, or (every NCCL data send ends with one: doc 2) an immediate equal to
+    its length (a message cut over QPs, once joined: the whole message's)."""
+    if s.protocol in (protocols.LL, protocols.LL128) and s.flag is not None:
+        return "LL/LL128 line flags"
+    if s.cts is not None:
+        return "CTS posts"
+    if s.form == "split" and s.size is not None:
+        return "split-form close"
+    if s.size is not None and s.length_known and s.size == s.wire_bytes:
+        return "immediate equal to the length"
+    return None
 
 
 def _qp_mode(n: int, data, size: int | None, length_known: bool) -> str | None:

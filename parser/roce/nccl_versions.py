@@ -3,9 +3,13 @@
 One fact, one place: the schedule (``parser.schedule``), the payload codecs (``parser.protocols``),
 the NCCL decoder and the traffic generator read NCCL's numbers only from here. Sources are
 ``tag:path:lines`` in NVIDIA/nccl as given by /work/shared/docs/nccl-ring-schedule.md (the "doc");
-facts read from the NCCL source directly (not in the doc) say so.
+facts read from the NCCL source directly (not in the doc) say so. 2.31 and 2.32 (no tags in the
+mirror: release commits v2.31.2-1 889806836097, v2.32.3-1 12df1a11afad, and branch ``dev`` at
+2.31.0a7) are as /work/shared/docs/nccl-2.31-2.32.md (the "2.31 doc") reads them: the ring
+schedule, the protocols' formats and the CTS entry are 2.30's; Simple keeps 512 threads on a
+PCI-limited ring; several NICs of one merged device split a message by per-device weights.
 
-Supported: NCCL 2.12 - 2.30. Versions are compared by (major, minor); a patch level is kept for
+Supported: NCCL 2.12 - 2.32. Versions are compared by (major, minor); a patch level is kept for
 display only, since every rule here changes at a minor release.
 """
 
@@ -74,7 +78,7 @@ class NcclVersion:
 
 
 OLDEST = NcclVersion(2, 12)
-NEWEST = NcclVersion(2, 30)
+NEWEST = NcclVersion(2, 32)
 
 
 def version(v: str | NcclVersion) -> NcclVersion:
@@ -198,7 +202,9 @@ LL_CLEAN_MASK = 0x7FFFFFF8
 
 # --- 3.1 channels and threads per collective --------------------------------------------------
 
-# maxThreads[RING][p]; Simple 256 when ringGraph.bwIntra*nChannels <= PCI_BW.
+# maxThreads[RING][p]; Simple 256 when ringGraph.bwIntra*nChannels <= PCI_BW, up to 2.30; from 2.31
+# Simple is 512 unless NCCL_NTHREADS says otherwise (2.31 doc section 1: v2.31.2-1
+# src/tuning/tuning_general.cc:86-89; dev:src/tuning/tuning_general.cc:77).
 # v2.18.6-1:src/graph/tuning.cc:121-133, v2.30.7-1:src/graph/tuning.cc:244-257
 _MAX_THREADS = {LL: 512, LL128: 640, SIMPLE: 512}
 SIMPLE_PCI_THREADS = 256
@@ -209,9 +215,15 @@ WARP_SIZE = 32
 
 
 def max_threads(proto: str, pci_limited: bool = False) -> int:
-    """Default ``maxThreads[RING][p]`` (every version): LL 512, LL128 640, Simple 512 or 256."""
+    """Default ``maxThreads[RING][p]``: LL 512, LL128 640, Simple 512, or 256 on a PCI-limited ring
+    where the release has that rule (``pci_thread_rule``)."""
     proto = protocol(proto)
     return SIMPLE_PCI_THREADS if (proto == SIMPLE and pci_limited) else _MAX_THREADS[proto]
+
+
+def pci_thread_rule(v: str | NcclVersion) -> bool:
+    """Whether a PCI-limited ring runs Simple on 256 threads: up to 2.30 (2.31 doc section 1)."""
+    return version(v) <= "2.30"
 
 
 def thread_threshold(proto: str, nranks: int) -> int:
@@ -238,7 +250,8 @@ def chunk_family(v: str | NcclVersion) -> str:
 
     loop 2.12-2.19 (v2.18.6-1:src/collectives/device/all_reduce.h:20-93),
     cbd 2.20-2.21 (v2.21.5-1:src/enqueue.cc:431-505,743-870),
-    cells 2.22-2.30 (v2.23.4-1:src/enqueue.cc:713-935, v2.30.7-1:src/enqueue.cc:576-857)."""
+    cells 2.22-2.32 (v2.23.4-1:src/enqueue.cc:713-935, v2.30.7-1:src/enqueue.cc:576-857; 2.31 and 2.32
+    byte-identical in src/enqueue/enqueue.cc, 2.31 doc section 1)."""
     v = version(v)
     if v <= "2.19":
         return LOOP
@@ -278,7 +291,7 @@ def cells_grain(proto: str) -> int:
 
 @dataclass(frozen=True)
 class CellsRules:
-    """The knobs of the cells scheduler that changed between 2.22 and 2.30 (doc 3.4)."""
+    """The knobs of the cells scheduler that changed between 2.22 and 2.30 (doc 3.4; none since)."""
     min_traffic: int  # MinTrafficPerChannel
     fixed_cell_size: int | None  # 2.22: 16 bytes; later derived from min_traffic
     floor_task_traffic: bool  # 2.23+: a task counts at least min_traffic in the plan's sum
@@ -353,10 +366,11 @@ NET_IB_MAX_RECVS = 8  # entries per FIFO slot. v2.18.6-1:src/transport/net_ib.cc
 
 def cts_header(v: str | NcclVersion) -> Header:
     """CTS entry layout: 32 B (2.12-2.19), 64 B with rkeys[2] (2.20-2.23), u64 size + rkeys[4]
-    (2.24-2.29), rkeys[8] (2.30).
+    (2.24-2.29), rkeys[8] (2.30-2.32).
 
     v2.18.6-1:src/transport/net_ib.cc:432-439, v2.20.3-1:529-537, v2.24.3-1:910-918,
-    v2.30.7-1:src/transport/net_ib/common.h:245-252."""
+    v2.30.7-1:src/transport/net_ib/common.h:245-252, dev:src/transport/net_ib/common.h:245-252
+    (2.31.0a7), 2.31 doc section 2 (v2.31.2-1 net_ib/common.h, v2.32.3-1 p2p.cc)."""
     v = version(v)
     if v <= "2.19":
         return CTS32
@@ -453,6 +467,12 @@ def encode_imm(size: int, v: str | NcclVersion) -> int:
     return decode_imm(size & 0xFFFFFFFF, v)  # the swap is its own inverse
 
 
+# 2.31+: with NCCL_IB_EVENT_BASED_LB=1 (default 0) a receiver WRITEs its port speeds (32 B,
+# headers.SPEED_UPDATE, no immediate, another VA and rkey than the CTS FIFO's) to the sender on QP 0
+# after a port speed change: a reverse-direction WRITE that is no CTS post. 2.31 doc section 2
+# (v2.31.2-1 net_ib/common.cc:26-27, v2.32.3-1 p2p.cc ncclIbPostSpeedUpdateToRemote).
+SPEED_UPDATE_SINCE = "2.31"
+
 # --- 6.5 QPs ------------------------------------------------------------------------------------
 
 # NCCL_IB_QPS_PER_CONNECTION default, every version. v2.18.6-1:src/transport/net_ib.cc:495,
@@ -486,7 +506,8 @@ def data_qp(v: str | NcclVersion, split: bool, nqps: int, msg: int, piece: int =
     once per piece, nqps times per message, v2.18.6-1:src/transport/net_ib.cc:1042, v2.21.5-1:1613;
     2.30: ``(id·nqps + i) % nqps``, v2.30.7-1:src/transport/net_ib/common.h:394), except 2.29
     where it rotates, ``(id + i) % nqps`` (v2.29.7-1:src/transport/net_ib/common.h:326). Whole
-    messages: one per QP in turn, ``msg % nqps`` in every version."""
+    messages: one per QP in turn, ``msg % nqps`` in every version. 2.31 and 2.32 as 2.30 (2.31 doc
+    section 2)."""
     if not split:
         return msg % nqps
     if version(v).minor == 29 and version(v).major == 2:
@@ -494,16 +515,24 @@ def data_qp(v: str | NcclVersion, split: bool, nqps: int, msg: int, piece: int =
     return piece % nqps
 
 
+# --- algorithms besides the ring -----------------------------------------------------------------
+
+# PAT (all-gather and reduce-scatter to log-distance peers, one rank per node, Simple only) exists
+# from 2.23: v2.23.4-1:src/include/nccl_common.h:61, src/graph/tuning.cc:108-110 (NCCL_PAT_ENABLE),
+# :179 (Simple only). Read from the source, not in the doc.
+PAT_SINCE = "2.23"
+
 # --- what the wire tells about the version ------------------------------------------------------
 
 # CTS layouts in version order, with the releases that write them (cts_header).
 CTS_LAYOUTS = ((CTS32, "2.12", "2.19"), (CTS64_V220, "2.20", "2.23"), (CTS64_V224, "2.24", "2.29"),
-               (CTS64_V230, "2.30", "2.30"))
+               (CTS64_V230, "2.30", "2.32"))
 
 # One release per run of releases whose ring schedule is the same (chunk_family, cells_rules,
-# min_threads): 2.12 | 2.13-2.19 | 2.20-2.21 | 2.22 | 2.23-2.25 | 2.26-2.28 | 2.29 | 2.30.
+# min_threads, pci_thread_rule): 2.12 | 2.13-2.19 | 2.20-2.21 | 2.22 | 2.23-2.25 | 2.26-2.28 | 2.29 |
+# 2.30 | 2.31-2.32.
 SCHEDULE_RUNS = (("2.13", "2.19"), ("2.12", "2.12"), ("2.20", "2.21"), ("2.22", "2.22"), ("2.23", "2.25"),
-                 ("2.26", "2.28"), ("2.29", "2.29"), ("2.30", "2.30"))
+                 ("2.26", "2.28"), ("2.29", "2.29"), ("2.30", "2.30"), ("2.31", "2.32"))
 
 
 @dataclass(frozen=True)

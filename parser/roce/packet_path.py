@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.config.encap import EncapSpec
 from mirrorckpt.parser import roce
+from mirrorckpt.parser.roce import opcodes
 from mirrorckpt.parser.roce.nccl import NcclDecoder, NcclSend
 from mirrorckpt.parser.roce.reassembly import RdmaMessage, Reassembler
 
@@ -22,6 +24,11 @@ class PacketPath:
         self.counters = roce.Counters()
         self.reassembler = Reassembler(psn_window=psn_window, runs=not messages)
         self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream)
+        # QPs (destination address, QP number) that carry SEND, READ or atomic requests: an RDMA
+        # application's, never NCCL's; their packets from then on stay out of reassembly (their PSNs
+        # interleave with the WRITEs', which would read as loss). Value: packets left out.
+        self.verbs_qps: dict[tuple[bytes, int], int] = {}
+        self.verbs_senders: dict[tuple[bytes, int], bytes] = {}  # of those QPs: who sent the first request
 
     def decode(self, batch: FrameBatch) -> roce.RocePackets:
         """The frame decode and ICRC check alone: compiled, so it may run ahead on another thread
@@ -34,9 +41,36 @@ class PacketPath:
     def feed(self, batch: FrameBatch, pk: roce.RocePackets | None = None) -> tuple[list[RdmaMessage], list[NcclSend]]:
         if pk is None:
             pk = self.decode(batch)
+        pk = self._leave_out_verbs(pk)
         msgs = self.reassembler.feed(pk, batch.data)
         sends = self.nccl.feed(msgs)
         return (msgs if not self.reassembler.runs else []), sends
+
+    def _leave_out_verbs(self, pk: roce.RocePackets) -> roce.RocePackets:
+        """``pk`` less the packets of QPs that carry SEND, READ or atomic requests, from each one's
+        first such request on."""
+        req = opcodes.OTHER_REQUEST[pk.opcode]
+        start: dict[tuple[bytes, int], int] = {}  # QP -> first row left out in this batch
+        if req.any():
+            for i in np.flatnonzero(req).tolist():
+                key = (pk.dst[i].tobytes(), int(pk.dqp[i]))
+                start.setdefault(key, i)
+                self.verbs_senders.setdefault(key, pk.src[i].tobytes())
+        if not self.verbs_qps and not start:
+            return pk
+        cand = np.flatnonzero(np.isin(pk.dqp, [q for _, q in self.verbs_qps] + [q for _, q in start]))
+        out = []
+        for i in cand.tolist():
+            key = (pk.dst[i].tobytes(), int(pk.dqp[i]))
+            if key in self.verbs_qps or i >= start.get(key, len(pk)):
+                out.append(i)
+        for key in start:
+            self.verbs_qps.setdefault(key, 0)
+        for i in out:
+            self.verbs_qps[(pk.dst[i].tobytes(), int(pk.dqp[i]))] += 1
+        keep = np.ones(len(pk), bool)
+        keep[out] = False
+        return pk.take(np.flatnonzero(keep))
 
     def flush(self) -> tuple[list[RdmaMessage], list[NcclSend]]:
         msgs = self.reassembler.flush()

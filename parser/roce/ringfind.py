@@ -39,20 +39,72 @@ def sequences(sends: list[NcclSend]) -> dict[ConnKey, dict[int, NcclSend]]:
     return out
 
 
-def _ringlike(seq: dict[int, NcclSend]) -> bool:
-    """LL/LL128 sends only travel on ring (collective) connections. A Simple-only connection is
-    one too unless it looks point-to-point: its CTS posts announce other sizes than a collective's
-    step or slice (doc 4.3), or two messages in a row land at one address (a ring message takes
-    the next slot of the connection's buffer; point-to-point sends reuse a shared buffer)."""
+RING, MAYBE_RING, POINT_TO_POINT = "ring", "maybe ring", "point-to-point"
+_RING_CTS_SIZES = frozenset(nv.cts_size(p, k, nv.NEWEST) for p in nv.PROTOCOLS for k in (nv.ALLREDUCE, nv.BROADCAST))
+
+
+def evidence(seq: dict[int, NcclSend]) -> str:
+    """What a connection's sends show it to be. LL/LL128 sends only travel on ring (collective)
+    connections, and a CTS post of a ring step's or slice's size (doc 4.3) announces a ring
+    receive: RING. A Simple-only connection looks point-to-point when its CTS posts announce other
+    sizes, or two messages in a row land at one address (a ring message takes the next slot of the
+    connection's buffer; point-to-point sends reuse a shared buffer): POINT_TO_POINT. Otherwise
+    nothing decides (a few Simple sends seen without their CTS): MAYBE_RING."""
     sends = [seq[m] for m in sorted(seq)]
     if any(s.protocol in (nv.LL, nv.LL128) for s in sends):
-        return True
-    ring_sizes = {nv.cts_size(p, k, "2.18") for p in nv.PROTOCOLS for k in (nv.ALLREDUCE, nv.BROADCAST)}
+        return RING
     sizes = {s.cts.size for s in sends if s.cts is not None}
-    if sizes and not sizes <= ring_sizes:
-        return False
+    if sizes and not sizes <= _RING_CTS_SIZES:
+        return POINT_TO_POINT
     vas = [s.va for s in sends if s.va is not None]
-    return all(a != b for a, b in zip(vas, vas[1:]))
+    if any(a == b for a, b in zip(vas, vas[1:])):
+        return POINT_TO_POINT
+    return RING if sizes else MAYBE_RING
+
+
+def _ringlike(seq: dict[int, NcclSend]) -> bool:
+    return evidence(seq) != POINT_TO_POINT
+
+
+def ring_hypotheses(conns: dict[ConnKey, dict[int, NcclSend]]):
+    """The ring connections to try, most first: ``(connections, left out)`` with every ring-like
+    connection, then with one channel fewer per step down to the most connections a pair has that
+    something proves ring. A pair above the channel count leaves out its MAYBE_RING connections,
+    the latest created first (highest receiver QP number: NCCL connects the rings at init and a
+    point-to-point peer on first use). A one-send point-to-point connection seen without its CTS
+    (an egress-only mirror) looks like a Simple ring connection, and counted as one it made a
+    1-channel job look like 2 channels that no plan fits."""
+    # a connection seen only through lost messages (no send of known length; a lost CTS post makes
+    # one on the reverse QP) shows nothing of its sizes: it never counts as a channel here
+    blind = {k for k, v in conns.items() if not any(s.length_known for s in v.values())}
+    pairs: dict[tuple, list[ConnKey]] = defaultdict(list)
+    for k in conns:
+        if k not in blind:
+            pairs[(k.sender, k.receiver)].append(k)
+    kind = {k: evidence(v) for k, v in conns.items()}
+    most = max((len(v) for v in pairs.values()), default=0)
+    proven = max((sum(kind[k] == RING for k in v) for v in pairs.values()), default=0)
+    out = []
+    for nch in range(most, max(proven, 1) - 1, -1):
+        left = []
+        for keys in pairs.values():
+            maybe = sorted((k for k in keys if kind[k] == MAYBE_RING),
+                           key=lambda k: -min(s.qp.dqp for s in conns[k].values()))
+            left += maybe[:max(0, len(keys) - nch)]
+        if left or not out:
+            out.append(({k: v for k, v in conns.items() if k not in left and k not in blind}, left))
+    return out
+
+
+def cts_ranks(decoders: list[NcclDecoder]) -> dict[bytes, int]:
+    """Address -> rank as the CTS posts' tags name it (a receiver tags its post with the data
+    sender's rank); an address tagged with several ranks is left out."""
+    out: dict[bytes, int] = {}
+    for dec in decoders:
+        for key, c in dec.conns.items():
+            if len(set(c.tags)) == 1:
+                out.setdefault(key.sender, next(iter(c.tags)))
+    return out
 
 
 def find_ring(seqs: dict[ConnKey, dict[int, NcclSend]], decoders: list[NcclDecoder],
@@ -61,15 +113,14 @@ def find_ring(seqs: dict[ConnKey, dict[int, NcclSend]], decoders: list[NcclDecod
     ``known_links`` ((sender, receiver) addresses): the configured ring, taken like CTS posts."""
     notes: list[str] = []
     tags: dict[bytes, int] = dict(known_ranks or {})
+    for a, r in cts_ranks(decoders).items():
+        tags.setdefault(a, r)
     edges: dict[bytes, dict[bytes, int]] = defaultdict(lambda: defaultdict(int))  # a -> b -> weight
     for a, b in known_links:
         edges[a][b] += 1
     for dec in decoders:
         for key, c in dec.conns.items():
             if c.tags:
-                t = set(c.tags)
-                if len(t) == 1:
-                    tags.setdefault(key.sender, t.pop())
                 edges[key.sender][key.receiver] += 1
     ring = {k: v for k, v in seqs.items() if _ringlike(v)}
     strong = {k for k, v in ring.items() if any(s.protocol in (nv.LL, nv.LL128) for s in v.values())}
@@ -92,8 +143,13 @@ def find_ring(seqs: dict[ConnKey, dict[int, NcclSend]], decoders: list[NcclDecod
                                  f"{', '.join(address_text(b) for b in bs)}: channels use different ring orders; "
                                  "give them in the configuration")
         nxt[a] = top[0]
-    addrs = set(edges) | {b for bs in edges.values() for b in bs}
+    # the ring's addresses: every sender and each one's successor (a receiver only a lesser edge
+    # reaches, e.g. one Simple send to another host's second port, is none of the ring's)
+    addrs = set(edges) | set(nxt.values())
     zero = by_rank.get(0, [None])[0]
+    untagged = sorted(addrs - set(tags))
+    if zero is None and len(untagged) == 1 and len(addrs) == len(tags) + 1:
+        zero = untagged[0]  # every other address has its rank from a tag, none rank 0
     if zero is None:
         zero = _rank0_without_tags(ring, addrs, notes)
     order = [zero]

@@ -1,4 +1,6 @@
-"""NCCL's ring schedule (2.12-2.30): which bytes each ring position sends, in which message.
+"""NCCL's ring schedule (2.12-2.32): which bytes each ring position sends, in which message. 2.31 and
+2.32 plan as 2.30 (their one change, Simple's thread count on PCI-limited rings, is an input:
+nccl_versions.pci_thread_rule).
 
 For one collective per kernel launch on the built-in IB/RoCE transport, a plan lists per
 (ring position, channel) the network messages in wire order (``RingStep``), with the element

@@ -29,6 +29,11 @@ JOBS = [
     ("auto-r4-ch4-qp2-v218", 4, 4, "auto", "2.18", "mlp:512,1024,200", 0.5, 2),
     ("simple-r3-ch1-qp2-v229", 3, 1, "Simple", "2.29", "mlp:64,128,10", 0.01, 2),
     ("simple-r2-ch1-qp4-v218", 2, 1, "Simple", "2.18", "mlp:64,128,10", 0.01, 4),
+    # issue 39: 2.31 and 2.32, every protocol, 2 QPs per connection
+    ("ll-r2-ch2-v231", 2, 2, "LL", "2.31", "mlp:64,128,10", 0.01, 1),
+    ("ll128-r3-ch1-qp2-v232", 3, 1, "LL128", "2.32", "mlp:40,64,8", 0.004, 2),
+    ("simple-r3-ch2-qp2-v231", 3, 2, "Simple", "2.31", "mlp:64,128,10", 0.01, 2),
+    ("auto-r3-ch2-qp2-v232", 3, 2, "auto", "2.32", "mlp:600,64,8", 0.002, 2),
 ]
 
 
@@ -82,7 +87,7 @@ def test_wire_family_candidates():
     assert nv.WireFamily(nv.CTS64_V220).candidates() == ["2.21", "2.22", "2.23"]
     assert nv.WireFamily(nv.CTS64_V224, "big").candidates() == ["2.29"]
     assert nv.WireFamily(nv.CTS64_V224, "little").candidates() == ["2.25", "2.28"]
-    assert nv.WireFamily(nv.CTS64_V230).candidates() == ["2.30"]
+    assert nv.WireFamily(nv.CTS64_V230).candidates() == ["2.30", "2.32"]  # 2.31-2.32 keep 2.30's layout
     assert nv.WireFamily(nv.CTS32, "big").candidates() == []  # no release writes both
     assert nv.WireFamily(nv.CTS32).contradicts("2.23") and not nv.WireFamily(nv.CTS32).contradicts("2.15")
     assert nv.imm_order_of(nv.encode_imm(65536, "2.29"), 65536) == "big"
@@ -118,6 +123,7 @@ def test_doctor_names_point_to_point_only_traffic(tmp_path):
     cap = FLOWCHECK / "allreduce+p2p.pcapng"
     r = CliRunner().invoke(main, ["doctor", str(cap)])
     assert r.exit_code == 0 and "algorithm: ring" in r.output and "point-to-point" in r.output
+    assert r.output.startswith("verdict: followable\n")
     assert "QPs per connection: 1 ([[mirror]] workers > 1 keeps every message in one worker)" in r.output
     p2p = {int(line.split(":")[-1].split(":")[0]) for line in r.output.splitlines()
            if line.startswith("connection ") and "point-to-point" in line
@@ -127,16 +133,18 @@ def test_doctor_names_point_to_point_only_traffic(tmp_path):
     r = CliRunner().invoke(main, ["doctor", str(tmp_path / "p2p.pcap")])
     assert r.exit_code == 1, r.output
     assert "only point-to-point sends" in r.output and "fix:" in r.output
+    assert r.output.startswith("verdict: not followable\n")
 
 
 def test_doctor_names_collective_traffic_to_several_peers(tmp_path):
-    """A rank whose collective connections go to two peers is not one ring (Tree, or per-channel ring
-    orders): the cause and NCCL_ALGO=Ring are named (the generator has no Tree algorithm; two ring
-    orders give the same wire symptom)."""
+    """A rank whose collective connections go to two peers, one way each, is not one ring: channels
+    of different ring orders, or Tree (tests/e2e/test_doctor_algorithms.py has Tree's own shape);
+    the cause, the job file's ring orders and NCCL_ALGO=Ring are named."""
     generate(GenConfig(ranks=3, channels=2, ring_orders=[[0, 1, 2], [0, 2, 1]], model="mlp:2000,64,8", steps=1,
                        mirrors="0:egress", send_truth=False), tmp_path)
     r = CliRunner().invoke(main, ["doctor", str(tmp_path / "rank0_egress.pcapng")])
     assert r.exit_code == 1 and "sends collective traffic to 2 peers" in r.output and "NCCL_ALGO=Ring" in r.output
+    assert r.output.startswith("verdict: not followable\n") and "[ring] orders" in r.output
 
 
 @pytest.mark.parametrize("release", ["2.18", "2.23"])
@@ -157,3 +165,26 @@ def test_doctor_counts_qps_per_connection(tmp_path, release):
     r1 = CliRunner().invoke(main, ["doctor"] + [str(tmp_path / f) for f in EGRESS])
     assert "QPs per connection: 2" in r1.output and "2 QP(s)" in r1.output
     assert "a live port's kernel split would part them" in r1.output  # [[mirror]] workers on a live port
+
+
+def test_2_31_port_speed_updates_are_no_cts_posts(tmp_path):
+    """2.31+ with NCCL_IB_EVENT_BASED_LB=1: a receiver WRITEs its port speeds (32 bytes, no immediate)
+    to the sender on the CTS's QP. It is no CTS post (the 2.30 layout is 64 bytes, and read as a
+    32-byte entry it is implausible), no send, and the job replays exactly with no configuration."""
+    import json
+
+    cfg = dict(ranks=3, channels=2, nccl_version="2.31", model="mlp:600,64,8", steps=2, seed=3,
+               mirrors="0:egress,1:egress", send_truth=False)
+    plain = generate(GenConfig(**cfg), tmp_path / "plain")
+    truth = generate(GenConfig(**cfg, wire=WireOptions(speed_update=True)), tmp_path / "speed")
+    js, results, iterations, _ = cmd_replay.run([str(tmp_path / "speed" / f) for f in EGRESS], nccl_version=None)
+    assert [r.sha256() for r in results if r.spec.kind == "allreduce"] == \
+        [c["sha256"] for c in truth["collectives"] if c["kind"] == "all_reduce"]
+    assert all(it.complete for it in iterations) and not js.report().mismatches
+    seen = [json.loads(CliRunner().invoke(main, ["inspect", "--json", str(cap)]).output)
+            for cap in (tmp_path / "plain" / "rank0_egress.pcapng", tmp_path / "speed" / "rank0_egress.pcapng")]
+    assert seen[0]["cts_posts"] == seen[1]["cts_posts"] and len(seen[0]["sends"]) == len(seen[1]["sends"])
+    assert seen[0]["nccl"]["not_nccl_writes"] == 0 < seen[1]["nccl"]["not_nccl_writes"]
+    assert plain["collectives"] == truth["collectives"]
+    with pytest.raises(ValueError, match="no port speed updates"):
+        generate(GenConfig(**dict(cfg, nccl_version="2.30"), wire=WireOptions(speed_update=True)), tmp_path / "old")

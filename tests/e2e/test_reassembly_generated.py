@@ -41,7 +41,7 @@ concatenator must have compared overlapping copies: more pieces than distinct re
 and elements covered twice. A corrupted overlapping copy must then surface as a conflict.
 
 Issue 13 extends the matrix (``EXTRA``): protocol "auto" (NCCL's per-collective choice, LL + LL128 +
-Simple in one job) at 2.18, 2.23 and 2.29, with 1, 2 and 4 QPs per connection, messages cut over the
+Simple in one job) at 2.18, 2.23, 2.29, 2.31 and 2.32, with 1, 2 and 4 QPs per connection, messages cut over the
 QPs or sent whole round robin; the same checks with every mirror configuration, each collective's
 protocol read from the wire.
 """
@@ -306,6 +306,8 @@ EXTRA = [
     ("auto-r3-ch2-qp2-split-v223", 3, 2, "2.23", "mlp:600,64,8", 2, True),  # cut over the QPs
     ("auto-r4-ch2-qp4-v218", 4, 2, "2.18", "mlp:2048,64,8", 4, None),  # cut over the QPs (default)
     ("auto-r4-ch1-qp4-v229", 4, 1, "2.29", "mlp:2048,64,8", 4, None),
+    ("auto-r3-ch2-qp2-v231", 3, 2, "2.31", "mlp:4096,256,256,8", 2, None),  # issue 39: 2.31 and 2.32
+    ("auto-r3-ch1-v232", 3, 1, "2.32", "mlp:4096,256,256,8", 1, None),
 ]
 
 

@@ -67,3 +67,32 @@ def test_iter_80000_incomplete_with_holes(truth):
 def test_both_egresses_give_every_result_without_p2p():
     code, r = replay_json(FLOWCHECK / "iter_40000_p2p_iter10_2.pcapng")
     assert all(a["complete"] and not a["filled_by_p2p"] for a in r["allreduces"])
+
+
+def test_one_rank_s_egress_with_a_point_to_point_send_on_another_connection(tmp_path, truth):
+    """Issue 39's real shape, cut from allreduce+p2p: rank 0's egress only (no CTS of its sends), its
+    ring connections and two one-send Simple point-to-point connections, one to the peer's second
+    address. Taken for channels, they had made no plan fit; now the all-reduce is placed where the
+    egress carries it, every covered element equal to truth (2 x (i mod 10)), the rest named holes;
+    doctor follows it."""
+    import numpy as np
+    from mirrorckpt.capture.pcapfile import read_all
+    from mirrorckpt.capture.writer import PcapngWriter
+    from mirrorckpt.tools import cmd_replay
+
+    rank0 = next(a for a, r in truth["allreduce+p2p.pcapng"]["workload"]["ranks"].items() if r == 0)
+    b = read_all(FLOWCHECK / "allreduce+p2p.pcapng")
+    cap = tmp_path / "rank0_egress.pcapng"
+    with PcapngWriter(cap) as w:
+        for i in range(len(b)):
+            frame = b.data[b.offset[i]:b.offset[i] + b.caplen[i]].tobytes()
+            if frame[12:14] == b"\x86\xdd" and frame[22:38].hex().endswith(rank0):  # IPv6 source
+                w.write(frame, ts_ns=int(b.ts_ns[i]))
+    js, results, _, _ = cmd_replay.run([str(cap)], dtype="int32", nccl_version=None)
+    (ar,) = [r for r in results if r.spec.kind == "allreduce"]
+    got = ar.data.view("<i4")
+    want = 2 * (np.arange(5000) % 10)
+    assert 0.5 < ar.covered.mean() < 1 and (got[ar.covered] == want[ar.covered]).all()
+    assert not js.report().mismatches and js.model.ring.nchannels == 2
+    r = CliRunner().invoke(main, ["doctor", str(cap)])
+    assert r.exit_code == 0 and r.output.startswith("verdict: followable\n"), r.output

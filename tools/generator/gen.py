@@ -58,7 +58,10 @@ class GenConfig:
     noise: NoiseOptions = field(default_factory=NoiseOptions)
     faults: FaultOptions = field(default_factory=FaultOptions)
     p2p_fill: bool = False
-    p2p_noise: tuple[int, ...] = ()  # after each gradient all-reduce, foreign point-to-point sends of these sizes
+    algorithm: str = "ring"  # tools.generator.algorithms: ring, tree, pat, nvls, collnet
+    # after each gradient all-reduce, foreign point-to-point sends: a size (bytes, rank 0 to its next
+    # rank) or a (sender, receiver, bytes) triple each
+    p2p_noise: tuple = ()
     send_truth: bool = True  # every captured send in truth.json (large for big runs)
     encap: EncapOptions = field(default_factory=EncapOptions)  # a remote mirror's encapsulation (tools.generator.encap)
 
@@ -90,6 +93,9 @@ def _topology_facts(topo: topology.Topology, v6: bool) -> dict:
                                                               if p.more_qps else {}))
                  for k, p in sorted(topo.ring.items())],
         "p2p": [pair(k, p) for k, p in sorted(topo.p2p.items())],
+        **({"peers": [dict(pair(k, p), channel=k[0]) for k, p in sorted(topo.peers.items())]} if topo.peers else {}),
+        **({"switch": {"mac": topo.switch.mac.hex(":"), "ip": topo.switch.ip_text(v6),
+                       "pairs": [pair(k, p) for k, p in sorted(topo.collnet.items())]}} if topo.switch else {}),
     }
 
 
@@ -104,7 +110,8 @@ def generate(cfg: GenConfig, out_dir, on_step=None) -> dict:
     captures = mirrors_mod.CaptureSet(out, mirrors, topo, cfg.wire.ipv6, cfg.fmt, cfg.noise, cfg.faults,
                                       cfg.wire.switch_ns, encap=cfg.encap)
     wire = Wire(ring.nccl_version, cfg.wire, captures, cfg.seed, cfg.send_truth)
-    comm = NcclRing(ring, topo, wire, p2p_fill=cfg.p2p_fill, p2p_noise=cfg.p2p_noise, seed=cfg.seed)
+    comm = NcclRing(ring, topo, wire, p2p_fill=cfg.p2p_fill, p2p_noise=cfg.p2p_noise, seed=cfg.seed,
+                    algorithm=cfg.algorithm)
     try:
         result = run_training(cfg.model, cfg.ranks, cfg.steps, cfg.seed, cfg.training, comm,
                               batch_size=cfg.batch_size, bucket_cap_mb=cfg.bucket_cap_mb,
@@ -116,8 +123,9 @@ def generate(cfg: GenConfig, out_dir, on_step=None) -> dict:
     wire_extra = {"p2p_noise": list(cfg.p2p_noise)} if cfg.p2p_noise else {}  # absent: the sets make.sh made
     truth["wire"] = {
         "ring": ring.to_dict(),
-        "options": asdict(cfg.wire),
+        "options": {k: v for k, v in asdict(cfg.wire).items() if k != "speed_update" or v},  # the sets make.sh made
         "p2p_fill": cfg.p2p_fill,
+        **({"algorithm": cfg.algorithm} if cfg.algorithm != "ring" else {}),
         **wire_extra,
         "noise": {"kinds": sorted(cfg.noise.kinds), "rate_hz": cfg.noise.rate_hz, "seed": cfg.noise.seed},
         **({"encapsulation": asdict(cfg.encap)} if cfg.encap.wraps else {}),

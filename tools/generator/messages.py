@@ -13,7 +13,8 @@ Forms (IBTA opcodes, parser.opcodes):
           same 0-byte closing WRITE (the NIC behaviour seen in the rdma32 capture);
   PLAIN   a WRITE without immediate (CTS posts);
   ACK     one RC ACKNOWLEDGE with AETH (syndrome, MSN);
-  UD      one UD SEND ONLY to QP 1 with DETH (congestion-control probes).
+  UD      one UD SEND ONLY to QP 1 with DETH (congestion-control probes);
+  SEND    an RC SEND: ONLY, or FIRST / MIDDLE* / LAST (no RETH; CollNet's aggregation traffic).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from mirrorckpt.parser.headers import PSN_MODULUS
 from mirrorckpt.parser.roce import opcodes as oc
 from mirrorckpt.tools.generator.frames import Packets
 
-NORMAL, SPLIT, TRAIN, PLAIN, ACK, UD = range(6)
+NORMAL, SPLIT, TRAIN, PLAIN, ACK, UD, SEND = range(7)
 
 # Packets (0-based, inside a multi-packet WRITE) on which the requester sets AckReq besides the
 # last one: ConnectX behaviour measured on iter_40000_p2p_iter10 (offsets 3 and 11).
@@ -124,6 +125,11 @@ class MessageLog:
         op[close] = oc.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE
         op[f == ACK] = oc.RC_ACKNOWLEDGE
         op[f == UD] = oc.UD_SEND_ONLY
+        send = f == SEND
+        op[send] = oc.RC_SEND_MIDDLE
+        op[send & first] = oc.RC_SEND_FIRST
+        op[send & last] = oc.RC_SEND_LAST
+        op[send & single] = oc.RC_SEND_ONLY
 
         pay_len = np.where(in_bulk, np.clip(L - i * m, 0, m), 0)
         pay_len[(f == ACK) | (f == UD)] = L[(f == ACK) | (f == UD)]

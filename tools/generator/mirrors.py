@@ -124,8 +124,6 @@ class CaptureSet:
         self.ingress = {m.rank for m in mirrors if m.direction in ("ingress", "both")}
         self.log = MessageLog()
         self.flush_packets = flush_packets
-        self.macs = np.array([list(n.mac) for n in topo.nics], np.uint8)
-        self.ips = np.array([list(n.ip(v6)) for n in topo.nics], np.uint8)
 
     def wants(self, src: int, dst: int) -> bool:
         return src in self.egress or dst in self.ingress
@@ -138,7 +136,10 @@ class CaptureSet:
         if not len(self.log):
             return
         pk, ts = self.log.packets()
-        b = frames.build(pk, self.log.pool_array(), self.macs, self.ips, self.v6)
+        nics = self.topo.all_nics  # an aggregation node may have joined since the last flush
+        macs = np.array([list(n.mac) for n in nics], np.uint8)
+        ips = np.array([list(n.ip(self.v6)) for n in nics], np.uint8)
+        b = frames.build(pk, self.log.pool_array(), macs, ips, self.v6)
         self.log.clear()
         # a corrupted byte goes into the payload, or the AETH of a payload-less ACK
         body_lo = np.where(b.pay < b.icrc, b.pay, b.bth + BTH.size)

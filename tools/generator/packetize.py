@@ -16,6 +16,7 @@ from mirrorckpt.config.layout import RingSpec
 from mirrorckpt.parser.roce import nccl_versions as nv
 from mirrorckpt.parser.roce import ringreduce, schedule
 from mirrorckpt.parser.roce.collectives import ring_threads
+from mirrorckpt.tools.generator import algorithms as algo
 from mirrorckpt.tools.generator import tuning
 from mirrorckpt.tools.generator.topology import P2P_CHUNK_BYTES, Topology
 from mirrorckpt.tools.generator.wire import Layer, P2pMsg, Wire, Work
@@ -100,9 +101,14 @@ class NcclRing:
     """Comm for ``ring.nranks`` ranks; emits through ``wire`` (its sink writes the mirrors)."""
 
     def __init__(self, ring: RingSpec, topo: Topology, wire: Wire, p2p_fill: bool = False,
-                 p2p_noise: tuple[int, ...] = (), seed: int = 0):
+                 p2p_noise: tuple = (), seed: int = 0, algorithm: str = algo.RING):
         if not 2 <= ring.nranks <= 16:
             raise ValueError(f"the generator simulates 2..16 ranks, not {ring.nranks}")
+        if algorithm not in algo.ALGORITHMS:
+            raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(algo.ALGORITHMS)}")
+        if algorithm == algo.PAT and nv.version(ring.nccl_version) < nv.PAT_SINCE:
+            raise ValueError(f"NCCL {ring.nccl_version} has no PAT (it came with {nv.PAT_SINCE})")
+        self.algorithm = algorithm  # the gradient all-reduces' (tree, nvls, collnet) or all-gathers' (pat)
         self.ring, self.topo, self.wire = ring, topo, wire
         self.orders = ring.orders()
         self.protocol = ring.protocol if ring.protocol == nv.AUTO else nv.protocol(ring.protocol)
@@ -126,6 +132,9 @@ class NcclRing:
     def all_gather(self, per_rank: list[np.ndarray], what: str) -> list[np.ndarray]:
         self._check(per_rank, what)
         a = per_rank[0]
+        if self.algorithm == algo.PAT:
+            self._pat(per_rank, what)
+            return [np.array(x, copy=True) for x in per_rank]
         proto = self.proto(nv.ALLGATHER, a.nbytes * self.ring.nranks)
         plan = schedule.allgather_plan(a.size, a.itemsize, self.ring.nranks, self.ring.nchannels, proto,
                                        self.version, nthreads=ring_threads(self.ring, proto))
@@ -151,6 +160,8 @@ class NcclRing:
     def all_reduce(self, per_rank: list[np.ndarray], what: str) -> np.ndarray:
         self._check(per_rank, what)
         a = per_rank[0]
+        if self.algorithm in (algo.TREE, algo.NVLS, algo.COLLNET):
+            return self._off_ring(per_rank, what).reshape(a.shape)
         proto = self.proto(nv.ALLREDUCE, a.nbytes)
         plan = schedule.allreduce_plan(a.size, a.itemsize, self.ring.nranks, self.ring.nchannels, proto,
                                        self.version, nthreads=ring_threads(self.ring, proto))
@@ -196,32 +207,115 @@ class NcclRing:
                 conn = self.wire.conn((ch, pos), self.topo.pair(ch, pos))
                 delay = (pos - rpos) % self.ring.nranks if kind == nv.BROADCAST else 0
                 works.append(Work(conn, plan.messages(pos, ch), delay=delay, channel=ch, pos=pos))
-        label = {"collective": self.index, "what": what, "kind": kind}
-        self.plans.append({"collective": self.index, "what": what, "kind": kind, "dtype": dtype_name(a),
-                           "count": int(a.size), "channels": any_plan.nchannels, "nthreads": any_plan.nthreads,
-                           "used_channels": any_plan.channels, "protocol": any_plan.protocol})
+        label = self._record(kind, what, a, any_plan.nchannels, any_plan.nthreads, any_plan.channels,
+                             any_plan.protocol)
         self.wire.run(works, Layer(any_plan.protocol, kind), source, label, self._gap(what))
         self.index += 1
 
+    def _record(self, kind: str, what: str, a: np.ndarray, nchannels: int, nthreads, used: list, proto: str,
+                algorithm: str = algo.RING) -> dict:
+        rec = {"collective": self.index, "what": what, "kind": kind, "dtype": dtype_name(a), "count": int(a.size),
+               "channels": nchannels, "nthreads": nthreads, "used_channels": used, "protocol": proto}
+        if algorithm != algo.RING:
+            rec["algorithm"] = algorithm
+        self.plans.append(rec)
+        return {"collective": self.index, "what": what, "kind": kind}
+
+    def _off_ring(self, per_rank: list[np.ndarray], what: str) -> np.ndarray:
+        """A gradient all-reduce by Tree, NVLS or CollNet (tools.generator.algorithms)."""
+        inputs = [np.ascontiguousarray(x).reshape(-1) for x in per_rank]
+        dtype = dtype_name(inputs[0])
+        gap = self._gap(what)
+        if self.algorithm == algo.TREE:
+            result = self._tree(inputs, what, self.proto(nv.ALLREDUCE, inputs[0].nbytes), dtype, gap)
+        else:
+            result = inputs[0]
+            for x in inputs[1:]:
+                result = ringreduce.add(result, x, dtype)
+            label = self._record(nv.ALLREDUCE, what, inputs[0], 0, None, [], nv.SIMPLE, self.algorithm)
+            if self.algorithm == algo.COLLNET:
+                self.wire.aggregate(self.topo, inputs, result, label, gap)
+            else:
+                self.wire.clock += gap  # inside the node: nothing on the network
+        self.index += 1
+        return result
+
+    def _tree(self, inputs, what, proto, dtype, gap) -> np.ndarray:
+        nranks, nch, esize = self.ring.nranks, self.ring.nchannels, inputs[0].itemsize
+        arrays, result = {}, np.empty_like(inputs[0])
+        for which in sorted({algo.tree_channel(c, nch) for c in range(nch)}):
+            sums, root = algo.subtree_sums(inputs, which, dtype)
+            arrays.update({(which, r): v for r, v in sums.items()})
+            arrays[(which, "result")] = sums[root]
+        per = algo.chunk_elems(proto, esize, self.version)
+        works, used = [], []
+        for ch, (lo, hi) in enumerate(algo.channel_ranges(inputs[0].size, nch, esize)):
+            which = algo.tree_channel(ch, nch)
+            result[lo:hi] = arrays[(which, "result")][lo:hi]
+            used.append(ch)
+            height, depth = algo.heights(nranks, which)
+            top = max(height.values()) + 1
+            parts = algo.chunks(lo, hi, per)
+            for r in range(nranks):
+                up, kids = algo.dtree(nranks, r, which)
+                for peer, values, delay in ([(up, (which, r), height[r])] if up >= 0 else []) + \
+                        [(k, (which, "result"), top + depth[r]) for k in kids]:
+                    key, pair = self.topo.peer_pair(ch, r, peer, self.version)
+                    msgs = [algo.PeerMsg(n * esize, k, off, n, values) for k, (off, n) in enumerate(parts)]
+                    works.append(Work(self.wire.conn(key, pair), msgs, delay=delay, channel=ch))
+        label = self._record(nv.ALLREDUCE, what, inputs[0], nch, None, used, proto, algo.TREE)
+        self.wire.run(works, Layer(proto, nv.BROADCAST), algo.PieceValues(arrays), label, gap)
+        return result
+
+    def _pat(self, per_rank: list[np.ndarray], what: str) -> None:
+        """An all-gather by PAT on channel 0: in round k every rank sends the chunks it holds that
+        its peer at distance 2^k lacks, one Simple message each."""
+        nranks, mine = self.ring.nranks, per_rank[0]
+        arrays = {r: np.ascontiguousarray(x).reshape(-1) for r, x in enumerate(per_rank)}
+        held = {r: [r] for r in range(nranks)}
+        works, delay = [], 0
+        for mask in algo.pat_rounds(nranks):
+            grown = {r: list(h) for r, h in held.items()}
+            longest = 0
+            for r in range(nranks):
+                dst = (r + mask) % nranks
+                send = [x for x in held[r] if x not in held[dst]]
+                grown[dst] += send
+                key, pair = self.topo.peer_pair(0, r, dst, self.version)
+                msgs = [algo.PeerMsg(mine.nbytes, k, 0, mine.size, x) for k, x in enumerate(send)]
+                works.append(Work(self.wire.conn(key, pair), msgs, delay=delay, channel=0))
+                longest = max(longest, len(msgs))
+            held, delay = grown, delay + longest
+        label = self._record(nv.ALLGATHER, what, mine, 1, None, [0], nv.SIMPLE, algo.PAT)
+        self.wire.run(works, Layer(nv.SIMPLE, nv.BROADCAST), algo.PieceValues(arrays), label, self._gap(what))
+        self.index += 1
+
     def _noise(self, result: np.ndarray, what: str) -> None:
-        """Rank 0 sends its next rank, point to point on the connection ``_fill`` uses, one message of
-        each ``p2p_noise`` size (bytes) of values that are not the all-reduce's (a pipeline activation,
-        a tensor-parallel exchange): foreign sends as large as pieces of the result."""
-        dst = self.orders[0][1]
-        pair = self.topo.p2p_pair(0, dst, self.version)
-        conn = self.wire.conn(("p2p", 0, dst), pair)
+        """Point-to-point sends of values that are not the all-reduce's (a pipeline activation, a
+        tensor-parallel exchange), one message of each ``p2p_noise`` size: a plain size goes from rank
+        0 to its next rank on the connection ``_fill`` uses, a (sender, receiver, size) triple on the
+        pair's own point-to-point connection; foreign sends as large as pieces of the result."""
         es = result.itemsize
-        vals = self._noise_rng.standard_normal(sum(self.p2p_noise) // es).astype(result.dtype)
-        msgs, lo = [], 0
-        for k, nbytes in enumerate(self.p2p_noise):
+        by_pair: dict[tuple[int, int], list[int]] = {}
+        for item in self.p2p_noise:
+            src, dst, nbytes = item if isinstance(item, tuple) else (0, self.orders[0][1], item)
             if nbytes % es or not 0 < nbytes <= P2P_CHUNK_BYTES:
-                raise ValueError(f"p2p noise message of {nbytes} bytes: not a positive multiple of {es} "
+                raise ValueError(f"--p2p-send: a message of {nbytes} bytes: not a positive multiple of {es} "
                                  f"up to {P2P_CHUNK_BYTES}")
-            msgs.append(P2pMsg(nbytes, k, lo, nbytes // es))
-            lo += nbytes // es
-        label = {"collective": None, "what": f"p2p_noise:{what}", "kind": "p2p"}
-        self.wire.run([Work(conn, msgs, channel=-1)], Layer(nv.SIMPLE, nv.BROADCAST, p2p=True),
-                      SliceValues(vals), label, self.wire.opts.collective_gap_ns)
+            if src == dst or not (0 <= src < self.ring.nranks and 0 <= dst < self.ring.nranks):
+                raise ValueError(f"--p2p-send from rank {src} to rank {dst}: not two ranks of "
+                                 f"0..{self.ring.nranks - 1}")
+            by_pair.setdefault((src, dst), []).append(nbytes)
+        for (src, dst), sizes in by_pair.items():
+            conn = self.wire.conn(("p2p", src, dst), self.topo.p2p_pair(src, dst, self.version))
+            vals = self._noise_rng.standard_normal(sum(sizes) // es).astype(result.dtype)
+            msgs, lo = [], 0
+            for k, nbytes in enumerate(sizes):
+                msgs.append(P2pMsg(nbytes, k, lo, nbytes // es))
+                lo += nbytes // es
+            label = {"collective": None, "what": f"p2p_noise:{what}", "kind": "p2p"}
+            self.wire.run([Work(conn, msgs, channel=-1)], Layer(nv.SIMPLE, nv.BROADCAST, p2p=True),
+                          SliceValues(vals), label, self.wire.opts.collective_gap_ns)
 
     def _fill(self, plan: schedule.AllReducePlan, result: np.ndarray, what: str) -> None:
         """Rank 0 sends its next rank, point to point, the final values its egress lacks (the extra

@@ -101,6 +101,10 @@ class Topology:
     orders: list[list[int]]  # ring order per channel, from rank 0
     ring: dict[tuple[int, int], QpPair]  # (channel, ring position of the sender) -> pair
     p2p: dict[tuple[int, int], QpPair] = field(default_factory=dict)  # (sender, receiver) -> pair
+    # (channel, sender, receiver) -> pair: collective connections off the ring (Tree's, PAT's)
+    peers: dict[tuple[int, int, int], QpPair] = field(default_factory=dict)
+    switch: Nic | None = None  # an in-network aggregation node (CollNet/SHARP), index nranks
+    collnet: dict[int, QpPair] = field(default_factory=dict)  # rank -> its pair with the switch
     rng: np.random.Generator | None = None
     _next_qpn: list[int] = field(default_factory=list)
     _next_gpu_va: list[int] = field(default_factory=list)
@@ -113,6 +117,48 @@ class Topology:
 
     def pair(self, channel: int, pos: int) -> QpPair:
         return self.ring[(channel, pos)]
+
+    @property
+    def all_nics(self) -> list[Nic]:
+        """The ranks' NICs, then the aggregation node's if there is one (frames index them so)."""
+        return self.nics + ([self.switch] if self.switch is not None else [])
+
+    def add_switch(self) -> Nic:
+        """The SHARP aggregation node CollNet sends to, made on first use: a NIC that is no rank."""
+        if self.switch is None:
+            mac = bytes([0x02, 0x5A, 0x4E]) + bytes(self.rng.integers(0, 256, 3, dtype=np.uint8).tolist())
+            self.switch = Nic(self.nranks, mac, bytes([10, 88, 0, 250]), link_local_ipv6(mac))
+            self._next_qpn.append(int(self.rng.integers(0x100, 0x2000)))
+            self._next_gpu_va.append(_GPU_VA_BASE)
+            self._next_host_va.append(_HOST_VA_BASE)
+        return self.switch
+
+    def collnet_pair(self, rank: int, version) -> QpPair:
+        """The QP pair between ``rank`` and the aggregation node (CollNet's own connection, no NCCL
+        buffers: the node receives into its own memory)."""
+        if rank not in self.collnet:
+            node = self.add_switch().rank
+            recv_qpn, send_qpn = self._qpn(node), self._qpn(rank)
+            self.collnet[rank] = self._make_pair(rank, node, recv_qpn, send_qpn, 0, {}, version)
+        return self.collnet[rank]
+
+    def peer_pair(self, channel: int, sender: int, receiver: int, version) -> tuple[object, QpPair]:
+        """(connection key, pair) of channel ``channel``'s connection sender -> receiver: the ring's own
+        where the receiver is the sender's ring successor on that channel (NCCL connects a channel's
+        peer once, connIndex 0, whatever algorithm asks), else one made on first use like a ring
+        connection (its own QPs and receive buffers), as Tree's and PAT's are."""
+        order = self.orders[channel]
+        pos = order.index(sender)
+        if order[(pos + 1) % len(order)] == receiver:
+            return (channel, pos), self.ring[(channel, pos)]
+        key = (channel, sender, receiver)
+        if key not in self.peers:
+            recv_qpn, send_qpn = self._qpn(receiver), self._qpn(sender)
+            alloc = sum(nv.buffer_bytes(p, version) for p in nv.PROTOCOLS)
+            base = self._gpu_alloc(receiver, alloc)
+            self.peers[key] = self._make_pair(sender, receiver, recv_qpn, send_qpn, base,
+                                              {p: self._rkey() for p in nv.PROTOCOLS}, version)
+        return ("peer", *key), self.peers[key]
 
     # -- allocation ------------------------------------------------------------------------------
 

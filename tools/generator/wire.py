@@ -31,11 +31,11 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-from mirrorckpt.parser.headers import BTH, ETH, ICRC_BYTES, IMMDT, IPV6, PSN_MODULUS, RETH, UDP
+from mirrorckpt.parser.headers import BTH, ETH, ICRC_BYTES, IMMDT, IPV6, PSN_MODULUS, RETH, SPEED_UPDATE, UDP
 from mirrorckpt.parser.placement import RingStep
 from mirrorckpt.parser.roce import nccl_versions as nv
 from mirrorckpt.parser.roce import protocols, schedule
-from mirrorckpt.tools.generator.messages import ACK, NORMAL, PLAIN, SPLIT, TRAIN, packet_count, rdma_messages
+from mirrorckpt.tools.generator.messages import ACK, NORMAL, PLAIN, SEND, SPLIT, TRAIN, packet_count, rdma_messages
 from mirrorckpt.tools.generator.topology import P2P_CHUNK_BYTES, QpPair
 
 # AETH credit count encoding (IBTA vol. 1, AETH syndrome: 5-bit credit code -> receive credits).
@@ -61,6 +61,7 @@ class WireOptions:
     qps_per_connection: int = 1  # NCCL_IB_QPS_PER_CONNECTION
     split_data_on_qps: bool | None = None  # NCCL_IB_SPLIT_DATA_ON_QPS; None: the version's default
     line_rate_gbps: float = 100.0
+    speed_update: bool = False  # 2.31+, NCCL_IB_EVENT_BASED_LB=1: a port speed update after the first CTS
     switch_ns: int = 600  # mirror port to mirror port: a frame's ingress time after its egress time
     step_ns: int = 1500  # between the end of a slot and the start of the next
     ack_ns: int = 900  # responder: last packet in -> ACK out
@@ -78,6 +79,11 @@ class WireOptions:
             raise ValueError("line rate must be positive")
         if not 1 <= self.qps_per_connection <= 16:
             raise ValueError(f"{self.qps_per_connection} QPs per connection: NCCL takes 1 to 16")
+
+    def check_release(self, v) -> None:
+        if self.speed_update and nv.version(v) < nv.SPEED_UPDATE_SINCE:
+            raise ValueError(f"NCCL {nv.version(v)} writes no port speed updates (they came with "
+                             f"{nv.SPEED_UPDATE_SINCE})")
 
     def split_on_qps(self, v) -> bool:
         """Whether messages are cut over the QPs for release ``v`` (checked: before 2.18 they
@@ -162,6 +168,7 @@ class Wire:
         self._slots: dict[tuple, schedule.RecvSlot] = {}  # (protocol, kind, t mod 8) -> receive slot
         self._split: dict[int, bool] = {}  # wire bytes -> split WRITE form
         self.split_qps = opts.split_on_qps(self.version)
+        opts.check_release(self.version)
 
     def conn(self, key, qp: QpPair) -> ConnState:
         c = self.conns.get(key)
@@ -208,6 +215,26 @@ class Wire:
             log.add(PLAIN, qp.receiver, qp.sender, qp.sport, qp.send_qpn, psn, ts, length=len(entry),
                     pmtu=self.opts.pmtu, va=qp.fifo_va + int(nv.cts_fifo_offset(c.posted, self.version)),
                     rkey=qp.fifo_rkey, pay_off=log.payload(np.frombuffer(entry, np.uint8)))
+        if self.sink.wants(qp.sender, qp.receiver):
+            log.add(ACK, qp.sender, qp.receiver, qp.sport, qp.recv_qpn, psn, ack_ts, syndrome=credit_code(0),
+                    msn=c.cts_msn % PSN_MODULUS)
+        if self.opts.speed_update and c.posted == 1 and not layer.p2p:
+            ack_ts = max(ack_ts, self._speed_update(c, ts + self.opts.pkt_ns() // 4))
+        return ack_ts
+
+    def _speed_update(self, c: ConnState, ts: int) -> int:
+        """The receiver's 32-byte port-speed WRITE to the sender (QP 0, after its first CTS post);
+        returns when the sender has ACKed it."""
+        qp, log = c.qp, self.sink.log
+        psn = c.cts_psn
+        c.cts_psn = (c.cts_psn + 1) % PSN_MODULUS
+        c.cts_msn += 1
+        ack_ts = ts + self.opts.switch_ns + self.opts.ack_ns
+        if self.sink.wants(qp.receiver, qp.sender):
+            body = SPEED_UPDATE.pack(counter=1, speeds=np.array([400] + [0] * 7, "<u2").tobytes())
+            log.add(PLAIN, qp.receiver, qp.sender, qp.sport, qp.send_qpn, psn, ts, length=len(body),
+                    pmtu=self.opts.pmtu, va=qp.fifo_va - 4096, rkey=qp.fifo_rkey ^ 0x5A5A,
+                    pay_off=log.payload(np.frombuffer(body, np.uint8)))
         if self.sink.wants(qp.sender, qp.receiver):
             log.add(ACK, qp.sender, qp.receiver, qp.sport, qp.recv_qpn, psn, ack_ts, syndrome=credit_code(0),
                     msn=c.cts_msn % PSN_MODULUS)
@@ -314,6 +341,46 @@ class Wire:
         if c.posted - w.first_idx < len(w.msgs):  # one in, one more posted: the proxy stays `depth` ahead
             end = max(end, self._post_cts(w, layer, arrive + opts.cts_ns))
         return end
+
+    # -- an in-network aggregation (CollNet) ----------------------------------------------------------
+
+    def aggregate(self, topo, inputs: list[np.ndarray], result: np.ndarray, label: dict, gap_ns: int) -> None:
+        """Every rank SENDs its buffer to the aggregation node on a QP pair of its own, then the node
+        SENDs the sum back on the same pair (RC SENDs, each ACKed): no CTS, no RDMA WRITE."""
+        opts, log = self.opts, self.sink.log
+        self.clock += gap_ns
+        node = topo.add_switch().rank
+        pkt = opts.pkt_ns()
+        end = self.clock
+        for up in (True, False):
+            t0 = end
+            for r, x in enumerate(inputs):
+                conn = self.conn(("collnet", r), topo.collnet_pair(r, self.version))
+                qp, data = conn.qp, (x if up else result)
+                wire = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+                src, dst = (r, node) if up else (node, r)
+                dqp, back = (qp.recv_qpn, qp.send_qpn) if up else (qp.send_qpn, qp.recv_qpn)
+                ts = t0 + r * pkt
+                for off in range(0, max(1, wire.size), P2P_CHUNK_BYTES):
+                    piece = wire[off:off + P2P_CHUNK_BYTES]
+                    npk = packet_count(SEND, piece.size, opts.pmtu)
+                    psn = conn.data_psn[0] if up else conn.cts_psn
+                    if up:
+                        conn.data_psn[0] = (psn + npk) % PSN_MODULUS
+                    else:
+                        conn.cts_psn = (psn + npk) % PSN_MODULUS
+                    if self.sink.wants(src, dst):
+                        log.add(SEND, src, dst, qp.sport, dqp, psn, ts, length=piece.size, pmtu=opts.pmtu,
+                                pay_off=log.payload(piece), dt=pkt * len(inputs))
+                    last = ts + (npk - 1) * pkt * len(inputs)
+                    if self.sink.wants(dst, src):
+                        log.add(ACK, dst, src, qp.sport, back, (psn + npk - 1) % PSN_MODULUS,
+                                last + opts.switch_ns + opts.ack_ns, syndrome=credit_code(16), msn=0)
+                    ts = last + pkt * len(inputs)
+                    end = max(end, ts + opts.switch_ns + opts.ack_ns)
+            end += opts.step_ns
+            self.sink.after_slot()
+        self.clock = end
 
     def _truth(self, w, msg, layer, label, t, seq, flag, form, wire_len, padded, nbytes) -> None:
         qp = w.conn.qp
