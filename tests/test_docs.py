@@ -1,4 +1,5 @@
-"""The docs' commands run as written: every ```sh test block of docs/*.md, the systemd unit
+"""The docs' commands run as written: every ```sh test block of docs/*.md (```sh test-netns: in a network
+namespace of its own that has eth0 (192.0.2.1/24), eth1 and eth9, as the commands name them), the systemd unit
 (checked by systemd-analyze, then its ExecStart started, asked for its status, and stopped with
 its KillSignal) and the container recipe's entry point and health check against that appliance."""
 
@@ -19,27 +20,43 @@ from common import REPO
 
 DOCS = REPO / "docs"
 BIN = Path(sys.executable).parent
-BLOCK = re.compile(r"^```sh test\n(.*?)^```", re.S | re.M)
+BLOCK = re.compile(r"^```sh (test|test-netns)\n(.*?)^```", re.S | re.M)
 
 
-def blocks() -> list[tuple[str, int, str]]:
+def blocks() -> list[tuple[str, int, str, bool]]:
+    """(page, line, script, in a namespace of its own) of every tested block."""
     out = []
     for page in sorted(DOCS.glob("*.md")):
         text = page.read_text()
         for m in BLOCK.finditer(text):
-            out.append((page.name, text[:m.start()].count("\n") + 1, m.group(1)))
+            out.append((page.name, text[:m.start()].count("\n") + 1, m.group(2), m.group(1) == "test-netns"))
     return out
 
 
 def test_the_docs_have_tested_blocks():
-    assert {page for page, _, _ in blocks()} >= {"deploy.md"}
+    assert {page for page, *_ in blocks()} >= {"deploy.md", "replay.md", "mirrors.md"}
 
 
-@pytest.mark.parametrize("page, line, script", blocks(), ids=lambda x: str(x)[:40])
-def test_a_docs_block_runs(tmp_path, page, line, script):
+@pytest.mark.parametrize("page, line, script, netns", blocks(), ids=lambda x: str(x)[:40])
+def test_a_docs_block_runs(tmp_path, page, line, script, netns):
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
+    argv = ["bash", "-euo", "pipefail", "-c", script]
+    name = f"docs{os.getpid()}"
+    if netns:
+        if os.geteuid() != 0:
+            pytest.fail("needs root (a network namespace); CI runs it as root")
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        setup = ["ip link add eth0 type veth peer name eth0p", "ip link add eth1 type veth peer name eth1p",
+                 "ip link add eth9 type veth peer name eth9p", "ip addr add 192.0.2.1/24 dev eth0",
+                 *(f"ip link set {i} up" for i in ("lo", "eth0", "eth0p", "eth1", "eth1p", "eth9", "eth9p"))]
+        for cmd in setup:
+            subprocess.run(["ip", "netns", "exec", name, *cmd.split()], check=True)
+        argv = ["ip", "netns", "exec", name, *argv]
+    try:
+        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        if netns:
+            subprocess.run(["ip", "netns", "del", name], check=False)
     assert r.returncode == 0, f"docs/{page}:{line}:\n{script}\n{r.stdout[-2000:]}{r.stderr[-2000:]}"
 
 
