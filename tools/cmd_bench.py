@@ -111,7 +111,7 @@ def _captioned(lines: list[str], caption: str) -> list[str]:
 
 
 def _render_packet_path(name, r) -> list[str]:
-    lines = ["## Packet path: decode + ICRC + PSN placement (issue 2)", "",
+    lines = ["## Packet path: decode + ICRC + PSN placement", "",
              "Two workloads, each a capture tiled with its PSNs moved on and its ICRCs recomputed; one core. "
              "`ll`: the real capture iter_40000_p2p_iter10 (NCCL LL, 16-64 KB messages, PMTU 1024); "
              "`simple`: a generated Simple-protocol job (messages up to 1 MB, PMTU 4096). The fair baseline is a "
@@ -146,7 +146,7 @@ def _render_packet_path(name, r) -> list[str]:
 
 
 def _render_decap(name, r) -> list[str]:
-    lines = ["## Packet path through a remote mirror's encapsulation (issue 39)", "",
+    lines = ["## Packet path through a remote mirror's encapsulation", "",
              "The same frames bare and each inside ERSPAN type II (GRE with a sequence number, the mirror "
              "session's gaps followed), through decode + ICRC + PSN placement on one thread, timed by its CPU "
              "time. On a shared machine that moves by +-20 % from run to run with the other load, so the two run "
@@ -166,7 +166,7 @@ def _render_decap(name, r) -> list[str]:
 
 
 def _render_replay(name, r) -> list[str]:
-    lines = ["## End-to-end replay: capture files to every iteration's reduced buckets (issues 2, 4)", "",
+    lines = ["## End-to-end replay: capture files to every iteration's reduced buckets", "",
              "A generated 2-rank job (one channel, `linear:1000000`: one 4 MB fp32 bucket), the egress of both "
              "ranks. `two streams` is `mirrorckpt replay --config job.toml` on the two files; "
              "`one stream` rank 0's egress alone. Ratios are to the packet path (ICRC checked) on the same "
@@ -187,7 +187,7 @@ def _render_replay(name, r) -> list[str]:
 def _render_updater(name, r) -> list[str]:
     mem = r["memory"]
     bound = mem["traffic_GBps"]  # DRAM traffic of a copy: read + write
-    lines = ["## CPU replica and persistence (issue 5)", "",
+    lines = ["## CPU replica and persistence", "",
              f"Memory-bandwidth bound measured in the same run: {bound:.1f} GB/s of memory traffic, the more of "
              f"a {mem['bytes'] / 2**30:.0f} GiB copy (the faster of numpy and torch `copy_` with "
              f"{mem.get('threads', '?')} threads, {mem['copy_GBps']:.1f} GB/s copied, read + write) and a STREAM "
@@ -214,7 +214,7 @@ def _render_updater(name, r) -> list[str]:
 
 def _render_capture(name, r) -> list[str]:
     mem = r.get("memcpy", {})
-    lines = ["## Receive rate per backend (issue 7)", "",
+    lines = ["## Receive rate per backend", "",
              f"Against a numpy memcpy of the same bytes ({_f(mem.get('gbit_s'), 1)} Gbit/s) and tcpdump "
              "writing to /dev/null on the same interface, one run. Live rows are capped by the injector on "
              "this 2-core VM (offered load in the last column); drain rows read frames queued first. The file and "
@@ -242,7 +242,7 @@ def _render_stall(name, r) -> list[str]:
     def rel(x):
         return f"{x['median_ms'] / ref:.2f}x" if ref and x else "–"
 
-    lines = ["## Training stall per checkpoint (issue 6)", "",
+    lines = ["## Training stall per checkpoint", "",
              f"One CPU training job ({job.get('params', 0) / 1e6:.1f} M parameters, Adam, "
              f"{job.get('state_MB', 0):.0f} MB of state, {job.get('threads', '?')} thread), one run. Milliseconds: "
              "median (min–max, n). GoCkpt: the training thread's time inside the checkpoint hooks, and the "
@@ -288,7 +288,7 @@ def _render_stall(name, r) -> list[str]:
 
 def _render_goodput(name, r) -> list[str]:
     j = r["job"]
-    lines = ["## Goodput under injected failures (issue 19)", "",
+    lines = ["## Goodput under injected failures", "",
              f"A 2-rank CPU DDP job (gloo; an MLP of {j['params'] / 1e6:.2f} M parameters, Adam; each step also "
              f"sleeps {1e3 * j['device_s']:.0f} ms for the accelerator's share) trains {j['steps']} steps while it is "
              f"killed (SIGKILL, every rank) at times drawn from an exponential MTBF of {j['mtbf_s']:g} s (seed "
@@ -330,7 +330,7 @@ def merge(doc: dict, results: dict, info: dict) -> dict:
 
 
 def _render_joint(name, r) -> list[str]:
-    lines = ["## Joint checkpoints of a sharded job (issue 18)", "",
+    lines = ["## Joint checkpoints of a sharded job", "",
              f"A TP={r['tp']} job ({r['nparams'] / 1e6:.1f} M parameters in {r['groups']} DP groups, fp32 + Adam: "
              f"{r['state_MB']:.0f} MB of state), its groups dealt to 1, 2 or 4 appliance processes on this machine "
              "(one gloo group, one shared disk); one joint round each: agreement, `dcp.save` of every slice, "
@@ -352,7 +352,7 @@ def _render_joint(name, r) -> list[str]:
 
 def _render_e2e(name, r) -> list[str]:
     protos = [p for p in ("Simple", "LL", "LL128") if p in r]
-    lines = ["## End to end, by the slope method (issue 16)", "",
+    lines = ["## End to end, by the slope method", "",
              "`mirrorckpt replay --config job.toml --quiet` in a fresh process on a 2-step and a 22-step capture of "
              f"one generated job (2 ranks, 2 channels, `{r[protos[0]]['model']}` fp32, the egress of both ranks; "
              "written to disk before they are replayed, by `capture.writer` in whole 2 MB spans, so the page cache "
@@ -412,7 +412,7 @@ def _render_e2e(name, r) -> list[str]:
                       for p, (a, b) in spread) + "."]
     if r.get("memory"):
         m = list(r["memory"].items())
-        lines += ["", "Memory (issue 16): peak RSS of `replay --config` on two Simple captures of the same job, "
+        lines += ["", "Memory: peak RSS of `replay --config` on two Simple captures of the same job, "
                   "one ten times longer.", "",
                   "| capture | peak RSS MB | every all-reduce exact |", "|---|---|---|"]
         for steps, x in m:
@@ -432,7 +432,7 @@ def _render_e2e(name, r) -> list[str]:
 def _render_serve(name, r) -> list[str]:
     protos = [p for p in ("Simple", "LL", "LL128") if isinstance(r.get(p), dict)]
     x0 = r[protos[0]]
-    lines = ["## File-fed `serve`, by the slope method (issue 16)", "",
+    lines = ["## File-fed `serve`, by the slope method", "",
              f"`mirrorckpt serve` in a fresh process on a {x0['steps'][0]}-step and a {x0['steps'][1]}-step capture "
              f"of one generated job (2 ranks, 2 channels, `{x0['model']}` fp32) mirrored at one port in both "
              "directions (the whole ring on one port), wall clock and CPU time of the daemon and its capture "
@@ -482,7 +482,7 @@ def _render_serve(name, r) -> list[str]:
 
 def _render_serve_workers(name, r) -> list[str]:
     lines = _render_serve(name, r)
-    lines[0] = "## One port on one and on two workers, file-fed `serve` (issue 16)"
+    lines[0] = "## One port on one and on two workers, file-fed `serve`"
     return lines
 
 
@@ -495,7 +495,7 @@ def protocols_present(r: dict, protos: list[str]) -> list[str]:
 
 
 def _render_latency(name, r) -> list[str]:
-    lines = ["## From the last packet to the replica's step and the committed checkpoint (issue 16)", "",
+    lines = ["## From the last packet to the replica's step and the committed checkpoint", "",
              "A live job through a port mirror (`bench_latency`): two CPU trainer processes, tc mirroring both "
              "ports to a monitor interface, `serve` capturing it with AF_PACKET and committing a checkpoint "
              "after every iteration. Times run from the kernel timestamp of an iteration's last captured packet "
@@ -518,7 +518,7 @@ def _render_latency(name, r) -> list[str]:
 
 
 def _render_large(name, r) -> list[str]:
-    lines = ["## Large states: fallback, restore, commit (issue 15)", "",
+    lines = ["## Large states: fallback, restore, commit", "",
              "A one-part GoCkpt fallback of an fp32 AdamW job (two param groups, OneCycleLR), trainer and "
              "appliance in one process over loopback: from the request to the verified resync, two or three "
              "training steps included; the restore is `restore_from_appliance` into a fresh job (64 MiB frames). "
