@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from mirrorckpt.config import shard_rules
 from mirrorckpt.config.ddp import reducer_params
-from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
-from mirrorckpt.config.shards import PAD, DpGroup, Shard, ShardedLayout, group_name
+from mirrorckpt.config.layout import JobLayout, ParamSpec
+from mirrorckpt.config.shards import DpGroup, Shard, ShardedLayout, group_name
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.endpoint import ControlClient
 from mirrorckpt.control.trainer import (
@@ -296,9 +296,7 @@ class ShardLink(TrainerLink):
         if g.wire is None:
             return ddp_layout(self.ddp_model, [local(p) for p in self.model_params], self.names, order)
         # the framework's own all-reduces (config.shard_rules), one bucket each; their padding is in ``shards``
-        return JobLayout([ParamSpec(s.fqn, s.local_shape, "float32") for s in g.shards],
-                         [BucketSpec(tuple(i for i, _ in segments if i != PAD)) for segments in g.wire],
-                         grad_dtype=self.grad_dtype)
+        return g.job_layout(self.grad_dtype)
 
     def _register_extra(self) -> dict:
         return {"shards": self.shards.to_dict(), "group": self.group}

@@ -148,9 +148,8 @@ def register_message(layout, group: str, full: dict, training: dict):
     for s in g.shards:
         block = full[s.fqn][tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape))]
         state[f"p:{s.fqn}"] = (block if s.flat is None else block.reshape(-1)[s.flat[0]:s.flat[1]]).clone()
-    buckets = [BucketSpec(tuple(i for i, _ in seg if i >= 0)) for seg in g.wire] if g.wire is not None \
-        else [BucketSpec(tuple(range(len(g.shards))))]
-    job = JobLayout(layout.group_params(group), buckets)
+    job = g.job_layout() if g.wire is not None else JobLayout(layout.group_params(group),
+                                                               [BucketSpec(tuple(range(len(g.shards))))])
     return m.make(m.REGISTER, state, job="j", step=0, run="r1", layout=job.to_dict(), ring=None, training=training,
                   shards=layout.to_dict(), group=group)
 
