@@ -164,6 +164,11 @@ class NcclRing:
             self._noise(vals.result, what)
         return vals.result.reshape(a.shape)
 
+    def emit(self, kind: str, what: str, a: np.ndarray, plan, source) -> None:
+        """Put one collective this class does not compute itself on the wire (a sharded optimizer's
+        reduce-scatter, tools.generator.sharded_wire): ``plan``'s messages carrying ``source``'s values."""
+        self._run(kind, what, a, {None: plan}, source)
+
     # -- internals -------------------------------------------------------------------------------
 
     def _check(self, per_rank: list[np.ndarray], what: str) -> None:
