@@ -41,14 +41,14 @@ def interface_problem(spec: str) -> str | None:
     return out[0] if out else None
 
 
-def check_sources(job) -> list[str]:
-    """Problems with the configured mirror sources, each naming the [[mirror]] entry."""
+def check_sources(job, table: str = "[[mirror]]") -> list[str]:
+    """Problems with the configured mirror sources, each naming its entry (of ``table``)."""
     errors = []
     if not job.mirrors:
-        errors.append("no [[mirror]] entries: nothing to capture (to follow a trainer over the control plane "
+        errors.append(f"no {table} entries: nothing to capture (to follow a trainer over the control plane "
                       "alone, serve --control-only)")
     for i, m in enumerate(job.mirrors):
-        where = f"[[mirror]] #{i + 1} source"
+        where = f"{table} #{i + 1} source"
         if not m.source:
             errors.append(f"{where}: missing (afpacket:IFACE[@NETNS], dpdk:VDEV or a capture file)")
         elif m.source.startswith("afpacket:"):
@@ -58,8 +58,46 @@ def check_sources(job) -> list[str]:
         elif not m.source.startswith("dpdk:") and not Path(m.source.removeprefix("file:")).is_file():
             errors.append(f"{where}: no capture file {m.source!r}")
         if m.workers > 1 and m.source.startswith("dpdk:"):
-            errors.append(f"[[mirror]] #{i + 1} workers = {m.workers}: a dpdk source has one worker (splitting "
+            errors.append(f"{table} #{i + 1} workers = {m.workers}: a dpdk source has one worker (splitting "
                           "its port over RSS queues is not built); use afpacket or workers = 1")
+    return errors
+
+
+def check_sharded(job, name: str, pipelined: bool) -> list[str]:
+    """Problems with a job of [[ring]] tables that `serve` would meet, each naming the ring and key."""
+    import dataclasses
+
+    layout, errors = job.shards, []
+    if job.control.get("listen"):
+        errors.append("[control] with [[ring]] tables: serve follows a sharded job's rings from the wire and its "
+                      "job file; a sharded job attached over the control plane is followed by one "
+                      "control.sharded_appliance.ShardedAppliance per appliance (docs/sharded.md)")
+    grad = [rc for rc in job.rings if not rc.weights_only]
+    for i, rc in enumerate(job.rings):
+        where = f"[[ring]] #{i + 1}"
+        if not rc.ring.addresses:
+            errors.append(f"{where} addresses: serve needs every rank's address")
+        if rc.ring.protocol == "auto" or rc.ring.nccl_version is None:
+            errors.append(f"{where}: a sharded job's ring names its protocol (LL, LL128, Simple) and nccl_version")
+        errors += check_sources(dataclasses.replace(job, mirrors=rc.mirrors), f"{where} [[ring.mirror]]")
+    missing = sorted({g.name for g in layout.groups} - {rc.group for rc in grad})
+    if grad and missing and job.persist:
+        errors.append(f"[persist]: a joint checkpoint holds every shard, and no [[ring]] follows group(s) "
+                      f"{', '.join(missing)} (one serve process follows every ring of the job)")
+    clip = (job.training or {}).get("clip")
+    if clip and grad:
+        if layout.scheme != "fsdp2":
+            errors.append(f"[training] clip: the replicas clip a sharded job by torch's global norm over its "
+                          f"shards (FSDP2); {layout.scheme}'s own clipping arithmetic is not modelled")
+        elif missing:
+            errors.append(f"[training] clip: the global norm needs every shard's, and no [[ring]] follows group(s) "
+                          f"{', '.join(missing)}")
+        if pipelined:
+            errors.append("[updater] pipelined (or --pipelined): with clipping no shard steps a bucket before every "
+                          "shard's norm is known")
+    if grad and layout.scheme == "fsdp2" and not job.initial:
+        errors.append("[job] initial: missing; FSDP2 broadcasts nothing at start, so the replicas start from a seed "
+                      "checkpoint (a DCP checkpoint of model.<fqn> tensors at step 0)")
     return errors
 
 
@@ -113,7 +151,15 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
     try:
         job = load_job(config_path)
         name = Path(config_path).name
-        if control_only:
+        pipelined = job.pipelined if pipelined is None else pipelined
+        if job.rings:
+            if control_only:
+                raise ConfigError(f"{name}: --control-only follows one trainer link; this job file lists [[ring]] "
+                                  "tables to follow from the wire")
+            problems = check_sharded(job, name, pipelined)
+            if problems:
+                raise ConfigError("; ".join(f"{name}: {p}" for p in problems))
+        elif control_only:
             if not job.control.get("listen"):
                 raise ConfigError(f"{name}: --control-only needs [control] (listen, secret_file): the trainer is "
                                   "followed over the control plane alone")
@@ -128,7 +174,7 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
         limits = Limits(**job.protection)
         if control_only and limits.fallback_every is None:
             limits.fallback_every = limits.max_lag_steps
-        problems = [] if control_only else check_sources(job)
+        problems = [] if control_only or job.rings else check_sources(job)
         if problems:
             raise ConfigError("; ".join(f"{name}: {p}" for p in problems))
         if job.training:
@@ -139,11 +185,11 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
             training = TrainingSpec(grad_dtype=job.grad_dtype)
         persist = PersistSpec.from_dict(dict(job.persist, **({"job_name": job.name} if job.name else {}))) \
             if job.persist else None
-        foreign = ckptdir.foreign_root(persist.directory, job.layout, job.name) if persist else None
+        layout = job.shards.global_layout() if job.rings else job.layout
+        foreign = ckptdir.foreign_root(persist.directory, layout, job.name) if persist else None
         if foreign:
             raise ConfigError(f"{Path(config_path).name}: [persist] {foreign}")
         ssl_context = tls_context(job.control, Path(config_path).name) if job.control.get("listen") else None
-        pipelined = job.pipelined if pipelined is None else pipelined
         if pipelined and job.control.get("listen"):
             raise ConfigError(f"{Path(config_path).name}: [updater] pipelined (or --pipelined) cannot be used with "
                               "[control]: the control plane steps whole iterations (each waits for its step metadata)")
@@ -181,15 +227,24 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
         log.info("pipelined update: each bucket is stepped as soon as it is final")
     import torch
 
-    # the packet path: each capture process and the parser thread
-    torch.set_num_threads(job.updater_threads(sum(m.workers for m in job.mirrors) + 1))
+    # the packet path: each capture process and the parser thread (of every ring)
+    rings = job.rings or [job]
+    torch.set_num_threads(job.updater_threads(sum(m.workers for r in rings for m in r.mirrors) + len(rings)))
     log.info("updater: %d torch thread(s)", torch.get_num_threads())
-    daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control, pipelined=pipelined,
-                    limits=limits, control_only=control_only)
-    metrics.follow_persister(lambda: getattr(daemon.appliance, "persister", None))
+    registry = None
+    if job.rings:
+        from mirrorckpt.tools.daemon.rings import ShardedDaemon
+        from mirrorckpt.tools.metrics import with_rings
+
+        daemon = ShardedDaemon(job, training, persist, metrics, limits, pace=pace_v, pipelined=pipelined)
+        registry = with_rings(metrics, daemon.ring_metrics)
+    else:
+        daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control, pipelined=pipelined,
+                        limits=limits, control_only=control_only)
+        metrics.follow_persister(lambda: getattr(daemon.appliance, "persister", None))
     daemon.judge()  # the endpoint answers with a verdict from its first request
     if job.metrics.get("listen"):
-        host, port = metrics.serve(job.metrics["listen"])
+        host, port = metrics.serve(job.metrics["listen"], registry)
         log.info("metrics endpoint up", extra={"listen": f"{host}:{port}"})
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)

@@ -113,6 +113,10 @@ class WeightsFollower:
         self.summary.last_step = step
         self.on_snapshot(step, {p.name: torch.from_numpy(a).reshape(p.shape) for p, a in zip(self.params, flat)})
 
+    def ended(self) -> None:
+        """The ring's stream ended."""
+        self._close()
+
     def close(self) -> WeightsSummary:
         self._close()
         return self.summary
