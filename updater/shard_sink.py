@@ -60,13 +60,13 @@ def group_slices(group: DpGroup, params: dict[str, np.ndarray]) -> np.ndarray:
 
 def seed_weights(seed, layout: ShardedLayout, group: str, grad_dtype: str = "float32") -> InitialWeights:
     """The group's slices of a seed checkpoint (a DCP directory of ``model.<fqn>`` tensors)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
+    from mirrorckpt.updater.ckptdir import dcp_module
 
+    dcp = dcp_module()
     g = layout.group(group)
     d = Path(seed)
     try:
-        md = FileSystemReader(str(d)).read_metadata()
+        md = dcp.FileSystemReader(str(d)).read_metadata()
     except Exception as e:  # DCP raises whatever its reader met: name the directory
         raise ValueError(f"seed checkpoint {d}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from None
     want = {p.name: p for p in layout.params if any(s.fqn == p.name for s in g.shards)}
@@ -77,7 +77,7 @@ def seed_weights(seed, layout: ShardedLayout, group: str, grad_dtype: str = "flo
             what = "missing" if m is None else f"of shape {list(m.size)}, the layout's {list(p.shape)}"
             raise ValueError(f"seed checkpoint {d}: model.{fqn} {what}")
         sd[f"model.{fqn}"] = torch.empty(p.shape, dtype=torch.float32)
-    dcp_load(sd, storage_reader=FileSystemReader(str(d)), no_dist=True)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(d)), no_dist=True)
     flat = group_slices(g, {fqn: sd[f"model.{fqn}"].numpy() for fqn in want})
     return InitialWeights(g.job_layout(grad_dtype), flat)
 

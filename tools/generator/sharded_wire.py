@@ -52,6 +52,7 @@ from mirrorckpt.tools.generator.packetize import NcclRing, dtype_name
 from mirrorckpt.tools.generator.train import build_optimizer, build_scheduler, intra_op_threads
 from mirrorckpt.tools.generator.truth import TRUTH_FILE, IterationRecord, RecordingComm
 from mirrorckpt.tools.generator.wire import Wire, WireOptions
+from mirrorckpt.updater.ckptdir import dcp_module
 from mirrorckpt.updater.fingerprint import state_sha256
 from mirrorckpt.updater.manifest import tensor_sha256
 from mirrorckpt.updater.shard_clip import clip_coefficient, local_norm
@@ -253,6 +254,7 @@ class WireJob:
     comms: dict[str, Comm]
     out: Path
     params: list[dict[str, str]] = field(default_factory=list)  # per step: sha256 of each parameter before it
+    norms: list[float] = field(default_factory=list)  # per step with clipping: the global norm clipped by
 
     def state(self) -> dict:
         """The trainer's state as unsharded DCP flat keys (``model.<fqn>``, ``optim.state.<fqn>.<k>``)."""
@@ -399,7 +401,7 @@ def _train_fsdp(job: WireJob, spec) -> None:
             for r in range(R):
                 inputs = [_premul(to_wire(torch.cat([_padded_chunk(grads[r * S + k][n], S, j)
                                                      for j in range(S) for n in names])), S) for k in range(S)]
-                reduced[r] = job.comms[f"shard{r}"].reduce_scatter(inputs, f"grad_rs:iter={it}:unit={u}")
+                reduced[r] = job.comms[f"shard{r}"].reduce_scatter(inputs, f"reduce_scatter:iter={it}:unit={u}")
             for k, g in enumerate(groups):
                 if R > 1:
                     buf = job.comms[f"replica{k}"].all_reduce([_premul(reduced[r][k], R) for r in range(R)],
@@ -429,6 +431,7 @@ def _clip(job: WireJob, groups, replicas: int, it: int) -> None:
     for r in range(replicas):
         summed = job.comms[f"shard{r}"].all_reduce(squares, f"norm:iter={it}")
         total = torch.from_numpy(summed.copy()).reshape(()) ** (1.0 / float(c.norm_type))
+    job.norms.append(float(total))
     coef = clip_coefficient(total, c.max_norm)
     for g in groups:
         torch._foreach_mul_([t.grad for t in job.shards[g.name].tensors], coef)
@@ -481,8 +484,7 @@ def _train_zero(job: WireJob, spec) -> None:
 
 def _write_seed(model: nn.Module, d: Path) -> None:
     """The initial model as a DCP checkpoint of ``model.<fqn>`` keys (no process group)."""
-    from torch.distributed import checkpoint as dcp
-
+    dcp = dcp_module()
     sd = {"model": {n: p.detach().clone() for n, p in model.named_parameters()}}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
 
@@ -501,6 +503,7 @@ def _write_outputs(job: WireJob, rings: dict[str, list[int]], followed: dict[str
         "groups": {n: {"comm": sh.comm, "iterations": [asdict(it) for it in sh.iterations]}
                    for n, sh in job.shards.items()},
         "params": job.params,  # before each step: what that step's all-gathers carry
+        "grad_norms": job.norms,
         "final_params": _params_sha(job),
         "captures": files,
     }
