@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from mirrorckpt.config.layout import JobLayout
-from mirrorckpt.config.shards import PAD, DpGroup, ShardedLayout
+from mirrorckpt.config.shards import PAD, DpGroup, Shard, ShardedLayout
 from mirrorckpt.parser.iteration import GatheredWeights, InitialWeights, ReducedBucket, ReducedIteration
 from mirrorckpt.updater.replica import wire_tensor
 from mirrorckpt.updater.shard_clip import NormExchange, local_norm
@@ -47,14 +47,17 @@ def kept_ranges(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def group_slice(s: Shard, whole):
+    """Slice ``s`` of a whole parameter (numpy array or tensor of the global shape), in the shape
+    the group holds it (a block, or a flat range of one)."""
+    block = whole[tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape))]
+    return block if s.flat is None else block.reshape(-1)[s.flat[0]:s.flat[1]]
+
+
 def group_slices(group: DpGroup, params: dict[str, np.ndarray]) -> np.ndarray:
     """The group's slices, flat and in its order, of whole parameters (FQN -> array of the global
     shape)."""
-    out = []
-    for s in group.shards:
-        block = params[s.fqn][tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape))]
-        out.append(np.ascontiguousarray(block).reshape(-1)[s.flat[0]:s.flat[1]] if s.flat is not None
-                   else np.ascontiguousarray(block).reshape(-1))
+    out = [np.ascontiguousarray(group_slice(s, params[s.fqn])).reshape(-1) for s in group.shards]
     return np.concatenate(out) if out else np.empty(0, np.float32)
 
 
