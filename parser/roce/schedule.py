@@ -593,22 +593,21 @@ def allgather_plan(count_per_rank: int, esize: int, nranks: int, nchannels: int,
                    nthreads: int | None = None, *, arm: bool = False) -> AllGatherPlan:
     """Ring all-gather of ``count_per_rank`` elements from every rank. Message offsets are inside
     the origin's contribution; its place in the output is ``rank_of(chunk) * count_per_rank``."""
+    return _per_rank_plan(AllGatherPlan, count_per_rank, esize, nranks, nchannels, protocol, version, nthreads, arm)
+
+
+def _per_rank_plan(cls, count_per_rank, esize, nranks, nchannels, protocol, version, nthreads, arm):
+    """An all-gather or reduce-scatter plan: ``count_per_rank`` elements per rank, chunked in bytes."""
     _check_args(count_per_rank, esize, nranks, nchannels)
     proto, v = nv.protocol(protocol), nv.version(version)
     size = count_per_rank * esize
     launch = select_launch(size * nranks, nranks, nchannels, proto, v, nthreads)
-    work, parts = _byte_work(size, ALLGATHER, nranks, launch, nchannels, proto, v, arm)
-    return AllGatherPlan(count_per_rank, esize, nranks, nchannels, proto, v, launch, _to_elements(work, esize),
-                         parts, arm)
+    work, parts = _byte_work(size, cls.kind, nranks, launch, nchannels, proto, v, arm)
+    return cls(count_per_rank, esize, nranks, nchannels, proto, v, launch, _to_elements(work, esize), parts, arm)
 
 
 def reducescatter_plan(count_per_rank: int, esize: int, nranks: int, nchannels: int, protocol: str, version,
                        nthreads: int | None = None, *, arm: bool = False) -> ReduceScatterPlan:
     """Ring reduce-scatter of ``count_per_rank`` output elements per rank (see the module text)."""
-    _check_args(count_per_rank, esize, nranks, nchannels)
-    proto, v = nv.protocol(protocol), nv.version(version)
-    size = count_per_rank * esize
-    launch = select_launch(size * nranks, nranks, nchannels, proto, v, nthreads)
-    work, parts = _byte_work(size, REDUCESCATTER, nranks, launch, nchannels, proto, v, arm)
-    return ReduceScatterPlan(count_per_rank, esize, nranks, nchannels, proto, v, launch, _to_elements(work, esize),
-                             parts, arm)
+    return _per_rank_plan(ReduceScatterPlan, count_per_rank, esize, nranks, nchannels, protocol, version, nthreads,
+                          arm)

@@ -26,7 +26,8 @@ def dtype_name(a: np.ndarray) -> str:
     return ringreduce.BF16 if a.dtype == np.uint16 else a.dtype.name
 
 
-def _bytes(a: np.ndarray) -> np.ndarray:
+def payload_bytes(a: np.ndarray) -> np.ndarray:
+    """A message's user bytes: ``a`` little-endian, flat."""
     return np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1)
 
 
@@ -67,7 +68,7 @@ class AllReduceValues:
     def payload(self, w: Work, msg: schedule.RingStep) -> np.ndarray:
         off = self.plan.loops(w.channel)[msg.loop][msg.chunk][0]
         rel = msg.offset - off
-        return _bytes(self.acc[w.channel][msg.chunk][rel:rel + msg.nelem])
+        return payload_bytes(self.acc[w.channel][msg.chunk][rel:rel + msg.nelem])
 
 
 class CopyValues:
@@ -80,7 +81,7 @@ class CopyValues:
         pass
 
     def payload(self, w: Work, msg) -> np.ndarray:
-        return _bytes(self.by_origin(w.channel, msg.chunk)[msg.offset:msg.offset + msg.nelem])
+        return payload_bytes(self.by_origin(w.channel, msg.chunk)[msg.offset:msg.offset + msg.nelem])
 
 
 class SliceValues:
@@ -93,7 +94,7 @@ class SliceValues:
         pass
 
     def payload(self, w: Work, msg: P2pMsg) -> np.ndarray:
-        return _bytes(self.data[msg.offset:msg.offset + msg.nelem])
+        return payload_bytes(self.data[msg.offset:msg.offset + msg.nelem])
 
 
 class NcclRing:

@@ -48,7 +48,7 @@ from mirrorckpt.tools.generator import mirrors as mirrors_mod
 from mirrorckpt.tools.generator import models, topology
 from mirrorckpt.tools.generator.ddp import to_wire
 from mirrorckpt.tools.generator.gen import JOB_FILE, _no_none
-from mirrorckpt.tools.generator.packetize import NcclRing, dtype_name
+from mirrorckpt.tools.generator.packetize import AllReduceValues, NcclRing, payload_bytes
 from mirrorckpt.tools.generator.train import build_optimizer, build_scheduler, intra_op_threads
 from mirrorckpt.tools.generator.truth import TRUTH_FILE, IterationRecord, RecordingComm
 from mirrorckpt.tools.generator.wire import Wire, WireOptions
@@ -125,26 +125,17 @@ class _Keyed:
         self.wire.run(*args)
 
 
-class ReduceScatterValues:
+class ReduceScatterValues(AllReduceValues):
     """What each reduce-scatter message carries: chunk c (ring position c's output part) starts
     with position c+1's input at step 0 and adds the next position's at each step, rounded in the
-    element type (``ringreduce.add``); the owner adds its own term after the last hop, off the wire."""
+    element type (``ringreduce.add``); the owner adds its own term after the last hop, off the wire.
+    The slots advance as an all-reduce's do; the result is one part per rank."""
 
     def __init__(self, plan: schedule.ReduceScatterPlan, inputs: list[np.ndarray], orders: list[list[int]]):
-        self.plan, self.R, self.count = plan, plan.nranks, plan.count
-        self.dtype = dtype_name(inputs[0])
-        self.orders = orders
-        self.xs = {ch: [inputs[orders[ch][p]].reshape(-1) for p in range(self.R)] for ch in plan.channels}
+        super().__init__(plan, inputs, orders)
+        self.count, self.orders = plan.count, orders
         self.result = [np.empty(self.count, inputs[0].dtype) for _ in range(self.R)]
         self.covered = [np.zeros(self.count, bool) for _ in range(self.R)]
-        self.lead = {ch: plan.messages(0, ch) for ch in plan.channels}
-        self.at: dict[int, tuple[int, int]] = {}
-        self.acc: dict[int, list[np.ndarray]] = {}
-
-    def begin_slot(self, g: int) -> None:
-        for ch, msgs in self.lead.items():
-            if g < len(msgs) and self.at.get(ch) != (msgs[g].loop, msgs[g].step):
-                self._advance(ch, msgs[g].loop, msgs[g].step)
 
     def _span(self, ch: int, c: int, loop: int) -> slice:
         off, n = self.plan.loops(ch)[loop]
@@ -169,8 +160,7 @@ class ReduceScatterValues:
     def payload(self, w, msg) -> np.ndarray:
         off = self.plan.loops(w.channel)[msg.loop][0]
         rel = msg.offset - off
-        part = self.acc[w.channel][msg.chunk][rel:rel + msg.nelem]
-        return np.ascontiguousarray(part).astype(part.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1)
+        return payload_bytes(self.acc[w.channel][msg.chunk][rel:rel + msg.nelem])
 
 
 class Comm(RecordingComm):
