@@ -319,3 +319,31 @@ def test_a_malformed_ring_is_refused_in_words(ring_file, rings, job, top, words)
     with pytest.raises(ConfigError) as e:
         load_job(ring_file(*args, top=top))
     assert words in str(e.value)
+
+
+def test_the_endpoint_serves_the_jobs_metrics_and_every_rings_under_a_ring_label():
+    from mirrorckpt.tools.metrics import Metrics, with_rings
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    job, rings = Metrics(), {"pp0-tp0-sh0": Metrics(), "pp0-tp0-sh1": Metrics()}
+    job.protection.labels("not protected").set(1)
+    rings["pp0-tp0-sh0"].replica_step.set(7)
+    rings["pp0-tp0-sh1"].replica_step.set(5)
+    text = generate_latest(with_rings(job, rings)).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    steps = {s.labels.get("ring"): s.value for s in fams["mirrorckpt_replica_step"].samples}
+    assert steps == {None: 0.0, "pp0-tp0-sh0": 7.0, "pp0-tp0-sh1": 5.0}  # the job's own first, one family
+    first = next(s for s in fams["mirrorckpt_protection"].samples if s.labels.get("verdict") == "not protected")
+    assert "ring" not in first.labels and first.value == 1.0
+    assert text.count("# HELP mirrorckpt_replica_step ") == 1
+
+
+def test_gen_sharded_refuses_what_it_does_not_generate(tmp_path):
+    from click.testing import CliRunner
+    from mirrorckpt.tools.cmd_gen import gen
+
+    res = CliRunner().invoke(gen, ["--out", str(tmp_path / "g"), "--sharded", "zero", "--noise", "all"])
+    assert res.exit_code == 2 and "--sharded does not generate --noise" in res.output
+    res = CliRunner().invoke(gen, ["--out", str(tmp_path / "g"), "--sharded", "hsdp", "--protocol", "auto"])
+    assert res.exit_code == 2 and "protocol 'auto': pin one of" in res.output
