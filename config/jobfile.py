@@ -110,7 +110,7 @@ SCHEMA = {
     "ring": RING,
     # one ring of a sharded job ([job] shards): [ring]'s keys, whose replica shard, and its mirrors
     "rings": dict(RING, group=(_str(), False), weights_only=(_bool, False), replica=(_int(0), False),
-                  mirror=(list, False)),
+                  listen=(_str(), False), mirror=(list, False)),
     "job": {
         "name": (_str(), False), "kind": (_str(("ddp", "allreduce")), False), "startup": (_bool, False),
         "p2p_fill": (_bool, False),
@@ -149,6 +149,7 @@ class RingConfig:
     group: str | None = None  # the layout's group whose replica shard this ring's all-reduces give
     weights_only: bool = False  # an FSDP2 shard group followed for its parameter all-gathers
     replica: int = 0  # weights_only: which shard group (mesh row) of an HSDP job; pure FSDP has one
+    listen: str | None = None  # with [control]: the address of this ring's group's control plane
 
     @property
     def name(self) -> str:
@@ -314,17 +315,24 @@ def _sharded(raw: dict, j: dict, name: str, base: Path | None) -> JobConfig:
     for k in ("kind", "params", "buckets", "counts", "startup", "p2p_fill"):
         if k in j:
             raise ConfigError(f"{name}: [job] {k}: a job of [[ring]] tables takes its layout from [job] shards")
-    if "shards" not in j:
+    control = isinstance(raw.get("control"), dict)
+    if control and "listen" in raw["control"]:
+        raise ConfigError(f"{name}: [control] listen: a sharded job's control planes listen one per ring "
+                          "([[ring]] listen)")
+    layout, spath = None, None
+    if "shards" in j:
+        spath = Path(j["shards"])
+        spath = spath if spath.is_absolute() or base is None else base / spath
+        try:
+            layout = ShardedLayout.from_dict(json.loads(spath.read_text()))
+        except OSError as e:
+            raise ConfigError(f"{name}: [job] shards: {spath}: {e.strerror}") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{name}: [job] shards: {spath}: not a sharded layout: {e}") from None
+    elif not control:
         raise ConfigError(f"{name}: [job] shards: missing; [[ring]] tables follow the rings of a sharded layout "
-                          "(a shards.json, as `mirrorckpt gen --sharded` writes it)")
-    spath = Path(j["shards"])
-    spath = spath if spath.is_absolute() or base is None else base / spath
-    try:
-        layout = ShardedLayout.from_dict(json.loads(spath.read_text()))
-    except OSError as e:
-        raise ConfigError(f"{name}: [job] shards: {spath}: {e.strerror}") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{name}: [job] shards: {spath}: not a sharded layout: {e}") from None
+                          "(a shards.json, as `mirrorckpt gen --sharded` writes it), or the trainer registers it "
+                          "over [control]")
     rings: list[RingConfig] = []
     taken: dict[str, int] = {}
     for i, t in enumerate(raw["ring"]):
@@ -332,8 +340,16 @@ def _sharded(raw: dict, j: dict, name: str, base: Path | None) -> JobConfig:
         r = _check(where, "rings", _table_or(name, "ring", t))
         ring = _ring(where, r)
         rc = RingConfig(ring, _mirrors(f"{where} [[ring.mirror]]", r.get("mirror", []), ring, base, name),
-                        r.get("group"), r.get("weights_only", False), r.get("replica", 0))
-        _check_ring(where, rc, layout, spath.name)
+                        r.get("group"), r.get("weights_only", False), r.get("replica", 0), r.get("listen"))
+        if control and rc.listen is None and not rc.weights_only:
+            raise ConfigError(f"{where}: missing key 'listen' (with [control] each ring's group has its control "
+                              "plane, at the address the trainer's appliances map names)")
+        if rc.listen is not None and not control:
+            raise ConfigError(f"{where} listen: a ring's control plane needs [control] (secret_file)")
+        if layout is not None:
+            _check_ring(where, rc, layout, spath.name)
+        elif rc.group is None:
+            raise ConfigError(f"{where}: missing key 'group' (the layout's group whose replica shard this ring keeps)")
         if rc.name in taken:
             key = "group" if rc.group is not None else "replica"
             raise ConfigError(f"{where} {key}: {rc.name!r} is followed by [[ring]] #{taken[rc.name] + 1} already")
@@ -345,7 +361,7 @@ def _sharded(raw: dict, j: dict, name: str, base: Path | None) -> JobConfig:
     if initial is not None and base is not None and not Path(initial).is_absolute():
         initial = str(base / initial)
     return JobConfig(ring=rings[0].ring, kind="sharded", grad_dtype=j.get("grad_dtype", "float32"), path=name,
-                     name=j.get("name") or None, shards=layout, shards_path=j["shards"], initial=initial,
+                     name=j.get("name") or None, shards=layout, shards_path=j.get("shards", ""), initial=initial,
                      rings=rings)
 
 
@@ -487,7 +503,8 @@ def _section_lines(cfg: JobConfig) -> list[str]:
 def _dump_sharded(cfg: JobConfig) -> str:
     lines = ["# mirrorckpt job configuration: a sharded job, one [[ring]] per followed ring", "[job]"]
     lines += [f"name = {_toml_value(cfg.name)}"] if cfg.name else []
-    lines += [f"shards = {_toml_value(cfg.shards_path)}", f"grad_dtype = {_toml_value(cfg.grad_dtype)}"]
+    lines += [f"shards = {_toml_value(cfg.shards_path)}"] if cfg.shards_path else []
+    lines += [f"grad_dtype = {_toml_value(cfg.grad_dtype)}"]
     if cfg.initial:
         lines.append(f"initial = {_toml_value(cfg.initial)}")
     lines += _section_lines(cfg)
@@ -496,6 +513,8 @@ def _dump_sharded(cfg: JobConfig) -> str:
         lines += [f"group = {_toml_value(rc.group)}"] if rc.group is not None else ["weights_only = true"]
         if rc.weights_only and rc.replica:
             lines.append(f"replica = {rc.replica}")
+        if rc.listen:
+            lines.append(f"listen = {_toml_value(rc.listen)}")
         lines += _ring_lines(rc.ring)
         for m in rc.mirrors:
             lines += _mirror_lines(m, "ring.mirror")

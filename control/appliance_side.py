@@ -307,6 +307,18 @@ class AppliancePlane:
         self._buffer.append(it)  # replayed after the resync if it is newer than the state
         s.iterations_skipped += 1
 
+    def wait_metadata(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` s for the trainer's step metadata of the iterations that wait for it
+        (a capture file read to its end before the trainer reported those steps); True when none waits."""
+        end = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if not self._waiting:
+                    return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.05)
+
     def _drain(self) -> None:
         while self._waiting:
             r = self.replica

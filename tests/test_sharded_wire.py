@@ -313,6 +313,12 @@ def test_a_job_of_rings_reads_back(ring_file):
      None, "", "[[ring]] #1 group: a weights_only ring keeps every parameter"),
     (RING.format(group="pp0-tp0-sh0", n=2, rank=0).replace("nranks", "ranks"), None, "",
      "[[ring]] #1: unknown key 'ranks'"),
+    (RING.format(group="pp0-tp0-sh0", n=2, rank=0).replace("nranks", 'listen = "127.0.0.1:7071"\nnranks'), None, "",
+     "[[ring]] #1 listen: a ring's control plane needs [control] (secret_file)"),
+    (RING.format(group="pp0-tp0-sh0", n=2, rank=0), None, '[control]\nsecret_file = "s"\n',
+     "[[ring]] #1: missing key 'listen' (with [control] each ring's group has its control plane"),
+    (RING.format(group="pp0-tp0-sh0", n=2, rank=0), None, '[control]\nlisten = "127.0.0.1:7070"\n',
+     "[control] listen: a sharded job's control planes listen one per ring ([[ring]] listen)"),
 ])
 def test_a_malformed_ring_is_refused_in_words(ring_file, rings, job, top, words):
     args = (rings,) if job is None else (rings, job)

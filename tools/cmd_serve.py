@@ -68,10 +68,7 @@ def check_sharded(job, name: str, pipelined: bool) -> list[str]:
     import dataclasses
 
     layout, errors = job.shards, []
-    if job.control.get("listen"):
-        errors.append("[control] with [[ring]] tables: serve follows a sharded job's rings from the wire and its "
-                      "job file; a sharded job attached over the control plane is followed by one "
-                      "control.sharded_appliance.ShardedAppliance per appliance (docs/sharded.md)")
+    control = bool(job.control)
     grad = [rc for rc in job.rings if not rc.weights_only]
     for i, rc in enumerate(job.rings):
         where = f"[[ring]] #{i + 1}"
@@ -80,12 +77,12 @@ def check_sharded(job, name: str, pipelined: bool) -> list[str]:
         if rc.ring.protocol == "auto" or rc.ring.nccl_version is None:
             errors.append(f"{where}: a sharded job's ring names its protocol (LL, LL128, Simple) and nccl_version")
         errors += check_sources(dataclasses.replace(job, mirrors=rc.mirrors), f"{where} [[ring.mirror]]")
-    missing = sorted({g.name for g in layout.groups} - {rc.group for rc in grad})
+    missing = sorted({g.name for g in layout.groups} - {rc.group for rc in grad}) if layout is not None else []
     if grad and missing and job.persist:
         errors.append(f"[persist]: a joint checkpoint holds every shard, and no [[ring]] follows group(s) "
                       f"{', '.join(missing)} (one serve process follows every ring of the job)")
     clip = (job.training or {}).get("clip")
-    if clip and grad:
+    if clip and grad and not control:  # with a control plane the trainer sends the coefficient it applied
         if layout.scheme != "fsdp2":
             errors.append(f"[training] clip: the replicas clip a sharded job by torch's global norm over its "
                           f"shards (FSDP2); {layout.scheme}'s own clipping arithmetic is not modelled")
@@ -95,9 +92,13 @@ def check_sharded(job, name: str, pipelined: bool) -> list[str]:
         if pipelined:
             errors.append("[updater] pipelined (or --pipelined): with clipping no shard steps a bucket before every "
                           "shard's norm is known")
-    if grad and layout.scheme == "fsdp2" and not job.initial:
+    if grad and not control and layout.scheme == "fsdp2" and not job.initial:
         errors.append("[job] initial: missing; FSDP2 broadcasts nothing at start, so the replicas start from a seed "
-                      "checkpoint (a DCP checkpoint of model.<fqn> tensors at step 0)")
+                      "checkpoint (a DCP checkpoint of model.<fqn> tensors at step 0), or from the trainer's "
+                      "registration with [control]")
+    if control and job.initial:
+        errors.append("[job] initial: with [control] the replicas start from the trainer's registration (its initial "
+                      "state, or a fallback)")
     return errors
 
 
@@ -152,6 +153,8 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
         job = load_job(config_path)
         name = Path(config_path).name
         pipelined = job.pipelined if pipelined is None else pipelined
+        # a trainer link: [control] listen, or a sharded job's planes (each [[ring]] listens)
+        has_control = bool(job.control.get("listen")) or bool(job.rings and job.control)
         if job.rings:
             if control_only:
                 raise ConfigError(f"{name}: --control-only follows one trainer link; this job file lists [[ring]] "
@@ -179,18 +182,18 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
             raise ConfigError("; ".join(f"{name}: {p}" for p in problems))
         if job.training:
             training = TrainingSpec.from_dict(job.training)
-        elif job.control.get("listen"):
+        elif has_control:
             training = None  # the trainer's REGISTER brings it (a [training] table must agree with it)
         else:
             training = TrainingSpec(grad_dtype=job.grad_dtype)
         persist = PersistSpec.from_dict(dict(job.persist, **({"job_name": job.name} if job.name else {}))) \
             if job.persist else None
-        layout = job.shards.global_layout() if job.rings else job.layout
+        layout = (job.shards.global_layout() if job.shards is not None else None) if job.rings else job.layout
         foreign = ckptdir.foreign_root(persist.directory, layout, job.name) if persist else None
         if foreign:
             raise ConfigError(f"{Path(config_path).name}: [persist] {foreign}")
-        ssl_context = tls_context(job.control, Path(config_path).name) if job.control.get("listen") else None
-        if pipelined and job.control.get("listen"):
+        ssl_context = tls_context(job.control, Path(config_path).name) if has_control else None
+        if pipelined and has_control:
             raise ConfigError(f"{Path(config_path).name}: [updater] pipelined (or --pipelined) cannot be used with "
                               "[control]: the control plane steps whole iterations (each waits for its step metadata)")
     except (ConfigError, SpecError) as e:
@@ -201,11 +204,10 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
     pace_v = None if pace is None else ("recorded" if pace == "recorded" else float(pace))
     metrics = Metrics()
     control = None
-    if job.control.get("listen"):
+    if has_control:
         from mirrorckpt.control.appliance_side import AppliancePlane
 
         c = job.control
-        host, _, port = c["listen"].rpartition(":")
         try:
             secret = Path(c["secret_file"]).read_bytes().strip() if c.get("secret_file") else None
         except OSError as e:
@@ -218,11 +220,16 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
         if ssl_context is None:
             log.warning("control plane without TLS: weights, gradients and HMAC proofs cross the network in clear "
                         "(set [control] tls_cert, tls_key and tls_ca)")
-        control = AppliancePlane(secret, host=host or "127.0.0.1", port=int(port), training=training,
-                                 layout=job.layout, ring=None if control_only else job.ring, persist=persist,
-                                 parts=c.get("fallback_parts", 7), fingerprint_every=c.get("fingerprint_every", 10),
-                                 max_lag_steps=limits.max_lag_steps,
-                                 server_options={"ssl_context": ssl_context} if ssl_context is not None else None)
+        options = {"ssl_context": ssl_context} if ssl_context is not None else None
+        if job.rings:  # one plane per gradient ring (tools.daemon.rings)
+            control = dict(c, secret=secret, server_options=options)
+        else:
+            host, _, port = c["listen"].rpartition(":")
+            control = AppliancePlane(secret, host=host or "127.0.0.1", port=int(port), training=training,
+                                     layout=job.layout, ring=None if control_only else job.ring, persist=persist,
+                                     parts=c.get("fallback_parts", 7),
+                                     fingerprint_every=c.get("fingerprint_every", 10),
+                                     max_lag_steps=limits.max_lag_steps, server_options=options)
     if pipelined:
         log.info("pipelined update: each bucket is stepped as soon as it is final")
     import torch
@@ -236,7 +243,8 @@ def serve(config_path, pace, pipelined, control_only, log_level, log_format):
         from mirrorckpt.tools.daemon.rings import ShardedDaemon
         from mirrorckpt.tools.metrics import with_rings
 
-        daemon = ShardedDaemon(job, training, persist, metrics, limits, pace=pace_v, pipelined=pipelined)
+        daemon = ShardedDaemon(job, training, persist, metrics, limits, pace=pace_v, pipelined=pipelined,
+                               control=control)
         registry = with_rings(metrics, daemon.ring_metrics)
     else:
         daemon = Daemon(job, training, persist, metrics, pace=pace_v, control=control, pipelined=pipelined,

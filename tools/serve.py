@@ -38,6 +38,7 @@ from mirrorckpt.tools.sendring import SendRing
 log = logging.getLogger("mirrorckpt.serve")
 
 MONITOR_S = 0.2  # port counters to the metrics
+META_WAIT_S = 10.0  # capture files read to their end: how long iterations may wait for their step metadata
 JUDGE_S = 1.0  # the protection verdict
 
 
@@ -109,13 +110,19 @@ class Daemon:
 
         if self.job.kind != "ddp" or self.job.layout is not None:
             return NcclJobModel.from_job(self.job)
+        if not self._wait_registered():
+            return None
+        return NcclJobModel.ddp(self._ring(), self.control.layout, with_startup=self.job.startup)
+
+    def _wait_registered(self) -> bool:
+        """Waits until the trainer registered its layout; False if stopped before that."""
         if not self.control.registered.is_set():
             log.info("waiting for the trainer to register the job's layout")
             while not self.control.registered.wait(0.2):
                 if self.stopping.is_set():
-                    return None
+                    return False
             log.info("layout registered: following the mirror", extra={"params": len(self.control.layout.params)})
-        return NcclJobModel.ddp(self._ring(), self.control.layout, with_startup=self.job.startup)
+        return True
 
     def _drop_hint(self, m) -> str:
         if not m.live and self.pace is None:
@@ -337,6 +344,10 @@ class Daemon:
                 t.start()
             for t in threads:
                 t.join()
+            if self.control is not None and not self.live and not self.stopping.is_set() and \
+                    not self.control.wait_metadata(META_WAIT_S):
+                log.warning("capture files ended with iterations still waiting for the trainer's step metadata "
+                            "(%g s): they are not applied", META_WAIT_S)
         for w in self.workers:
             w.join(timeout=10)
         done.set()

@@ -136,3 +136,57 @@ def test_serve_refuses_a_malformed_sharded_job_file(small, tmp_path, edit, words
     res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and words in res.stderr, res.stderr[-2000:]
+
+
+def test_sharded_job_attached_over_the_control_plane(tmp_path):
+    """With [control] every ring's group has its control plane ([[ring]] listen): the trainer's sharded
+    REGISTER of each group (its initial state, at step 0) brings the layout (the job file names none),
+    its step metadata lets the replicas step; one joint checkpoint equal to the trainer's state."""
+    from mirrorckpt.control import messages as m
+    from mirrorckpt.control.endpoint import ControlClient
+    from mirrorckpt.tools.testbed.harness import free_port
+    from mirrorckpt.tools.testbed.joint import register_message
+
+    cfg = ShardedWireConfig(scheme="hsdp", ranks=2, shard=2, model=MODEL, steps=STEPS, protocol="Simple",
+                            training=TRAINING)
+    job = generate_sharded_wire(cfg, tmp_path / "gen")
+    secret = "serve-sharded-secret-0123456789ab"
+    (tmp_path / "secret").write_text(secret)
+    ports = {g.name: free_port() for g in job.layout.groups}
+    text = (job.out / "job.toml").read_text().replace('initial = "seed"\n', "").replace('shards = "shards.json"\n',
+                                                                                          "")
+    for name, port in ports.items():
+        text = text.replace(f'group = "{name}"\n', f'group = "{name}"\nlisten = "127.0.0.1:{port}"\n')
+    root = tmp_path / "ck"
+    text = text.replace("\n[training]", f'\n[control]\nsecret_file = "{tmp_path / "secret"}"\n\n[persist]\n'
+                        f'directory = "{root}"\n\n[training]', 1)
+    serve_toml = tmp_path / "serve.toml"
+    serve_toml.write_text(text.replace('source = "', f'source = "{job.out}/'))
+    proc = subprocess.Popen([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(serve_toml)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    initial = dict(build_model(MODEL, seed=cfg.seed).named_parameters())
+    clients = []
+    truth = json.loads((job.out / "truth.json").read_text())["groups"]
+    try:
+        for name, port in ports.items():  # each group's REGISTER (its initial state), then its steps' metadata
+            cli = ControlClient("127.0.0.1", port, secret, backoff_max=0.2).start()
+            clients.append(cli)
+            assert cli.wait_connected(60), f"plane of {name} not reachable"
+            cli.send(register_message(job.layout, name, {k: v.detach() for k, v in initial.items()},
+                                      cfg.training.to_dict()))
+            for it in truth[name]["iterations"]:
+                cli.send(m.make(m.STEP_META, step=it["step"], lr=it["lr"], loss_scale=None))
+        out, err = proc.communicate(timeout=240)
+    finally:
+        for cli in clients:
+            cli.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    sel = restore.select(root, verify_data=True)
+    assert sel.path == root / ckptdir.step_dirname(STEPS) and not sel.problems, (sel.problems, err[-2000:])
+    want = job.state()
+    md = ckptdir.dcp_module().FileSystemReader(sel.path).read_metadata()
+    got = restore._read_flat(sel.path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

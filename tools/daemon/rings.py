@@ -13,6 +13,13 @@ process alone): a round commits the newest step every shard holds as one DCP che
 whole model; a ring that is behind delays it, never tears it. With global-norm clipping the rings'
 updaters meet once per iteration in a ``NormExchange``. The job's verdict is its worst ring's; the
 endpoint serves the job's metrics and every ring's under a ``ring`` label (``metrics.with_rings``).
+
+With ``[control]`` every gradient ring's group has a control plane of its own (``[[ring]]
+listen``, one ``AppliancePlane`` per group, as ``control.sharded_appliance`` has them): the
+trainer's sharded REGISTER brings the layout (every plane the same, every group followed here),
+the initial state or a fallback, and each step's metadata with the clipping coefficient it
+applied; the ring's sink hands the plane the group's slices, and the joint persister opens once
+every plane is registered.
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ class RingDaemon(Daemon):
     weights-only ring) is the replica the verdict reads; ``committed()`` gives the job's newest
     checkpoint as (step, unix time, error)."""
 
-    def __init__(self, rc, job, steps: shard_steps.RingSteps, sink, appliance, committed, training, metrics,
-                 **kw):
+    def __init__(self, rc, job, steps: shard_steps.RingSteps | None, sink, appliance, committed, training,
+                 metrics, **kw):
+        """With ``control`` (the group's plane) ``steps`` and ``sink`` come with its registration."""
         self.rc, self.steps, self.sink, self._ring_app, self._committed = rc, steps, sink, appliance, committed
         super().__init__(dataclasses.replace(job, ring=rc.ring, mirrors=rc.mirrors, rings=[]), training, None,
                          metrics, ring=rc.name, **kw)
@@ -49,18 +57,36 @@ class RingDaemon(Daemon):
     def _job_model(self):
         from mirrorckpt.parser.roce.collectives import NcclJobModel
 
-        return NcclJobModel.sharded(self.job.ring, self.steps)
+        if self.control is not None:
+            if not self._wait_registered():
+                return None
+            self.steps = shard_steps.gradient_ring(self.control.shards, self.rc.group)
+        return NcclJobModel.sharded(self._ring(), self.steps)
 
     def _start_sink(self) -> None:
-        self._appliance = self._ring_app
+        if self.control is not None:
+            super()._start_sink()
+        else:
+            self._appliance = self._ring_app
 
     def _updater(self) -> None:
-        from mirrorckpt.updater.drive import drive
+        import itertools
 
+        from mirrorckpt.updater.drive import drive
+        from mirrorckpt.updater.shard_sink import ShardSink
+
+        items = iter(self._next_update, None)
         try:
-            drive(iter(self._next_update, None), self.sink, self._updated)
+            if self.control is not None:  # the first item comes once the layout is registered
+                first = next(items, None)
+                if first is None:
+                    return
+                self.sink = ShardSink(self.control.shards, self.rc.group, self.control, None, self.job.grad_dtype)
+                items = itertools.chain([first], items)
+            drive(items, self.sink, self._updated)
         finally:
-            self.sink.ended()
+            if self.sink is not None:
+                self.sink.ended()
 
     def facts(self):
         f = super().facts()
@@ -93,18 +119,26 @@ class ShardedDaemon:
     """`mirrorckpt serve` of a job of [[ring]] tables (see the module text)."""
 
     def __init__(self, job, training, persist, metrics: Metrics, limits: Limits | None = None, pace=None,
-                 pipelined: bool = False):
+                 pipelined: bool = False, control: dict | None = None):
+        """``control``: the job file's [control] for every gradient ring's plane (secret, parts,
+        fingerprint_every, server_options); None: the layout and recipe come from the job file."""
         from mirrorckpt.updater.shard_clip import NormExchange
 
         layout = job.shards
         self.job, self.training, self.persist, self.metrics = job, training, persist, metrics
         self.limits = limits or Limits()
+        self.control = control
         self.ring_metrics = {rc.name: Metrics() for rc in job.rings}
-        grad = sorted((rc for rc in job.rings if not rc.weights_only),
-                      key=lambda rc: layout.group(rc.group).shard_index)
-        clip = training.clip
-        self.clip = NormExchange([rc.group for rc in grad], clip.max_norm, clip.norm_type) if clip and grad else None
-        self.joint = self._open_joint(layout, persist) if persist is not None and grad else None
+        grad = [rc for rc in job.rings if not rc.weights_only]
+        if layout is not None:
+            grad.sort(key=lambda rc: layout.group(rc.group).shard_index)
+        clip = training.clip if training is not None else None
+        # with a control plane the trainer sends the coefficient it applied
+        self.clip = NormExchange([rc.group for rc in grad], clip.max_norm, clip.norm_type) \
+            if clip and grad and control is None else None
+        self.registered = None  # with [control]: the layout every plane was registered with
+        self._lock = threading.Lock()
+        self.joint = self._open_joint(layout, persist) if persist is not None and grad and control is None else None
         self.joint_error: str | None = None
         self.committed: tuple[int | None, float | None] = (self.joint.last_step if self.joint else None, None)
         self.verdict = Verdict(NOT_PROTECTED, "starting")
@@ -132,6 +166,8 @@ class ShardedDaemon:
             if self.persist is not None:
                 follower.on_snapshot = WeightsPersister(self.persist, layout, self.training.to_dict(), follower.summary)
             return RingDaemon(rc, job, steps, follower, None, lambda: (None, None, None), **kw)
+        if self.control is not None:
+            return RingDaemon(rc, job, None, None, None, self._newest, control=self._plane(rc), **kw)
         steps = shard_steps.gradient_ring(layout, rc.group)
         app = Appliance(layout.group(rc.group).job_layout(job.grad_dtype), self.training, None,
                         pipelined=pipelined and self.clip is None)
@@ -143,10 +179,57 @@ class ShardedDaemon:
         app.on_stale = d._on_stale
         return d
 
+    def _plane(self, rc):
+        from mirrorckpt.control.appliance_side import AppliancePlane
+
+        c = self.control
+        host, _, port = rc.listen.rpartition(":")
+        return AppliancePlane(c["secret"], host=host or "127.0.0.1", port=int(port), training=self.training,
+                              ring=rc.ring, parts=c.get("fallback_parts", 7),
+                              fingerprint_every=c.get("fingerprint_every", 10), max_lag_steps=self.limits.max_lag_steps,
+                              group=rc.group, shards=self.job.shards, on_shards=self._on_shards,
+                              on_iteration=lambda _i, replica, group=rc.group: self._offer(group, replica),
+                              server_options=c.get("server_options"))
+
+    def _on_shards(self, layout, group: str) -> None:
+        """A plane's sharded registration (its thread): one layout for every ring, every group followed
+        here with a ring of its size, nothing only weights can follow."""
+        from mirrorckpt.control.endpoint import Refused
+
+        with self._lock:
+            if self.registered is not None and layout.digest() != self.registered.digest():
+                raise Refused(f"group {group}: its sharded layout differs from the one this appliance's other rings "
+                              "registered (one job per serve)")
+            if layout.refusal is not None:
+                raise Refused(f"group {group}: {layout.refusal}")
+            rings = {rc.group: rc for rc in self.job.rings if not rc.weights_only}
+            unfollowed = sorted({g.name for g in layout.groups} - set(rings))
+            if unfollowed:
+                raise Refused(f"the trainer's layout has group(s) {', '.join(unfollowed)}, which no [[ring]] of this "
+                              "serve follows (one serve follows every ring of the job)")
+            size = len(layout.group(group).ranks)
+            if size != rings[group].ring.nranks:
+                raise Refused(f"group {group}: its ring has {size} ranks, its [[ring]] nranks = "
+                              f"{rings[group].ring.nranks}")
+            self.registered = layout
+
     # -- the joint checkpoint -----------------------------------------------------------------------
     def _offer(self, group: str, replica) -> None:
         if self.joint is not None:
             self.joint.offer(group, replica)
+
+    def _open_registered(self) -> None:
+        """With [control]: the joint persister, once every gradient ring's plane is registered; the
+        replicas already held are offered at once."""
+        planes = [d.control for d in self.rings if d.control is not None]
+        if self.joint is not None or self.persist is None or not planes or \
+                not all(p.registered.is_set() for p in planes):
+            return
+        self.joint = self._open_joint(self.registered, self.persist)
+        for p in planes:
+            with p.lock:
+                if p.replica is not None and p.replica.stale is None:
+                    self.joint.offer(p.group, p.replica)
 
     def _newest(self) -> tuple[int | None, float | None, str | None]:
         step, unix = self.committed
@@ -170,7 +253,9 @@ class ShardedDaemon:
 
     def _joint_loop(self, done: threading.Event) -> None:
         while not done.wait(JOINT_S):
-            self._round()
+            self._open_registered()
+            if self.joint is not None:
+                self._round()
 
     # -- the verdict ------------------------------------------------------------------------------------
     def judge(self) -> Verdict:
@@ -219,7 +304,7 @@ class ShardedDaemon:
     def run(self) -> int:
         done = threading.Event()
         aside = [threading.Thread(target=self._judge_loop, args=(done,), name="job-verdict", daemon=True)]
-        if self.joint is not None:
+        if self.joint is not None or self.control is not None:
             aside.append(threading.Thread(target=self._joint_loop, args=(done,), name="joint", daemon=True))
         rings = [threading.Thread(target=self._run_ring, args=(d,), name=f"ring{RING_SEP}{d.ring}", daemon=True)
                  for d in self.rings]
@@ -234,6 +319,8 @@ class ShardedDaemon:
         if self.clip is not None:
             self.clip.stop()
         failed = False
+        if self.control is not None:
+            self._open_registered()
         if self.joint is not None:
             self._round()  # the newest step every shard reached
             failed = self.joint_error is not None
