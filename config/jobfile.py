@@ -348,6 +348,9 @@ def _sharded(raw: dict, j: dict, name: str, base: Path | None) -> JobConfig:
             raise ConfigError(f"{where} listen: a ring's control plane needs [control] (secret_file)")
         if layout is not None:
             _check_ring(where, rc, layout, spath.name)
+        elif rc.weights_only:
+            raise ConfigError(f"{where} weights_only: a weights-only ring needs the layout in [job] shards (its "
+                              "all-gathers' parts are laid out by it)")
         elif rc.group is None:
             raise ConfigError(f"{where}: missing key 'group' (the layout's group whose replica shard this ring keeps)")
         if rc.name in taken:

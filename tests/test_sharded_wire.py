@@ -37,6 +37,7 @@ MODEL = "mlp:16,33,8"
 JOBS = {"hsdp": ShardedWireConfig(scheme="hsdp", ranks=2, shard=2, model=MODEL, steps=2, protocol="LL",
                                   training=TRAINING),
         "zero": ShardedWireConfig(scheme="zero", ranks=2, model=MODEL, steps=2, protocol="Simple", training=TRAINING),
+        "zero-LL": ShardedWireConfig(scheme="zero", ranks=2, model=MODEL, steps=2, protocol="LL", training=TRAINING),
         "fsdp": ShardedWireConfig(scheme="fsdp", shard=3, model=MODEL, steps=2, protocol="Simple",
                                   training=TRAINING)}
 
