@@ -144,7 +144,6 @@ class ShardedDaemon:
         self.verdict = Verdict(NOT_PROTECTED, "starting")
         self.rings = [self._ring(rc, pace, pipelined) for rc in job.rings]
         self.codes: dict[str, int] = {}
-        self._seen_commits = 0
 
     def _open_joint(self, layout, persist):
         from mirrorckpt.updater.joint import JointPersister, init_local_group
@@ -161,10 +160,11 @@ class ShardedDaemon:
         layout, job = self.job.shards, self.job
         kw = dict(training=self.training, metrics=self.ring_metrics[rc.name], pace=pace, limits=self.limits)
         if rc.weights_only:
-            steps = shard_steps.shard_group_ring(layout, rc.replica, clip=self.training.clip is not None)
+            training = self.training.to_dict() if self.training is not None else {}
+            steps = shard_steps.shard_group_ring(layout, rc.replica, clip=training.get("clip") is not None)
             follower = WeightsFollower(layout, steps, lambda _s, _p: None)
             if self.persist is not None:
-                follower.on_snapshot = WeightsPersister(self.persist, layout, self.training.to_dict(), follower.summary)
+                follower.on_snapshot = WeightsPersister(self.persist, layout, training, follower.summary)
             return RingDaemon(rc, job, steps, follower, None, lambda: (None, None, None), **kw)
         if self.control is not None:
             return RingDaemon(rc, job, None, None, None, self._newest, control=self._plane(rc), **kw)
