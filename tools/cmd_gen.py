@@ -169,6 +169,12 @@ def _schedule(name: str, kwargs_text: str):
 @click.option("--mirror-mtu", type=click.IntRange(14), help="Cut every mirrored frame to this many bytes, as a "
               "mirror session's MTU does (ERSPAN sets its truncated bit).")
 @click.option("--vxlan-port", default=4789, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--sharded", type=click.Choice(["hsdp", "zero", "fsdp"]),
+              help="A sharded-optimizer job (tools.generator.sharded_wire): FSDP2 HSDP (--ranks replicas x "
+                   "--shard-size shards), DeepSpeed ZeRO-2 (--ranks DP ranks) or pure FSDP (--shard-size ranks, "
+                   "weights only); one job.toml of [[ring]] tables.")
+@click.option("--shard-size", default=2, show_default=True, type=click.IntRange(2, 16),
+              help="--sharded hsdp/fsdp: ranks of each FSDP2 shard group.")
 def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders, mtu, ipv6, grad_dtype,
         bucket_cap_mb, model, steps, seed, batch_size, threads, optimizer, lr, betas, eps, weight_decay, momentum,
         dampening, nesterov, amsgrad, maximize, foreach, lr_schedule, lr_schedule_kwargs, clip_norm,
@@ -176,7 +182,7 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
         ar_threshold, write_only_train, psn_start, qps_per_connection, split_data_on_qps, speed_update,
         line_rate_gbps, p2p_fill, algorithm, p2p_send, noise, noise_rate, loss, reorder,
         duplicate, corrupt, truncate, message_loss, fault_seed, no_send_truth, encap, outer_vlan, inner_vlan, underlay,
-        erspan_platform, mirror_mtu, vxlan_port):
+        erspan_platform, mirror_mtu, vxlan_port, sharded, shard_size):
     """Generate the NCCL ring all-reduce RoCEv2 traffic of a training job into --out."""
     from mirrorckpt.config.training import (
         ClipSpec,
@@ -209,16 +215,26 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
             clip=ClipSpec(clip_norm, clip_norm_type) if clip_norm is not None else None,
             loss_scale=ls, grad_dtype=grad_dtype)
         kinds = set(noise_mod.KINDS) if noise.strip() == "all" else {k.strip() for k in noise.split(",") if k.strip()}
+        wire = WireOptions(pmtu=int(mtu), ipv6=ipv6, adaptive_routing=adaptive_routing, ar_threshold=ar_threshold,
+                           write_only_train=write_only_train, initial_psn=psn_start, line_rate_gbps=line_rate_gbps,
+                           qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps,
+                           speed_update=speed_update)
+        if sharded:
+            _sharded(sharded, out_dir, ranks, shard_size, channels, protocol, nccl_version, model, steps, seed,
+                     batch_size, threads, training, fmt, wire,
+                     {"--mirror": mirror != "0:egress,1:egress", "--noise": bool(kinds), "--p2p-fill": p2p_fill,
+                      "--loss/--reorder/--duplicate/--corrupt/--truncate/--message-loss":
+                          any((loss, reorder, duplicate, corrupt, truncate, message_loss)),
+                      "--ring-orders": bool(ring_orders), "--nthreads": nthreads is not None,
+                      "--bucket-cap-mb": bucket_cap_mb is not None,
+                      "--force-overflow-at": force_overflow_at is not None})
+            return
         cfg = GenConfig(
             ranks=ranks, channels=channels, protocol=protocol, nccl_version=nccl_version, nthreads=nthreads,
             ring_orders=_orders(ring_orders, ranks, channels), model=model, steps=steps, seed=seed,
             batch_size=batch_size,
             bucket_cap_mb=bucket_cap_mb, training=training, threads=threads, force_overflow_at=force_overflow_at,
-            mirrors=mirror, fmt=fmt,
-            wire=WireOptions(pmtu=int(mtu), ipv6=ipv6, adaptive_routing=adaptive_routing, ar_threshold=ar_threshold,
-                             write_only_train=write_only_train, initial_psn=psn_start, line_rate_gbps=line_rate_gbps,
-                             qps_per_connection=qps_per_connection, split_data_on_qps=split_data_on_qps,
-                             speed_update=speed_update),
+            mirrors=mirror, fmt=fmt, wire=wire,
             noise=noise_mod.NoiseOptions(frozenset(kinds), noise_rate, seed),
             faults=FaultOptions(loss, duplicate, reorder, corrupt, truncate, fault_seed, message_loss),
             p2p_fill=p2p_fill, p2p_noise=_p2p_sends(p2p_send), algorithm=algorithm, send_truth=not no_send_truth,
@@ -236,3 +252,22 @@ def gen(out_dir, ranks, channels, protocol, nccl_version, nthreads, ring_orders,
     click.echo(f"{len(truth['collectives'])} collectives, {len(truth['iterations'])} iterations, "
                f"{len(w['faults'])} faults; truth.json and job.toml in {out_dir}")
     click.echo(f"replay it: mirrorckpt replay --config {shlex.quote(str(Path(out_dir) / JOB_FILE))}")
+
+
+def _sharded(scheme, out_dir, ranks, shard_size, channels, protocol, nccl_version, model, steps, seed, batch_size,
+             threads, training, fmt, wire, unmodelled: dict) -> None:
+    """``gen --sharded``: every rank of a sharded job on one wire (tools.generator.sharded_wire)."""
+    from mirrorckpt.tools.generator.sharded_wire import ShardedWireConfig, generate_sharded_wire
+
+    given = [opt for opt, on in unmodelled.items() if on]
+    if given:
+        raise ValueError(f"--sharded does not generate {', '.join(given)}: its mirrors are the first two ranks' "
+                         "egress of every followed ring, on a clean wire")
+    job = generate_sharded_wire(ShardedWireConfig(scheme=scheme, ranks=ranks, shard=shard_size, model=model,
+                                                  steps=steps, seed=seed, batch_size=batch_size, channels=channels,
+                                                  protocol=protocol, nccl_version=nccl_version, training=training,
+                                                  fmt=fmt, wire=wire, threads=threads), out_dir)
+    for name, c in job.comms.items():
+        click.echo(f"{name}: ranks {c.members}, {len(c.records)} collectives")
+    click.echo(f"{len(job.layout.groups)} shard(s) of {job.layout.scheme}; shards.json, job.toml and truth.json in "
+               f"{out_dir}")
