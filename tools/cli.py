@@ -20,6 +20,8 @@ COMMANDS = {
     "status": ("mirrorckpt.tools.cmd_status", "status", "Show the state of a running appliance."),
     "bench": ("mirrorckpt.tools.cmd_bench", "bench", "Run the benchmarks and write BENCHMARKS.md."),
     "plan": ("mirrorckpt.tools.cmd_plan", "plan", "Checkpoint interval and expected goodput per strategy."),
+    "record": ("mirrorckpt.tools.record.command", "record",
+               "Record real NCCL traffic of a DDP-shaped job on a GPU machine, with its truth, and check replay."),
 }
 
 
