@@ -75,10 +75,6 @@ class Recording:
     verdict: Verdict | None
 
 
-def _prefix() -> str:
-    return f"mkrec{os.getpid() % 100000}"
-
-
 def rank_env(opts: RecordOptions, topo: Topology, rank: int, transport: str, gids: dict[int, int]) -> dict[str, str]:
     host = topo.hosts[rank]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -181,6 +177,22 @@ def wait_ranks(procs: list[subprocess.Popen], logs: Path, timeout: float) -> Non
     raise RecordError("the workload failed: " + "; ".join(tails) + f" (logs in {logs})")
 
 
+def wait_quiet(topo: Topology, quiet_s: float = 0.3, limit_s: float = 5.0) -> None:
+    """Returns once no rank's bridge port has passed a frame for ``quiet_s`` (at most ``limit_s``)."""
+    def count():
+        return sum(int(Path(f"/sys/class/net/{h.port}/statistics/{k}").read_text())
+                   for h in topo.hosts for k in ("rx_packets", "tx_packets"))
+
+    deadline, last, since = time.monotonic() + limit_s, count(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+
+
 def record(opts: RecordOptions, say=print) -> Recording:
     """Make one recording into ``opts.out``; see the module docstring. Raises MachineError when the
     machine lacks something, RecordError when the recording fails."""
@@ -199,7 +211,7 @@ def record(opts: RecordOptions, say=print) -> Recording:
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir()
-    topo = Topology(hosts=opts.ranks, monitors=0, prefix=_prefix(), mtu=opts.mtu, subnet=opts.subnet)
+    topo = Topology(hosts=opts.ranks, monitors=0, mtu=opts.mtu, subnet=opts.subnet)
     dumps: dict[str, Tcpdump] = {}
     started = datetime.datetime.now(datetime.UTC)
     with tempfile.TemporaryDirectory(prefix="mirrorckpt-record-") as work:
@@ -215,7 +227,7 @@ def record(opts: RecordOptions, say=print) -> Recording:
             procs, envs = start_ranks(opts, topo, Path(work), logs, transport, gids, nccl_path)
             wait_ranks(procs, logs, opts.timeout)
             took = time.monotonic() - t0
-            time.sleep(0.2)  # the last frames reach the capture
+            wait_quiet(topo)  # the connections' last frames (FINs, ACKs) reach every capture
         finally:
             for d in dumps.values():
                 d.stop()
