@@ -36,8 +36,8 @@ class Verdict:
         return not self.problems and self.checked > 0 and self.equal == self.checked
 
     def text(self) -> str:
-        head = (f"{self.folder}: every all-reduce equals truth ({self.equal}/{self.checked})" if self.ok else
-                f"{self.folder}: DIFFERS from truth ({self.equal}/{self.checked} all-reduces equal)")
+        head = (f"{self.folder.name}: every all-reduce equals truth ({self.equal}/{self.checked})" if self.ok else
+                f"{self.folder.name}: DIFFERS from truth ({self.equal}/{self.checked} all-reduces equal)")
         return "\n".join([head] + [f"  {p}" for p in self.problems])
 
 
