@@ -55,7 +55,7 @@ class Carried:
     """Debian packages that travel with the tree (``--rdma-debs DIR``); see the module docstring."""
 
     def __init__(self, folder: str | os.PathLike | None):
-        self.folder = Path(folder) if folder else None
+        self.folder = Path(folder).resolve() if folder else None  # absolute: ranks run elsewhere
         self.root: Path | None = None
         if self.folder is None:
             return
