@@ -304,3 +304,62 @@ def test_first8_reads_bfloat16_bits():
 
     raw = np.array([1.5, -2.0], dtype=np.float32).view(np.uint32) >> 16
     assert first8(raw.astype("<u2").tobytes(), "bfloat16") == [1.5, -2.0]
+
+
+# A stand-in libnccl.so.2 for the driver's calling convention only (no GPU here): one rank whose
+# "all-reduce" doubles float32 values in place, so each argument's position and type shows in
+# the result; ncclCommInitRank fails unless the 128-byte id arrives by value, byte for byte.
+_FAKE_NCCL = r"""
+#include <stddef.h>
+#include <string.h>
+typedef struct { char internal[128]; } ncclUniqueId;
+static char last[64] = "";
+int ncclGetVersion(int *v) { *v = 22901; return 0; }
+int ncclGetUniqueId(ncclUniqueId *id) { for (int i = 0; i < 128; i++) id->internal[i] = (char)(i * 7); return 0; }
+int ncclCommInitRank(void **comm, int nranks, ncclUniqueId id, int rank) {
+  for (int i = 0; i < 128; i++) if (id.internal[i] != (char)(i * 7)) { strcpy(last, "id garbled"); return 4; }
+  if (nranks != 1 || rank != 0) { strcpy(last, "bad rank"); return 4; }
+  *comm = (void *)0x1234; return 0;
+}
+int ncclAllReduce(const void *s, void *r, size_t n, int dt, int op, void *comm, void *stream) {
+  if (dt != 7 || op != 0 || comm != (void *)0x1234 || s != r) { strcpy(last, "unsupported all-reduce"); return 5; }
+  for (size_t i = 0; i < n; i++) ((float *)r)[i] *= 2.0f;
+  return 0;
+}
+int ncclBroadcast(const void *s, void *r, size_t n, int dt, int root, void *comm, void *stream) {
+  return (dt == 4 && root == 0 && s == r) ? 0 : 5;
+}
+int ncclAllGather(const void *s, void *r, size_t n, int dt, void *comm, void *stream) {
+  memcpy(r, s, n * (dt == 4 ? 8 : 4)); return 0;
+}
+int ncclCommDestroy(void *comm) { return 0; }
+const char *ncclGetErrorString(int r) { return r == 4 ? "invalid usage" : "invalid argument"; }
+const char *ncclGetLastError(void *comm) { return last; }
+"""
+
+
+def test_nccl_driver_passes_its_arguments_as_nccl_declares_them(tmp_path):
+    src = tmp_path / "fake.c"
+    src.write_text(_FAKE_NCCL)
+    lib_path = tmp_path / "libnccl.so.2"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(lib_path), str(src)], check=True)
+    lib = Library(lib_path)
+    assert lib.version == "2.29.1"
+    uid = lib.unique_id()
+    assert uid == bytes((i * 7) % 256 for i in range(128))
+    with pytest.raises(NcclError, match=r"ncclCommInitRank failed: invalid usage \(id garbled\)"):
+        lib.communicator(1, bytes(128), 0)
+    comm = lib.communicator(1, uid, 0)
+    buf = np.arange(5, dtype=np.float32)
+    comm.all_reduce(buf.ctypes.data, buf.size, "float32", 0)
+    assert buf.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    with pytest.raises(NcclError, match=r"ncclAllReduce failed: invalid argument \(unsupported all-reduce\)"):
+        comm.all_reduce(buf.ctypes.data, buf.size, "bfloat16", 0)
+    counts = np.array([3], dtype=np.int64)
+    comm.broadcast(counts.ctypes.data, 1, "int64", 0, 0)
+    gathered = np.zeros(1, dtype=np.int64)
+    comm.all_gather(counts.ctypes.data, gathered.ctypes.data, 1, "int64", 0)
+    assert gathered.tolist() == [3]
+    with pytest.raises(ValueError, match="no data type 'complex64'"):
+        comm.all_reduce(buf.ctypes.data, buf.size, "complex64", 0)
+    comm.destroy()

@@ -74,6 +74,7 @@ def record(out_dir, check, backend, ranks, transport, nccl_lib, rdma_debs, gpu, 
     from mirrorckpt.tools.record import machine
     from mirrorckpt.tools.record.recorder import RecordError, RecordOptions
     from mirrorckpt.tools.record.recorder import record as run_record
+    from mirrorckpt.tools.testbed.netns import TopologyError
 
     try:
         if check:
@@ -96,7 +97,7 @@ def record(out_dir, check, backend, ranks, transport, nccl_lib, rdma_debs, gpu, 
     except machine.MachineError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except (RecordError, ValueError) as e:
+    except (RecordError, TopologyError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     caps = ", ".join(f"{n} {s / 1e6:.2f} MB" for n, s in rec.truth["record"]["captures"].items())

@@ -113,6 +113,8 @@ def _run(argv: list[str], env=None, timeout: float = 20) -> subprocess.Completed
 def probe_netns() -> Probe:
     if os.geteuid() != 0:
         return Probe("netns", False, "not root: network namespaces, veths and tcpdump need root")
+    if shutil.which("sysctl") is None:
+        return Probe("netns", False, "no `sysctl` (procps): the namespaces' interfaces are set with it")
     name = f"mkrecprobe{os.getpid()}"
     steps = [["ip", "netns", "add", name], ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"]]
     try:

@@ -28,7 +28,7 @@ class NcclError(RuntimeError):
 
 
 class UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+    _fields_ = [("internal", ctypes.c_ubyte * UNIQUE_ID_BYTES)]  # bytes, NULs included (not c_char: a string)
 
 
 def version_text(code: int) -> str:
@@ -90,7 +90,7 @@ class Library:
     def unique_id(self) -> bytes:
         uid = UniqueId()
         self._check("ncclGetUniqueId", self.lib.ncclGetUniqueId(ctypes.byref(uid)))
-        return bytes(uid.internal)
+        return ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES)
 
     def communicator(self, nranks: int, uid: bytes, rank: int) -> Communicator:
         return Communicator(self, nranks, uid, rank)
@@ -105,8 +105,7 @@ class Communicator:
             raise ValueError(f"an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
         self.lib, self.nranks, self.rank = lib, nranks, rank
         self.handle = ctypes.c_void_p()
-        uid_struct = UniqueId()
-        uid_struct.internal = uid
+        uid_struct = UniqueId.from_buffer_copy(uid)
         lib._check("ncclCommInitRank", lib.lib.ncclCommInitRank(ctypes.byref(self.handle), nranks, uid_struct, rank))
 
     @staticmethod
