@@ -145,14 +145,24 @@ def test_replay_check_of_a_capture_missing_a_rank_fails(recorded, tmp_path):
 @pytest.mark.root
 def test_a_failed_workload_is_reported_and_its_namespaces_removed(tmp_path):
     _root()
+    # a ring over an interface the namespaces lack: every rank fails to come up
     proc = subprocess.Popen([sys.executable, "-m", "mirrorckpt.tools.cli", "record", "--backend", "gloo", "--out",
-                             tmp_path / "bad", "--model", "mlp:8"],
+                             tmp_path / "bad", "--env", "GLOO_SOCKET_IFNAME=nosuchif0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
-    assert re.search(r"the workload failed: rank \d \(exit 1\)", err) and "an mlp needs at least IN and OUT" in err
+    assert re.search(r"the workload failed: rank \d \(exit 1\)", err) and "nosuchif0" in err, err
     assert namespaces_of(proc.pid) == []
     assert not [n for n in os.listdir("/sys/class/net") if n.startswith(f"mk{proc.pid}")]
+
+
+def test_a_model_or_nccl_setting_gloo_cannot_use_is_refused_before_anything_starts(tmp_path):
+    for args, said in ((["--model", "mlp:8"], "an mlp needs at least IN and OUT"),
+                       (["--proto", "LL", "--env", "NCCL_ALGO=Tree"], "--proto, --env NCCL_ALGO=Tree: NCCL's only")):
+        res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "record", "--backend", "gloo", "--out",
+                              tmp_path / "bad", *args], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and said in res.stderr, res.stderr
+        assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.root

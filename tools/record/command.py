@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 import click
+from mirrorckpt.tools.cliutil import Number
 
 KNOBS = {  # option -> NCCL variable (docs/record.md)
     "proto": "NCCL_PROTO", "qps": "NCCL_IB_QPS_PER_CONNECTION", "split_data_on_qps": "NCCL_IB_SPLIT_DATA_ON_QPS",
@@ -26,6 +27,37 @@ def _env_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
             raise click.BadParameter(f"expected NCCL_NAME=VALUE (or GLOO_...), got {p!r}", param_hint="--env")
         out[key] = value
     return out
+
+
+# options that mean something to NCCL only: given with --backend gloo they are refused
+NCCL_ONLY = ("transport", "nccl_lib", "rdma_debs", "gpu", "proto", "algo", "qps", "split_data_on_qps", "channels",
+             "gid_index")
+
+
+def _algo(text: str) -> str:
+    """NCCL_ALGO's syntax: [^]NAME[,NAME...], or from 2.24 COLLECTIVE:[^]LIST;... per collective."""
+    from mirrorckpt.parser.roce.nccl_versions import ALGO_NAMES
+
+    known = {n.lower() for n in ALGO_NAMES}
+    for part in text.split(";"):
+        names = part.split(":", 1)[-1].lstrip("^").split(",")
+        if not all(n.strip().lower() in known for n in names):
+            raise click.BadParameter(f"{text!r}: expected NCCL algorithm names ({', '.join(ALGO_NAMES)}), "
+                                     "comma-separated, '^' to exclude", param_hint="--algo")
+    return text
+
+
+def _gpu(text: str) -> str:
+    if not (text.isdigit() or text.startswith(("GPU-", "MIG-"))):
+        raise click.BadParameter(f"{text!r}: expected one GPU's index or UUID (GPU-..., MIG-...)", param_hint="--gpu")
+    return text
+
+
+def _given_for_nccl_only(ctx: click.Context, env_pairs) -> list[str]:
+    from click.core import ParameterSource
+
+    given = [f"--{n.replace('_', '-')}" for n in NCCL_ONLY if ctx.get_parameter_source(n) != ParameterSource.DEFAULT]
+    return given + [f"--env {p}" for p in env_pairs if p.startswith("NCCL_")]
 
 
 @click.command()
@@ -47,22 +79,27 @@ def _env_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--qps", type=click.IntRange(1, 128), help="NCCL_IB_QPS_PER_CONNECTION.")
 @click.option("--split-data-on-qps", type=click.Choice(["0", "1"]), help="NCCL_IB_SPLIT_DATA_ON_QPS.")
 @click.option("--channels", type=click.IntRange(1, 64), help="NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS.")
-@click.option("--gid-index", type=int, help="NCCL_IB_GID_INDEX (default: the rxe device's RoCE v2 IPv4 GID).")
+@click.option("--gid-index", type=click.IntRange(0, 255),
+              help="NCCL_IB_GID_INDEX (default: the rxe device's RoCE v2 IPv4 GID).")
 @click.option("--env", "env_pairs", multiple=True, help="Any NCCL_NAME=VALUE for every rank (repeatable).")
 @click.option("--model", default="mlp:16,64,96,384", show_default=True,
               help="Generator model spec (linear:N, mlp:IN,H,...,OUT, gpt:...).")
 @click.option("--steps", type=click.IntRange(2), default=3, show_default=True,
               help="Iterations (the second rebuilds DDP's buckets).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--bucket-cap-mb", type=float, default=0.01, show_default=True, help="DDP bucket_cap_mb.")
+@click.option("--bucket-cap-mb", type=Number(0, min_open=True), default=0.01, show_default=True,
+              help="DDP bucket_cap_mb.")
 @click.option("--batch-size", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--mtu", type=int, default=1500, show_default=True, help="veth MTU (Soft-RoCE's path MTU follows).")
+@click.option("--mtu", type=click.IntRange(576, 9216), default=1500, show_default=True,
+              help="veth MTU (Soft-RoCE's path MTU follows).")
 @click.option("--subnet", type=click.IntRange(0, 255), help="Ranks at 10.SUBNET.0.R+1 (default: from the process id).")
 @click.option("--ingress/--no-ingress", default=True, show_default=True,
               help="Also capture what each rank receives (the same frames as another rank's egress).")
-@click.option("--max-mb", type=float, default=16.0, show_default=True, help="Refuse captures larger than this.")
-@click.option("--timeout", type=float, default=180.0, show_default=True, help="Seconds the ranks may take.")
+@click.option("--max-mb", type=Number(0, min_open=True), default=16.0, show_default=True,
+              help="Refuse captures larger than this.")
+@click.option("--timeout", type=Number(0, min_open=True), default=180.0, show_default=True,
+              help="Seconds the ranks may take.")
 @click.option("--replay/--no-replay", default=True, show_default=True, help="Run the replay check at the end.")
 def record(out_dir, check, backend, ranks, transport, nccl_lib, rdma_debs, gpu, proto, algo, qps, split_data_on_qps,
            channels, gid_index, env_pairs, model, steps, dtype, bucket_cap_mb, batch_size, seed, mtu, subnet, ingress,
@@ -76,19 +113,28 @@ def record(out_dir, check, backend, ranks, transport, nccl_lib, rdma_debs, gpu, 
     from mirrorckpt.tools.record.recorder import record as run_record
     from mirrorckpt.tools.testbed.netns import TopologyError
 
+    _gpu(gpu)
+    _algo(algo)
+    nccl_env = _env_pairs(env_pairs)
+    if backend == "gloo" and (given := _given_for_nccl_only(click.get_current_context(), env_pairs)):
+        raise click.UsageError(f"{', '.join(given)}: NCCL's only, not used by --backend gloo")
+    try:
+        from mirrorckpt.tools.generator.models import parse_spec
+
+        parse_spec(model)
+    except ValueError as e:
+        raise click.BadParameter(f"{model!r}: {e}", param_hint="--model") from None
     try:
         if check:
             sys.exit(_check(backend, transport, nccl_lib, rdma_debs))
         if not out_dir:
             raise click.UsageError("--out DIR is needed (or --check)")
-        nccl_env = {}
         for name, value in (("proto", proto), ("qps", qps), ("split_data_on_qps", split_data_on_qps),
                             ("gid_index", gid_index)):
             if value is not None:
                 nccl_env[KNOBS[name]] = str(value)
         if channels is not None:
             nccl_env.update(NCCL_MIN_NCHANNELS=str(channels), NCCL_MAX_NCHANNELS=str(channels))
-        nccl_env.update(_env_pairs(env_pairs))
         opts = RecordOptions(out=Path(out_dir), backend=backend, ranks=ranks, transport=transport, nccl_lib=nccl_lib,
                              rdma_debs=rdma_debs, gpu=gpu, algo=algo, nccl_env=nccl_env, model=model, steps=steps,
                              dtype=dtype, bucket_cap_mb=bucket_cap_mb, batch_size=batch_size, seed=seed, mtu=mtu,

@@ -80,6 +80,7 @@ def rank_env(opts: RecordOptions, topo: Topology, rank: int, transport: str, gid
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     if opts.backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = host.ifname
+        env.update(opts.nccl_env)  # --env GLOO_...: the user's settings win
         return env
     env.update(NCCL_FIXED)
     env.update(CUDA_VISIBLE_DEVICES=opts.gpu, NCCL_HOSTID=f"{topo.prefix}-rank{rank}",
