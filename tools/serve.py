@@ -1,9 +1,8 @@
 """The appliance daemon, wired: capture workers, parser, updater and persister as pipeline stages,
 the control plane, and the protection verdict.
 
-    port 0: [capture worker: capture -> decode] -+
-    port 1: [capture worker: capture -> decode] -+-> sends queue (typed messages, bytes in shared rings)
-                (one process per mirror port or worker: the GIL does not bind)
+    port 0: [capture worker process: capture -> decode] -+
+    port 1: [capture worker process: capture -> decode] -+-> sends queue (typed messages, bytes in shared rings)
     main process:  [parser thread] -> iterations queue -> [updater thread: replica] -> [persister thread]
                    [monitor thread: port counters -> metrics; protection verdict -> metrics, degraded fallbacks]
 
@@ -329,15 +328,14 @@ class Daemon:
         memory.freeze_startup_heap()  # torch and the job are loaded: the threads below never collect them
         self.start_workers()
         done = threading.Event()
-        monitor = threading.Thread(target=self._monitor, args=(done,), name=f"monitor{RING_SEP}{self.ring}"
-                                   if self.ring else "monitor", daemon=True)
+        at = f"{RING_SEP}{self.ring}" if self.ring else ""  # a sharded job's ring: its threads carry the name
+        monitor = threading.Thread(target=self._monitor, args=(done,), name=f"monitor{at}", daemon=True)
         monitor.start()
         if self.control_only:
             log.info("control-only: no mirror; a fallback checkpoint every %s steps",
                      self.guard.limits.fallback_every)
             self.stopping.wait()
         else:
-            at = f"{RING_SEP}{self.ring}" if self.ring else ""
             threads = [threading.Thread(target=self.parser, name=f"parser{at}", daemon=True),
                        threading.Thread(target=self._updater, name=f"updater{at}", daemon=True)]
             for t in threads:
