@@ -297,6 +297,7 @@ SHARDED_MODELS = ({"ranks", "channels", "protocol", "nccl_version", "sharded", "
 def _sharded(out_dir, o: dict, training, wire) -> None:
     """``gen --sharded``: every rank of a sharded job on one wire (tools.generator.sharded_wire)."""
     from click.core import ParameterSource
+    from mirrorckpt.tools.generator.gen import JOB_FILE
     from mirrorckpt.tools.generator.sharded_wire import ShardedWireConfig, generate_sharded_wire
 
     ctx = click.get_current_context()
@@ -313,3 +314,5 @@ def _sharded(out_dir, o: dict, training, wire) -> None:
         click.echo(f"{name}: ranks {c.members}, {len(c.records)} collectives")
     click.echo(f"{len(job.layout.groups)} shard(s) of {job.layout.scheme}; shards.json, job.toml and truth.json in "
                f"{out_dir}")
+    click.echo(f"serve it: mirrorckpt serve --config {shlex.quote(str(Path(out_dir) / JOB_FILE))} (a [persist] "
+               "table keeps its joint checkpoints)")
