@@ -12,11 +12,3 @@ def truth() -> dict:
         pytest.fail(f"the real captures are missing: {FLOWCHECK} (tests read them from ../shared)")
     return flowcheck_truth()
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs two workers), the end-to-end tests run one at a time, all
-    on one worker: their trainer processes, namespaces and appliances never share the cores with
-    each other, only with the unit tests on the other worker."""
-    for item in items:
-        if "e2e" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group("e2e"))
