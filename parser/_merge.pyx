@@ -8,6 +8,42 @@ paths of every wire use it.
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
 
+cdef extern from * nogil:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    /* Copies with non-temporal stores: a collective's buffer is not read again while it is being
+       placed, and streaming stores skip reading each destination line first (cold 512-byte pieces
+       of a 192 MB copy: 7.0-7.6 GB/s against memcpy's 4.1-4.2 on the shared VM). */
+    static inline void mck_copy_stream(uint8_t *d, const uint8_t *s, size_t m) {
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+        if (head > m) head = m;
+        memcpy(d, s, head);
+        d += head; s += head; m -= head;
+        for (; m >= 64; m -= 64, d += 64, s += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+        }
+        for (; m >= 16; m -= 16, d += 16, s += 16)
+            _mm_stream_si128((__m128i *)d, _mm_loadu_si128((const __m128i *)s));
+        memcpy(d, s, m);
+    }
+    /* the streamed stores ordered before anything after the kernel (another thread's reads too) */
+    static inline void mck_store_fence(void) { _mm_sfence(); }
+    #else
+    static inline void mck_copy_stream(uint8_t *d, const uint8_t *s, size_t m) { memcpy(d, s, m); }
+    static inline void mck_store_fence(void) {}
+    #endif
+    """
+    void mck_copy_stream(uint8_t *d, const uint8_t *s, size_t m)
+    void mck_store_fence()
+
 
 # A kernel lets go of the GIL only for this many bytes or more. Below, the hand-over costs more
 # than it frees: a 22-step LL replay places 5,000 sends of 35 KB from the consumer's thread, and
@@ -68,10 +104,11 @@ cdef Py_ssize_t _place(uint8_t *d, uint8_t *c, const uint8_t *s, Py_ssize_t n, P
         i = _run_end(c, i, n, 1)
         j = _run_end(c, i, n, 0)
         if j > i:
-            memcpy(d + i * es, s + i * es, (j - i) * es)
+            mck_copy_stream(d + i * es, s + i * es, (j - i) * es)
             memset(c + i, 1, j - i)
             added += j - i
         i = j
+    mck_store_fence()
     return added
 
 
@@ -95,7 +132,7 @@ cdef inline bint _gathered(uint8_t *d, const uint8_t *src, const int64_t *soff, 
             if memcmp(d + x, src + soff[r] + a, m) != 0:
                 return False
         else:
-            memcpy(d + x, src + soff[r] + a, m)
+            mck_copy_stream(d + x, src + soff[r] + a, m)
         x += m
         r += 1
     return True
@@ -150,4 +187,5 @@ cdef Py_ssize_t _gather_place(uint8_t *d, uint8_t *c, const uint8_t *src, const 
             memset(c + i, 1, j - i)
             added += j - i
         i = j
+    mck_store_fence()
     return added
