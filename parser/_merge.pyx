@@ -114,18 +114,18 @@ cdef Py_ssize_t _place(uint8_t *d, uint8_t *c, const uint8_t *s, Py_ssize_t n, P
 
 cdef inline bint _gathered(uint8_t *d, const uint8_t *src, const int64_t *soff, const int64_t *moff,
                            const int64_t *ln, Py_ssize_t nrows, Py_ssize_t *k, int64_t x, int64_t y,
-                           bint compare) noexcept nogil:
-    """Bytes [x, y) of a message whose packet r holds its bytes [moff[r], moff[r] + ln[r]) at
-    src[soff[r]:]: compared with (False when they differ) or copied to d[x:y]. Ranges come in
+                           bint compare, int64_t mbase) noexcept nogil:
+    """Bytes [x, y) of a message whose packet r holds its bytes [moff[r] - mbase, moff[r] - mbase + ln[r])
+    at src[soff[r]:]: compared with (False when they differ) or copied to d[x:y]. Ranges come in
     increasing order; ``k`` keeps the row the last one ended in."""
     cdef int64_t m, a
     cdef Py_ssize_t r
-    while k[0] < nrows and moff[k[0]] + ln[k[0]] <= x:
+    while k[0] < nrows and moff[k[0]] - mbase + ln[k[0]] <= x:
         k[0] += 1
     r = k[0]
     while x < y:
-        a = x - moff[r]
-        m = moff[r] + ln[r] - x
+        a = x - (moff[r] - mbase)
+        m = moff[r] - mbase + ln[r] - x
         if m > y - x:
             m = y - x
         if compare:
@@ -140,21 +140,29 @@ cdef inline bint _gathered(uint8_t *d, const uint8_t *src, const int64_t *soff, 
 
 def place_agreeing_gather(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t start, const uint8_t[::1] src,
                           const int64_t[::1] src_off, const int64_t[::1] msg_off, const int64_t[::1] length,
-                          Py_ssize_t n, Py_ssize_t es):
-    """``place_agreeing`` from a message still in its packets: packet r carries the message's bytes
-    [msg_off[r], msg_off[r] + length[r]) at src[src_off[r]:], the packets tiling the message from
-    byte 0 in order. One pass from the capture to the collective's buffer."""
-    cdef Py_ssize_t r, nr = src_off.shape[0], added
+                          Py_ssize_t n, Py_ssize_t es, Py_ssize_t first=0, Py_ssize_t last=-1):
+    """``place_agreeing`` from a message still in its packets: packet r (rows ``first`` up to
+    ``last``, -1: all) carries the message's bytes [msg_off[r], msg_off[r] + length[r]) at
+    src[src_off[r]:], the packets tiling the message from byte msg_off[first] in order (so a run's
+    columns serve each of its messages without a slice of them). One pass from the capture to the
+    collective's buffer."""
+    cdef Py_ssize_t r, nr, added
+    cdef int64_t mbase
     cdef uint8_t *d
     cdef uint8_t *c
+    if last < 0:
+        last = src_off.shape[0]
     if start < 0 or n < 0 or (start + n) > covered.shape[0] or (start + n) * es > dst.shape[0] \
-            or msg_off.shape[0] != nr or length.shape[0] != nr:
+            or msg_off.shape[0] != src_off.shape[0] or length.shape[0] != src_off.shape[0] \
+            or first < 0 or first > last or last > src_off.shape[0]:
         raise ValueError("place_agreeing_gather: range outside the buffers")
-    for r in range(nr):
-        if msg_off[r] != (msg_off[r - 1] + length[r - 1] if r else 0) or length[r] < 0 or src_off[r] < 0 \
-                or src_off[r] + length[r] > src.shape[0]:
-            raise ValueError(f"place_agreeing_gather: packet {r} does not follow the one before in the message")
-    if nr == 0 or msg_off[nr - 1] + length[nr - 1] < n * es:
+    nr = last - first
+    mbase = msg_off[first] if nr else 0
+    for r in range(first, last):
+        if msg_off[r] != (msg_off[r - 1] + length[r - 1] if r > first else mbase) or length[r] < 0 \
+                or src_off[r] < 0 or src_off[r] + length[r] > src.shape[0]:
+            raise ValueError(f"place_agreeing_gather: packet {r - first} does not follow the one before in the message")
+    if nr == 0 or msg_off[last - 1] + length[last - 1] - mbase < n * es:
         raise ValueError("place_agreeing_gather: the packets hold fewer bytes than the elements placed")
     if n == 0:
         return 0
@@ -162,19 +170,19 @@ def place_agreeing_gather(uint8_t[::1] dst, uint8_t[::1] covered, Py_ssize_t sta
     c = &covered[start]
     if n * es >= GIL_FREE_BYTES:
         with nogil:
-            added = _gather_place(d, c, &src[0], &src_off[0], &msg_off[0], &length[0], nr, n, es)
+            added = _gather_place(d, c, &src[0], &src_off[first], &msg_off[first], &length[first], nr, n, es, mbase)
     else:
-        added = _gather_place(d, c, &src[0], &src_off[0], &msg_off[0], &length[0], nr, n, es)
+        added = _gather_place(d, c, &src[0], &src_off[first], &msg_off[first], &length[first], nr, n, es, mbase)
     return added
 
 
 cdef Py_ssize_t _gather_place(uint8_t *d, uint8_t *c, const uint8_t *src, const int64_t *src_off,
                               const int64_t *msg_off, const int64_t *length, Py_ssize_t nr, Py_ssize_t n,
-                              Py_ssize_t es) noexcept nogil:
+                              Py_ssize_t es, int64_t mbase) noexcept nogil:
     cdef Py_ssize_t i = 0, j, k = 0, added = 0
     while i < n:  # runs of covered elements: compare
         j = _run_end(c, i, n, 1)
-        if j > i and not _gathered(d, src, src_off, msg_off, length, nr, &k, i * es, j * es, True):
+        if j > i and not _gathered(d, src, src_off, msg_off, length, nr, &k, i * es, j * es, True, mbase):
             return -1
         i = _run_end(c, j, n, 0)
     i = 0
@@ -183,7 +191,7 @@ cdef Py_ssize_t _gather_place(uint8_t *d, uint8_t *c, const uint8_t *src, const 
         i = _run_end(c, i, n, 1)
         j = _run_end(c, i, n, 0)
         if j > i:
-            _gathered(d, src, src_off, msg_off, length, nr, &k, i * es, j * es, False)
+            _gathered(d, src, src_off, msg_off, length, nr, &k, i * es, j * es, False, mbase)
             memset(c + i, 1, j - i)
             added += j - i
         i = j

@@ -280,6 +280,13 @@ def test_place_agreeing_gather_from_packets_is_place_agreeing_of_the_message(es)
                                            n, es)
         assert got == want and (got >= 0) == (seed == 3)
         assert np.array_equal(got_dst, want_dst) and np.array_equal(got_cov, want_cov)
+        # the same message as rows 2.. of a run's columns, its offsets those in the run's buffer
+        run_src, run_msg, run_len = (np.concatenate([[0, 9], a]) for a in (src_off, msg_off + 100, lengths))
+        run_msg[:2] = [80, 89]
+        got_dst, got_cov = dst.copy(), covered.copy()
+        got = _merge.place_agreeing_gather(got_dst, got_cov.view(np.uint8), start, batch, run_src, run_msg, run_len,
+                                           n, es, 2, len(run_src))
+        assert got == want and np.array_equal(got_dst, want_dst) and np.array_equal(got_cov, want_cov)
     with pytest.raises(ValueError, match="fewer bytes"):
         _merge.place_agreeing_gather(dst, covered.view(np.uint8), 0, batch, src_off[:3], msg_off[:3], lengths[:3],
                                      n, es)
