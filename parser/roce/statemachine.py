@@ -205,7 +205,7 @@ class RingStateMachine:
         """(channel, ring position of the sender) of a ring connection, None for other traffic."""
         ch = self.channels.get(conn)
         got = self._where.get(conn)
-        if got is not None and got[0] == ch:  # (a mapping is made once; checked, as tests remap)
+        if got is not None and got[0] == ch:  # a connection is mapped once; checked all the same
             return got
         rank = self.ranks.get(conn.sender)
         if ch is None or rank is None:
