@@ -145,32 +145,38 @@ class Concatenator:
         return r
 
     def add(self, p: Placement) -> None:
-        if p.coll < self.next_out:
+        coll, s = p.coll, p.send
+        if coll < self.next_out:
             return  # already handed on: a late copy can no longer change it
-        self.frontier = max(self.frontier, p.coll)
-        k = getattr(p.send, "stream", 0)
-        self.streams[k] = max(self.streams.get(k, -1), p.coll)
-        sp, t = self.span.get(p.coll), p.send.ts_ns  # any phase: bounds when a fill may come
+        if coll > self.frontier:
+            self.frontier = coll
+        k = getattr(s, "stream", 0)
+        if self.streams.get(k, -1) < coll:
+            self.streams[k] = coll
+        sp, t = self.span.get(coll), s.ts_ns  # any phase: bounds when a fill may come
         if sp is None:
-            self.span[p.coll] = [t, t]
-        else:
-            sp[0], sp[1] = min(sp[0], t), max(sp[1], t)
+            self.span[coll] = [t, t]
+        elif t < sp[0]:
+            sp[0] = t
+        elif t > sp[1]:
+            sp[1] = t
         c, st = p.spec, p.step
         if c.kind == REDUCESCATTER:
             self._result(p.coll)  # nothing to keep: complete, it goes once the traffic is past it
             return
         if c.kind == ALLREDUCE and st.phase != REDUCED:
             return
-        if st.nelem == 0:
+        n = st.nelem
+        if n == 0:
             return
-        r = self._result(p.coll)
+        r = self._result(coll)
         es = dtype_size(c.dtype)
         start = st.offset
         if c.kind == ALLGATHER:
             origin = self.model.ring.orders()[p.channel][st.chunk]
             start += origin * c.count
-        r.last_ts = max(r.last_ts, p.send.ts_ns)
-        s, n = p.send, st.nelem
+        if t > r.last_ts:
+            r.last_ts = t
         if not s.holes and s.nbytes >= n * es:
             # a send still in the capture is placed from its packets, without a copy in between
             added = s.place_agreeing(r.data, r.covered.view(np.uint8), start, n, es)

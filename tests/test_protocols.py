@@ -225,6 +225,28 @@ def test_place_agreeing_long_runs_match_numpy(es):
     assert np.array_equal(got_dst, dst) and np.array_equal(got_cov, covered)
 
 
+def test_place_agreeing_copies_exactly_at_every_alignment_and_length():
+    """The copy (streaming stores in 16-byte blocks between unaligned head and tail bytes) against
+    numpy's, for every destination alignment and lengths around the block sizes, with a covered
+    run (whose copy agrees) splitting the copy in two."""
+    from mirrorckpt.parser import _merge
+
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, 400, dtype=np.uint8)
+    for start in range(18):
+        for n in (0, 1, 15, 16, 17, 63, 64, 65, 130, 300):
+            dst = rng.integers(0, 256, 400, dtype=np.uint8)
+            covered = np.zeros(400, bool)
+            if n >= 8:
+                covered[start + n // 2:start + n // 2 + 3] = True
+                dst[start + n // 2:start + n // 2 + 3] = src[n // 2:n // 2 + 3]
+            want = dst.copy()
+            want[start:start + n] = src[:n]
+            got = _merge.place_agreeing(dst, covered.view(np.uint8), start, src, n, 1)
+            assert got == n - (3 if n >= 8 else 0)
+            assert np.array_equal(dst, want) and covered[start:start + n].all()
+
+
 @pytest.mark.parametrize("es", [1, 2, 4, 8])
 def test_place_agreeing_gather_from_packets_is_place_agreeing_of_the_message(es):
     """The message still in its packets (random lengths, not element-aligned, scattered in a batch
@@ -258,6 +280,13 @@ def test_place_agreeing_gather_from_packets_is_place_agreeing_of_the_message(es)
                                            n, es)
         assert got == want and (got >= 0) == (seed == 3)
         assert np.array_equal(got_dst, want_dst) and np.array_equal(got_cov, want_cov)
+        # the same message as rows 2.. of a run's columns, its offsets those in the run's buffer
+        run_src, run_msg, run_len = (np.concatenate([[0, 9], a]) for a in (src_off, msg_off + 100, lengths))
+        run_msg[:2] = [80, 89]
+        got_dst, got_cov = dst.copy(), covered.copy()
+        got = _merge.place_agreeing_gather(got_dst, got_cov.view(np.uint8), start, batch, run_src, run_msg, run_len,
+                                           n, es, 2, len(run_src))
+        assert got == want and np.array_equal(got_dst, want_dst) and np.array_equal(got_cov, want_cov)
     with pytest.raises(ValueError, match="fewer bytes"):
         _merge.place_agreeing_gather(dst, covered.view(np.uint8), 0, batch, src_off[:3], msg_off[:3], lengths[:3],
                                      n, es)

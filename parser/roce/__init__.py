@@ -2,6 +2,7 @@
 
     frames.py       the compiled frame walk: Ethernet, VLAN, IPv4/IPv6, UDP 4791, BTH..., ICRC
     reassembly.py   RDMA WRITE messages per QP, placed by PSN
+    sends.py        what a send is: ConnKey, NcclSend, LazySend
     nccl.py         NCCL sends: CTS pairing, the split form, protocols (nccl_runs.py: whole runs at once)
     nccl_versions.py, protocols.py, schedule.py   NCCL's facts per release, payload codecs, ring schedule
     statemachine.py, channels.py, placer.py       which collective and message each send is

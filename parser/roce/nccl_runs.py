@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from mirrorckpt.parser.roce import nccl_versions, protocols
 from mirrorckpt.parser.roce.reassembly import MessageRun
+from mirrorckpt.parser.roce.sends import LazySend, NcclSend
 
 _CTS_FIELDS = ("idx", "addr", "size", "rkey", "nreqs", "tag")  # nccl.Cts's fields, in its order
 
@@ -109,8 +110,6 @@ class RunLane:
         return plan
 
     def _apply(self, runs: list[MessageRun], plan: list) -> list:
-        from mirrorckpt.parser.roce.nccl import LazySend, NcclSend
-
         for r in runs:  # _learn_pmtu, the run's largest message a packet standing for all of them
             sel = (r.dlen > 0) & (r.npkts > 0)
             if sel.any():

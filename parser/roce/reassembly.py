@@ -183,16 +183,23 @@ class MessageRun:
             return a, a + int(self.ll_n[k])
         return int(self.base[k]), int(self.base[k + 1])
 
-    def _pieces(self, pend: tuple, k: int, shift: bool = False) -> tuple | None:
-        """Message ``k``'s pieces still in the batch (source, its offsets, offsets in the run's
-        buffer or, ``shift``, in the message, lengths); None when it was copied at once. Both
+    def _rows(self, k: int) -> tuple[int, int] | None:
+        """Message ``k``'s rows in the pending pieces; None when it was copied at once. Both
         pending tuples list the same packets, a message's ``npkts`` of them in turn."""
         k -= self.pend_from
         if k < 0:
             return None
         if self._prow is None:
             self._prow = np.concatenate([[0], np.cumsum(self.npkts[self.pend_from:])]).tolist()
-        i, j = self._prow[k], self._prow[k + 1]
+        return self._prow[k], self._prow[k + 1]
+
+    def _pieces(self, pend: tuple, k: int, shift: bool = False) -> tuple | None:
+        """Message ``k``'s pieces still in the batch (source, its offsets, offsets in the run's
+        buffer or, ``shift``, in the message, lengths); None when it was copied at once."""
+        rows = self._rows(k)
+        if rows is None:
+            return None
+        i, j = rows
         src, src_off, dst_off, length = pend
         d = dst_off[i:j]
         return src, src_off[i:j], (d - d[0] if shift and j > i else d), length[i:j]
@@ -220,8 +227,9 @@ class MessageRun:
         """``_merge.place_agreeing_gather`` of message ``k`` (``ll``: its LL words) straight from the
         batch (its first ``n`` elements); None once the run is filled, or it was copied at once."""
         pend = self.ll_pending if ll else self.pending
-        p = self._pieces(pend, k, True) if pend is not None else None
-        return None if p is None else _merge.place_agreeing_gather(dst, covered, start, *p, n, es)
+        rows = self._rows(k) if pend is not None else None
+        # the run's columns as they are, the message's rows named: no slices of them per send
+        return None if rows is None else _merge.place_agreeing_gather(dst, covered, start, *pend, n, es, *rows)
 
     def message(self, k: int) -> RdmaMessage:
         """Message ``k`` alone (its bytes filled, not the run's)."""

@@ -240,7 +240,7 @@ class RingPlan(ABC):
         self._work = work  # channel -> per loop: the loop's chunk(s) as (offset, nelem)
         self._parts = parts  # channel -> its part's size (CBD, cells; NCCL's unit) for proxy_steps
         self._cache: dict[tuple[int, int], list[RingStep]] = {}
-        self._at: dict[tuple[int, int], dict[int, int]] = {}
+        self._at: dict[tuple[int, int], dict[int, tuple[int, RingStep]]] = {}
 
     @property
     def nchannels(self) -> int:
@@ -275,10 +275,15 @@ class RingPlan(ABC):
     def message_index(self, rank_pos: int, channel: int, conn_step: int) -> int | None:
         """Index in ``messages(rank_pos, channel)`` of the message at ``conn_step``, None if no
         message starts there. Each message has its own step (op * chunkSteps + slice * sliceSteps)."""
-        key = (rank_pos, channel)
-        at = self._at.get(key)
+        hit = self.message_at(rank_pos, channel, conn_step)
+        return None if hit is None else hit[0]
+
+    def message_at(self, rank_pos: int, channel: int, conn_step: int) -> tuple[int, RingStep] | None:
+        """(``message_index``, the message) from one lookup: the state machine asks once per send."""
+        at = self._at.get((rank_pos, channel))
         if at is None:
-            at = self._at[key] = {st.conn_step: k for k, st in enumerate(self.messages(rank_pos, channel))}
+            at = self._at[(rank_pos, channel)] = {st.conn_step: (k, st)
+                                                  for k, st in enumerate(self.messages(rank_pos, channel))}
         return at.get(conn_step)
 
     def conn_steps(self, channel: int, rank_pos: int = 0) -> int:

@@ -92,6 +92,7 @@ class RingStateMachine:
         self.split_qps: set[tuple[int, QpKey]] = set()  # QPs that carried a split-form send
         self.counts = Counter()  # placed, mismatch, unplaced reasons
         self._pos: dict[tuple[int, int], int] = {}  # (channel, rank) -> ring position
+        self._where: dict[ConnKey, tuple[int, int]] = {}  # connection -> where() once mapped
         self._colls: dict[int, tuple[CollSpec, str, schedule.RingPlan]] = {}  # see _coll
         self.mismatches: list[str] = []
 
@@ -160,7 +161,7 @@ class RingStateMachine:
 
     def _at_step(self, channel: int, pos: int, t: int) -> tuple[int, RingStep, int] | None:
         """``expected`` and the connection message number of that message, from one plan lookup."""
-        tr = self.track(channel, pos)
+        tr = self.tracks.get((channel, pos)) or self.track(channel, pos)
         if not (tr.t_end > t or self._extend(tr, t=t)):  # (_extend does nothing once t is tabulated)
             return None
         i = bisect.bisect_right(tr.t0, t) - 1  # on the list itself: no array of every collective per send
@@ -168,9 +169,8 @@ class RingStateMachine:
             i -= 1
         if i < 0:  # before the first collective, or one dropped long ago
             return None
-        plan = self._coll(tr.base + i)[2]
-        k = plan.message_index(pos, channel, t - tr.t0[i])
-        return None if k is None else (tr.base + i, plan.messages(pos, channel)[k], tr.m0[i] + k)
+        hit = self._coll(tr.base + i)[2].message_at(pos, channel, t - tr.t0[i])
+        return None if hit is None else (tr.base + i, hit[1], tr.m0[i] + hit[0])
 
     def by_message(self, channel: int, pos: int, m: int) -> tuple[int, RingStep, int] | None:
         """(collective, message, absolute step) of the connection's message number ``m``."""
@@ -204,13 +204,17 @@ class RingStateMachine:
     def where(self, conn: ConnKey) -> tuple[int, int] | None:
         """(channel, ring position of the sender) of a ring connection, None for other traffic."""
         ch = self.channels.get(conn)
+        got = self._where.get(conn)
+        if got is not None and got[0] == ch:  # a connection is mapped once; checked all the same
+            return got
         rank = self.ranks.get(conn.sender)
         if ch is None or rank is None:
             return None
         pos = self._pos.get((ch, rank))
         if pos is None:  # ring orders are fixed: each (channel, rank) looked up once
             pos = self._pos[(ch, rank)] = self.model.ring.ring_index(ch, rank)
-        return ch, pos
+        got = self._where[conn] = (ch, pos)
+        return got
 
     def place(self, s: NcclSend) -> Placement | None:
         if s.form == "malformed":  # a length its protocol cannot have (a piece cut off by loss)
@@ -259,7 +263,7 @@ class RingStateMachine:
         if by_psn and not self._slot_agrees(s, proto, spec.kind, t):
             self.counts["unplaced_slot"] += 1
             return None
-        if s.protocol is not None and s.nbytes and s.protocol != proto:
+        if s.protocol is not None and s.protocol != proto and s.nbytes:
             # e.g. an LL message whose lines were read as raw bytes: never data of this collective
             self.counts["protocol_mismatch"] += 1
             return None
@@ -340,6 +344,14 @@ class RingStateMachine:
             self.split_qps.add((s.stream, s.qp))
         if s.psn is None or s.qp is None:
             return
+        if not s.pieces:  # the usual case, without the loop below: one QP, its newest send
+            got = self.cursors.get((s.stream, s.qp))
+            end = s.psn + s.npkts
+            if got and got[-1].end < end:
+                got.append(_Cursor(m, t, end, s.va, proto))
+                if len(got) > MAX_ANCHORS:
+                    del got[0]
+                return
         # A message cut over the QPs anchors each QP it has a piece on (a piece sent on alone: its own).
         for qp, psn, npkts in s.pieces or ((s.qp, s.psn, s.npkts),):
             got = self.cursors.setdefault((s.stream, qp), [])
