@@ -12,3 +12,11 @@ def truth() -> dict:
         pytest.fail(f"the real captures are missing: {FLOWCHECK} (tests read them from ../shared)")
     return flowcheck_truth()
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every end-to-end test not marked ``offline`` is ``serial``: tests/run_suite.py (`make test`)
+    runs those one at a time in one pytest process, and everything else in another beside it."""
+    for item in items:
+        if "e2e" in item.path.parts and item.get_closest_marker("offline") is None:
+            item.add_marker(pytest.mark.serial)

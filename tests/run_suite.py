@@ -1,6 +1,7 @@
-"""The whole suite as `make test` runs it: the end-to-end tests (tests/e2e) and the unit tests in two
-pytest processes at once, so the unit tests use the core the end-to-end tests leave while they wait
-on trainers, appliances and namespaces. The end-to-end tests still run one at a time.
+"""The whole suite as `make test` runs it, in two pytest processes at once: the end-to-end tests
+that start trainers, appliances or namespaces (marked ``serial`` by conftest), one at a time; and
+beside them the unit tests and the end-to-end tests on capture files (``offline``), which use the
+core the others leave while they wait.
 
     python tests/run_suite.py [PYTEST_ARGS...]
 
@@ -23,20 +24,20 @@ def main(args: list[str]) -> int:
     base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
     start = time.monotonic()
     with tempfile.TemporaryFile("w+") as unit_log:
-        unit = subprocess.Popen([*base, "--ignore=tests/e2e", "tests"], cwd=ROOT, stdout=unit_log,
+        unit = subprocess.Popen([*base, "-m", "not serial", "tests"], cwd=ROOT, stdout=unit_log,
                                 stderr=subprocess.STDOUT, text=True)
         try:
-            print("== end-to-end tests (tests/e2e); the unit tests run beside them", flush=True)
-            e2e = subprocess.run([*base, "tests/e2e"], cwd=ROOT).returncode
+            print("== end-to-end tests with processes (serial); the others run beside them", flush=True)
+            e2e = subprocess.run([*base, "-m", "serial", "tests"], cwd=ROOT).returncode
             unit_rc = unit.wait()
         finally:
             if unit.poll() is None:  # interrupted: the unit run goes too
                 unit.terminate()
                 unit.wait()
         unit_log.seek(0)
-        print("\n== unit tests (tests/, without tests/e2e)", flush=True)
+        print("\n== unit tests and end-to-end tests on capture files (not serial)", flush=True)
         sys.stdout.write(unit_log.read())
-    print(f"\n== suite: end-to-end exit {e2e}, unit exit {unit_rc}, {time.monotonic() - start:.0f} s", flush=True)
+    print(f"\n== suite: serial exit {e2e}, the rest exit {unit_rc}, {time.monotonic() - start:.0f} s", flush=True)
     return next((rc for rc in (e2e, unit_rc) if rc), 0)
 
 

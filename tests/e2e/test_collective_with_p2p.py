@@ -20,6 +20,8 @@ from mirrorckpt.tools import cmd_replay
 from mirrorckpt.tools.cli import main
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 
+pytestmark = pytest.mark.offline  # capture files in one process: runs beside the unit tests
+
 # (release, protocol, elements): the fill send is one message (the chunk rank 0's egress lacks)
 FILLED = [("2.12", "LL", 5000), ("2.15", "LL", 10000), ("2.19", "LL", 777), ("2.18", "LL", 16000),
           ("2.19", "Simple", 5000), ("2.18", "LL128", 10000), ("2.23", "LL", 5000), ("2.29", "Simple", 3000)]

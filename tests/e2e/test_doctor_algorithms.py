@@ -19,6 +19,8 @@ from mirrorckpt.tools.cli import main
 from mirrorckpt.tools.generator import algorithms as algo
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 
+pytestmark = pytest.mark.offline  # capture files in one process: runs beside the unit tests
+
 EGRESS = ["rank0_egress.pcapng", "rank1_egress.pcapng"]
 # algorithm -> (what doctor names, the setting in its fix)
 CASES = {

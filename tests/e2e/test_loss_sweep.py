@@ -58,6 +58,8 @@ from mirrorckpt.parser.roce.reassembly import Reassembler
 from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 
+pytestmark = pytest.mark.offline  # capture files in one process: runs beside the unit tests
+
 R, STEPS, COUNT, ESIZE = 4, 40, 8192, 4
 CONFIG = {"ranks": R, "channels": 1, "protocol": "LL", "nccl_version": "2.18", "model": f"linear:{COUNT}",
           "steps": STEPS, "seed": 11, "mirrors": "0:egress,1:egress,2:egress", "send_truth": False}

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 from common import FLOWCHECK
 from mirrorckpt.config.training import OptimizerSpec, TrainingSpec
 from mirrorckpt.tools.cmd_replay import run
 from mirrorckpt.updater.fingerprint import state_sha256
 from torch import nn
+
+pytestmark = pytest.mark.offline  # capture files in one process: runs beside the unit tests
+
 
 CAPTURE = FLOWCHECK / "iter_40000_p2p_iter10.pcapng"
 

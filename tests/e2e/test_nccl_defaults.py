@@ -15,6 +15,8 @@ from mirrorckpt.tools.generator import tuning
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 from mirrorckpt.tools.generator.wire import WireOptions
 
+pytestmark = pytest.mark.offline  # capture files in one process: runs beside the unit tests
+
 EGRESS = ["rank0_egress.pcapng", "rank1_egress.pcapng"]
 
 # (id, ranks, channels, protocol, release, model, DDP bucket cap in MB, QPs per connection)

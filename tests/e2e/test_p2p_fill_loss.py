@@ -31,6 +31,8 @@ from mirrorckpt.parser.roce.jobstream import JobStream
 from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 
+pytestmark = pytest.mark.offline  # capture files in one process: runs beside the unit tests
+
 STEPS, TRIALS, SEED = 20, 30, 2024
 SWEEP = [(2, 0.005), (2, 0.02), (3, 0.02)]  # (mirror streams: egress of ranks 0..M-1, frame loss)
 NOISE = tuple(512 * k for k in range(1, 17))

@@ -64,6 +64,8 @@ from mirrorckpt.tools import cmd_replay
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 from mirrorckpt.tools.generator.wire import WireOptions
 
+pytestmark = pytest.mark.offline  # capture files in one process: runs beside the unit tests
+
 # (protocol, ranks, channels, gradient dtype): the covering design of the module docstring.
 DESIGN = [
     ("LL", 2, 1, "float32"), ("LL", 3, 2, "bfloat16"), ("LL", 4, 4, "float32"),

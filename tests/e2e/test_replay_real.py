@@ -10,6 +10,8 @@ from click.testing import CliRunner
 from common import FLOWCHECK, flowcheck_captures
 from mirrorckpt.tools.cli import main
 
+pytestmark = pytest.mark.offline  # capture files in one process: runs beside the unit tests
+
 
 def replay_json(*args):
     res = CliRunner().invoke(main, ["replay", "--json", *map(str, args)], catch_exceptions=False)
