@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import common
 import pytest
@@ -248,11 +249,16 @@ def scaled(factor: float, epoch: int, *, table: dict) -> float:
     (functools.partial(scaled, float("nan"), table={}), r"args\[0\] is nan"),
     (functools.partial(lambda f, e: f, 0.5), "not a module-level function"),
 ])
-def test_a_partial_whose_function_or_arguments_cannot_travel_is_refused_at_attach(fn, words):
+def test_a_partial_whose_function_or_arguments_cannot_travel_is_reported_not_rebuilt(fn, words, caplog):
+    """The appliance follows such a schedule from the trainer's per-step reports
+    (tests/test_reported_schedule.py), and the log says why it is not rebuilt."""
     model = build_model(DIMS, 1)
     opt = adamw(model)
-    with pytest.raises(ValueError, match=words):
-        attach(model, opt, appliance=None, secret=SECRET, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, fn))
+    with caplog.at_level(logging.INFO, logger="mirrorckpt.control.trainer"):
+        link = attach(model, opt, appliance=None, secret=SECRET, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, fn))
+    link.close()
+    assert link.training.lr_schedule.reported
+    assert any(re.search(words, r.getMessage()) for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_transformers_warmup_schedules_are_rebuilt_step_for_step():

@@ -104,7 +104,7 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def training_spec(optimizer: torch.optim.Optimizer, scheduler=None, grad_dtype: str = "float32",
-                  names: dict[int, str] | None = None) -> TrainingSpec:
+                  names: dict[int, str] | None = None, report_schedule: bool = False) -> TrainingSpec:
     """The TrainingSpec of a torch optimizer (and scheduler): what the replica rebuilds.
     ``names`` (id of each optimizer parameter -> layout name) is needed for several groups."""
     name = OPTIMIZER_NAMES.get(type(optimizer))
@@ -125,7 +125,7 @@ def training_spec(optimizer: torch.optim.Optimizer, scheduler=None, grad_dtype: 
             own = _options(g, name, scheduler)
             param_groups.append(ParamGroupSpec([names[id(p)] for p in g["params"]],
                                                {k: v for k, v in own.items() if v != base[k]}))
-    return TrainingSpec(optimizer=opt, lr_schedule=schedule_spec(scheduler), grad_dtype=grad_dtype,
+    return TrainingSpec(optimizer=opt, lr_schedule=schedule_spec(scheduler, report_schedule), grad_dtype=grad_dtype,
                         param_groups=param_groups)
 
 
