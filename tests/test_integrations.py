@@ -97,12 +97,66 @@ def test_lightning_fit_with_its_clip_and_a_step_scheduler_is_followed():
         plane.stop()
 
 
-def test_lightning_refuses_what_the_replica_cannot_follow():
-    pytest.importorskip("pytorch_lightning", reason=NEED)
+def lightning_fit(pl, plane, steps: int, record: dict, restore: bool = False, fallback_at: int | None = None):
+    """A Lightning fit with Lightning's defaults: a StepLR stepped per epoch (interval="epoch"),
+    gradient_clip_val, a StatefulDataLoader of 6 batches an epoch (with its own generator), input
+    noise from the global RNG; ``record[global_step]``: the state after each batch. Returns the callback."""
     from mirrorckpt.control.integrations.lightning import MirrorckptCallback
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
-    with pytest.raises(AttachError, match="restore through the Lightning callback"):
-        MirrorckptCallback(("127.0.0.1", 1), SECRET, restore=True)
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, batch, _i):
+            x, y = batch
+            return loss_of(self.net, x + 0.01 * torch.randn_like(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, foreach=False)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
+
+        def on_train_batch_end(self, _out, batch, batch_idx):
+            t = self.trainer
+            ps, os_ = state_sha256(list(self.parameters()), t.optimizers[0])
+            record[t.global_step] = (ps, os_, t.optimizers[0].param_groups[0]["lr"], t.current_epoch, batch_idx,
+                                     float(batch[0].sum()), hash(torch.get_rng_state().numpy().tobytes()))
+            if t.global_step == fallback_at:
+                assert plane.request_fallback("test")
+
+    torch.manual_seed(0)
+    model = Net()
+    cb = MirrorckptCallback(("127.0.0.1", plane.port), SECRET, restore=restore, connect_timeout=10, parts=2,
+                            fingerprint_every=0, allow_behind=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, gradient_clip_val=0.05, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[cb])
+    # its own generator: an iterator's base seed drawn from the global RNG would move it after a restore
+    trainer.fit(model, StatefulDataLoader(dataset(96), batch_size=16, generator=torch.Generator().manual_seed(1)))
+    return cb
+
+
+def test_lightning_with_its_default_epoch_scheduler_is_killed_and_resumed_from_the_appliance():
+    """Lightning's defaults attached by the callback alone; a fallback verifies; a new fit with
+    restore=True resumes at the appliance's step and goes on as the uninterrupted fit did: weights,
+    optimizer, the per-epoch schedule, global step, epoch, batch index, data and RNG."""
+    pl = pytest.importorskip("pytorch_lightning", reason=NEED)
+    plane = plane_for(__name__)
+    try:
+        whole, first, resumed = {}, {}, {}
+        lightning_fit(pl, plane, 14, whole)
+        lightning_fit(pl, plane, 8, first, fallback_at=2)  # the job "killed" after step 8
+        assert wait_for(lambda: plane.stats.fallbacks_done == 1), plane.stats
+        step = plane.replica.iterations_done
+        assert plane.training.lr_schedule.reported and 2 < step <= 8
+        cb = lightning_fit(pl, plane, 14, resumed, restore=True)
+        assert cb.restored is not None and cb.restored.iterations_done == step
+        assert min(resumed) == step + 1 and max(resumed) == 14
+        assert {s: resumed[s] for s in resumed} == {s: whole[s] for s in resumed}
+        assert len({v[3] for v in resumed.values()}) > 1  # an epoch boundary (and its scheduler step) was crossed
+    finally:
+        plane.stop()
 
 
 def test_hf_trainer_with_its_default_warmup_schedule_and_clip_is_followed(tmp_path):
@@ -159,14 +213,16 @@ def test_hf_trainer_with_its_default_warmup_schedule_and_clip_is_followed(tmp_pa
         plane.stop()
 
 
-def test_torchtitans_default_schedule_is_refused_at_attach_with_the_reason():
+def test_torchtitans_default_schedule_is_followed_from_the_trainers_reports():
     """torchtitan 0.3 builds its LambdaLR from a partial over a function nested in
-    LRSchedulersContainer.Config.build: no appliance can import it (docs/trainer.md says so)."""
+    LRSchedulersContainer.Config.build: no appliance can import it, so its steps are reported."""
     lr_scheduler = pytest.importorskip("torchtitan.components.optimizer.lr_scheduler", reason=NEED)
     from mirrorckpt.control.trainer import attach
 
     model = nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     container = lr_scheduler.LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=[opt], training_steps=10)
-    with pytest.raises(ValueError, match=r"linear_warmup_stable_decay.*not a module-level function"):
-        attach(model, opt, appliance=None, secret=SECRET, scheduler=container.schedulers[0])
+    link = attach(model, opt, appliance=None, secret=SECRET, scheduler=container.schedulers[0])
+    link.close()
+    assert link.training.lr_schedule.reported
+    assert link.training.lr_schedule.kwargs["scheduler"] == "torch.optim.lr_scheduler:LambdaLR"
