@@ -213,6 +213,78 @@ def test_hf_trainer_with_its_default_warmup_schedule_and_clip_is_followed(tmp_pa
         plane.stop()
 
 
+def hf_train(transformers, plane, tmp_path, record: dict, stop_at: int = 14, restore: bool = False,
+             fallback_at: int | None = None):
+    """A Trainer with its defaults (linear warmup schedule, clip, a seeded shuffling sampler over
+    6 batches an epoch) and input noise from the global RNG; ``record[global_step]``: the state
+    after each step; training stops at ``stop_at`` (the job killed). Returns the callback."""
+    from mirrorckpt.control.integrations.hf import attach_trainer
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x, y):
+            return {"loss": loss_of(self.net, x + 0.01 * torch.randn_like(x), y)}
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self):
+            self.data = dataset(96)
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            x, y = self.data[i]
+            return {"x": x, "y": y}
+
+    class AtStep(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            ps, os_ = state_sha256(list(model.parameters()), opt)
+            record[state.global_step] = (ps, os_, opt.param_groups[0]["lr"], round(state.epoch, 6),
+                                         hash(torch.get_rng_state().numpy().tobytes()))
+            if state.global_step == fallback_at:
+                assert plane.request_fallback("test")
+            control.should_training_stop = state.global_step >= stop_at
+
+    torch.manual_seed(0)
+    model = Net()
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=14, per_device_train_batch_size=16,
+                                          learning_rate=1e-2, warmup_steps=4, max_grad_norm=0.05,
+                                          logging_strategy="no", save_strategy="no", report_to=[],
+                                          use_cpu=True, dataloader_num_workers=0, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
+    cb = attach_trainer(trainer, ("127.0.0.1", plane.port), SECRET, connect_timeout=10, parts=2,
+                        fingerprint_every=0, restore=restore, allow_behind=True)
+    trainer.add_callback(AtStep())
+    trainer.train(resume_from_checkpoint=cb.resume_from)
+    return cb
+
+
+def test_hf_trainer_with_its_defaults_is_killed_and_resumed_from_the_appliance(tmp_path):
+    """The Trainer's defaults attached by attach_trainer alone; a fallback verifies; a new Trainer
+    restored from the appliance resumes through its own resume_from_checkpoint and goes on as the
+    uninterrupted run did: weights, optimizer, schedule, global step, epoch, data order, RNG."""
+    transformers = pytest.importorskip("transformers", reason=NEED)
+    plane = plane_for("transformers.optimization")
+    try:
+        whole, first, resumed = {}, {}, {}
+        hf_train(transformers, plane, tmp_path / "whole", whole)
+        hf_train(transformers, plane, tmp_path / "first", first, stop_at=8, fallback_at=2)
+        assert wait_for(lambda: plane.stats.fallbacks_done == 1), plane.stats
+        step = plane.replica.iterations_done
+        assert 2 < step <= 8
+        cb = hf_train(transformers, plane, tmp_path / "resumed", resumed, restore=True)
+        assert cb.restored is not None and cb.restored.iterations_done == step
+        assert min(resumed) == step + 1 and max(resumed) == 14
+        assert {s: resumed[s] for s in resumed} == {s: whole[s] for s in resumed}
+        assert int(resumed[14][3]) > int(resumed[step + 1][3])  # an epoch boundary was crossed
+    finally:
+        plane.stop()
+
+
 def test_torchtitans_default_schedule_is_followed_from_the_trainers_reports():
     """torchtitan 0.3 builds its LambdaLR from a partial over a function nested in
     LRSchedulersContainer.Config.build: no appliance can import it, so its steps are reported."""
