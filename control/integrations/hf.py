@@ -7,7 +7,8 @@
 A ``TrainerCallback`` attaches at ``on_train_begin``, when the Trainer has wrapped the model (DDP)
 and built the optimizer and scheduler: the wrapped model, the torch optimizer inside accelerate's
 wrapper, the scheduler (transformers' get_*_schedule_with_warmup: a LambdaLR of a
-functools.partial, recorded as such), accelerate's GradScaler, and ``args.max_grad_norm`` as
+functools.partial, reported step by step unless ``report_schedule=False`` asks an appliance whose
+``lambda_modules`` include ``transformers.optimization`` to rebuild it), accelerate's GradScaler, and ``args.max_grad_norm`` as
 ``max_grad_norm`` (the link sees the Trainer's own clip on the gradients). The data position kept
 is the Trainer's own: its global step (and epoch), from which it skips the batches already seen.
 
@@ -155,6 +156,8 @@ def attach_trainer(trainer, appliance: tuple[str, int], secret, *, restore: bool
     (``callback.link`` is the TrainerLink once training runs). ``restore``: pull the appliance's
     state first; then call ``trainer.train(resume_from_checkpoint=callback.resume_from)``."""
     _checked(trainer)
+    # serve imports no scheduler functions (no lambda_modules): transformers' partial is reported
+    attach_kw.setdefault("report_schedule", True)
     cb = callback_class()(trainer, appliance, secret, **attach_kw)
     if restore:
         cb.restored, cb.resume_from = restore_trainer(trainer, appliance, secret, allow_behind=allow_behind,

@@ -86,6 +86,23 @@ class LoopPosition:
         self.trainer.fit_loop.load_state_dict(state)
 
 
+def _iterate_again(trainer, position: dict) -> None:
+    """Lightning makes the train iterator (``setup_data``) before it sets the samplers' epoch
+    (``on_advance_start``): resumed mid-epoch, a DistributedSampler's iterator would replay epoch
+    0's order. Set the resumed epoch, load the loaders' states again and make the iterator anew."""
+    from lightning_fabric.utilities.data import _set_sampler_epoch
+
+    loop = trainer.fit_loop
+    if loop._combined_loader is None or loop._data_fetcher is None:
+        return
+    for loader in loop._combined_loader.flattened:
+        _set_sampler_epoch(loader, loop.epoch_progress.current.processed)
+    states = (position.get("state_dict") or {}).get("combined_loader")
+    if states:
+        loop._combined_loader._load_state_dicts(states)
+    iter(loop._data_fetcher)
+
+
 def callback_class():
     pl = _lightning()
 
@@ -114,6 +131,10 @@ def callback_class():
             log.info("Lightning fit attached to %s:%d (clip %s, scheduler %s, %s)", *self.appliance, clip,
                      type(scheduler).__name__ if scheduler is not None else None,
                      self.link.training.lr_schedule.name)
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            if self.restored is not None and isinstance(self.restored.data_position, dict):
+                _iterate_again(trainer, self.restored.data_position)
 
         def on_train_end(self, trainer, pl_module) -> None:
             if self.link is not None:
