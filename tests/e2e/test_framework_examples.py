@@ -83,15 +83,15 @@ def kill_after_a_commit(proc, ckpt, digests) -> int:
 def test_a_framework_example_is_killed_and_resumed_from_serve_control_only(serve, tmp_path, script, module):
     pytest.importorskip(module, reason=NEED)
     port, ckpt = serve
-    first = torchrun(tmp_path, script, port, "--steps", "24", "--step-delay", "0.25", "--digests",
+    first = torchrun(tmp_path, script, port, "--steps", "16", "--step-delay", "0.2", "--digests",
                      str(tmp_path / "first"))
     step = kill_after_a_commit(first, ckpt, tmp_path / "first.0")
     assert step >= 4
     assert "checkpoint committed" in (tmp_path / "serve.log").read_text()
-    again = torchrun(tmp_path, script, port, "--steps", "24", "--restore", "--digests", str(tmp_path / "again"))
+    again = torchrun(tmp_path, script, port, "--steps", "16", "--restore", "--digests", str(tmp_path / "again"))
     out, _ = again.communicate(timeout=150)
     assert again.returncode == 0, out[-3000:]
-    assert "trained to step 24" in out, out[-3000:]
+    assert "trained to step 16" in out, out[-3000:]
     for rank in (0, 1):
         before = {r["step"]: r for r in rows(tmp_path / f"first.{rank}")}
         after = rows(tmp_path / f"again.{rank}")
