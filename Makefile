@@ -26,11 +26,16 @@ isal:
 	@./tools/install-system-deps.sh libisal-dev || \
 		echo "note: the ICRC check runs on zlib's CRC-32 (several times slower); as root, apt-get install libisal-dev"
 
-# PYTEST_ARGS: a part of the suite (CI runs all of it).
+# The whole suite: its end-to-end and unit tests in two pytest processes at once (tests/run_suite.py);
+# PYTEST_ARGS: a part of it, in one pytest process (CI runs all of it).
 test:
 	@$(MAKE) --no-print-directory system-deps
 	@$(MAKE) --no-print-directory build
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(BIN)/python tests/run_suite.py
+else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+endif
 
 build: $(STAMP)
 	@echo "mirrorckpt: built with the $$(cat $(ICRC)) CRC-32 for the ICRC check"

@@ -48,13 +48,14 @@ DEFAULT_BUCKET_CAP_MB = 25  # distributed._DEFAULT_BUCKET_CAP_MB
 FIRST_BUCKET_BYTES = MIB  # dist._DEFAULT_FIRST_BUCKET_BYTES, used only with the default cap
 
 ALLREDUCE, BROADCAST, ALLGATHER = "allreduce", "broadcast", "allgather"
+REDUCESCATTER = "reducescatter"  # sharded optimizers' rings (config.shard_steps); never one of DDP's
 
 
 @dataclass(frozen=True)
 class CollSpec:
     """One collective of the job, in issue order."""
 
-    kind: str  # allreduce | broadcast | allgather
+    kind: str  # allreduce | broadcast | allgather | reducescatter
     count: int  # elements (all-gather: per rank)
     dtype: str
     label: str  # grad | param_count | shapes | init_params:K | rebuild_indices | rebuild_sizes | ...

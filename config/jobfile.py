@@ -3,11 +3,18 @@
 Every key is checked against a schema; an error names the file, the table and the key
 ("job.toml: [ring] nranks: expected an integer >= 2, got 'two'"). ``config/example.toml`` is the
 documented example. ``dump_job`` writes the same format (the generator writes one per run).
+
+A sharded-optimizer job (config.shard_rules) names its layout in ``[job] shards`` (a
+``config.shards.ShardedLayout`` as JSON) and lists one ``[[ring]]`` per followed ring instead of
+``[ring]`` and ``[[mirror]]``: each is a ring as ``[ring]`` is, plus ``group`` (the layout's
+group whose replica shard it keeps) or ``weights_only = true`` (an FSDP2 shard group whose
+all-gathers carry the parameters), with its own ``[[ring.mirror]]`` sources.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -25,6 +32,7 @@ from mirrorckpt.config.layout import (
     RingSpec,
     live_source,
 )
+from mirrorckpt.config.shards import ShardedLayout
 
 
 class ConfigError(Exception):
@@ -101,17 +109,21 @@ def _table(v):
     return v
 
 
+RING = {
+    "nranks": (_int(2), True), "nchannels": (_int(1), False), "protocol": (_str(PROTOCOLS + (AUTO,)), False),
+    "nccl_version": (_str(), False), "nthreads": (_int(32), False), "orders": (_int_lists, False),
+    "addresses": (_addr_list, False),
+}
 SCHEMA = {
-    "ring": {
-        "nranks": (_int(2), True), "nchannels": (_int(1), False), "protocol": (_str(PROTOCOLS + (AUTO,)), False),
-        "nccl_version": (_str(), False), "nthreads": (_int(32), False), "orders": (_int_lists, False),
-        "addresses": (_addr_list, False),
-    },
+    "ring": RING,
+    # one ring of a sharded job ([job] shards): [ring]'s keys, whose replica shard, and its mirrors
+    "rings": dict(RING, group=(_str(), False), weights_only=(_bool, False), replica=(_int(0), False),
+                  listen=(_str(), False), mirror=(list, False)),
     "job": {
         "name": (_str(), False), "kind": (_str(("ddp", "allreduce")), False), "startup": (_bool, False),
         "p2p_fill": (_bool, False),
         "grad_dtype": (_str(tuple(DTYPES)), False), "counts": (_int_list, False),
-        "params": (list, False), "buckets": (_table, False),
+        "params": (list, False), "buckets": (_table, False), "shards": (_str(), False), "initial": (_str(), False),
     },
     "job.params": {"name": (_str(), True), "shape": (_int_list, True), "dtype": (_str(tuple(DTYPES)), False)},
     "job.buckets": {"first": (_int_lists, False), "after_rebuild": (_int_lists, True)},
@@ -136,6 +148,22 @@ SCHEMA = {
 }
 TOP = {"ring": _table, "job": _table, "training": _table, "persist": _table, "mirror": list, "control": _table,
        "metrics": _table, "capture": _table, "updater": _table, "protection": _table}
+
+
+@dataclass
+class RingConfig:
+    """One ``[[ring]]`` of a sharded job: the ring, its mirrors, and what it keeps."""
+
+    ring: RingSpec
+    mirrors: list[MirrorSpec] = field(default_factory=list)
+    group: str | None = None  # the layout's group whose replica shard this ring's all-reduces give
+    weights_only: bool = False  # an FSDP2 shard group followed for its parameter all-gathers
+    replica: int = 0  # weights_only: which shard group (mesh row) of an HSDP job; pure FSDP has one
+    listen: str | None = None  # with [control]: the address of this ring's group's control plane
+
+    @property
+    def name(self) -> str:
+        return self.group if self.group is not None else f"weights-{self.replica}"
 
 
 def _check(where: str, section: str, d: dict) -> dict:
@@ -181,6 +209,13 @@ class JobConfig:
     name: str | None = None  # [job] name: recorded in the checkpoint root; another job's root is refused
     # [job] p2p_fill: the workload sends an all-reduce's values its mirrors lack point to point (parser.concat)
     p2p_fill: bool = False
+    # a sharded job (kind "sharded"): [job] shards (its path as written, and the layout), [job]
+    # initial (a seed checkpoint: the replicas' step 0 where no start-up broadcast carries it), the
+    # [[ring]]s; ``ring`` is then the first one's
+    shards: ShardedLayout | None = None
+    shards_path: str = ""
+    initial: str | None = None
+    rings: list[RingConfig] = field(default_factory=list)
 
     @property
     def encap(self) -> EncapSpec:
@@ -227,42 +262,59 @@ def load_job(path) -> JobConfig:
     return parse_job(raw, name, p.resolve().parent)
 
 
+def _ring(where: str, r: dict) -> RingSpec:
+    """A checked [ring] (or [[ring]]) table's RingSpec."""
+    addresses = dict(enumerate(r.get("addresses", [])))
+    if addresses and len(addresses) != r["nranks"]:
+        raise ConfigError(f"{where} addresses: {len(addresses)} given for {r['nranks']} ranks")
+    try:
+        return RingSpec(nranks=r["nranks"], nchannels=r.get("nchannels", 1), protocol=r.get("protocol", AUTO),
+                        nccl_version=r.get("nccl_version"), nthreads=r.get("nthreads"),
+                        ring_orders=r.get("orders"), addresses=addresses)
+    except ValueError as e:
+        raise ConfigError(f"{where} {e}") from None
+
+
+def _mirrors(where: str, entries: list, ring: RingSpec, base: Path | None, name: str) -> list[MirrorSpec]:
+    out = []
+    for i, m in enumerate(entries):
+        at = f"{where} #{i + 1}"
+        mm = _check(at, "mirror", _table_or(name, "mirror", m))
+        if mm["rank"] >= ring.nranks:
+            raise ConfigError(f"{at} rank: {mm['rank']} is outside the ring (ranks 0..{ring.nranks - 1})")
+        out.append(MirrorSpec(mm["rank"], mm.get("direction", "both"), _source(mm.get("source", ""), base),
+                              mm.get("workers", 1)))
+    return out
+
+
 def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobConfig:
+    sharded = isinstance(raw.get("ring"), list)
     for k, check in TOP.items():
-        if k in raw and not isinstance(raw[k], dict if check is _table else list):
+        if k in raw and not isinstance(raw[k], dict if check is _table else list) and not (k == "ring" and sharded):
             raise ConfigError(f"{name}: [{k}] must be a {'table' if check is _table else 'array of tables'}")
     for k in raw:
         if k not in TOP:
             raise ConfigError(f"{name}: unknown table [{k}] (known: {', '.join(TOP)})")
     if "ring" not in raw:
-        raise ConfigError(f"{name}: missing table [ring]")
-    r = _check(f"{name}: [ring]", "ring", raw["ring"])
-    addresses = dict(enumerate(r.pop("addresses", [])))
-    if addresses and len(addresses) != r["nranks"]:
-        raise ConfigError(f"{name}: [ring] addresses: {len(addresses)} given for {r['nranks']} ranks")
-    try:
-        ring = RingSpec(nranks=r["nranks"], nchannels=r.get("nchannels", 1), protocol=r.get("protocol", AUTO),
-                        nccl_version=r.get("nccl_version"), nthreads=r.get("nthreads"),
-                        ring_orders=r.get("orders"), addresses=addresses)
-    except ValueError as e:
-        raise ConfigError(f"{name}: [ring] {e}") from None
+        raise ConfigError(f"{name}: missing table [ring] (or [[ring]] tables of a sharded job)")
     j = _check(f"{name}: [job]", "job", raw.get("job", {}))
-    cfg = JobConfig(ring=ring, kind=j.get("kind", "ddp"), startup=j.get("startup", True),
-                    grad_dtype=j.get("grad_dtype", "float32"), path=name, name=j.get("name") or None,
-                    p2p_fill=j.get("p2p_fill", False))
-    if cfg.kind == "ddp":
-        cfg.layout = _layout(name, j, cfg.grad_dtype)
+    if sharded:
+        cfg = _sharded(raw, j, name, base)
     else:
-        if "counts" not in j:
-            raise ConfigError(f"{name}: [job] kind = \"allreduce\" needs counts = [elements, ...]")
-        cfg.counts = j["counts"]
-    for i, m in enumerate(raw.get("mirror", [])):
-        mm = _check(f"{name}: [[mirror]] #{i + 1}", "mirror", _table_or(name, "mirror", m))
-        if mm["rank"] >= ring.nranks:
-            raise ConfigError(f"{name}: [[mirror]] #{i + 1} rank: {mm['rank']} is outside the ring "
-                              f"(ranks 0..{ring.nranks - 1})")
-        cfg.mirrors.append(MirrorSpec(mm["rank"], mm.get("direction", "both"), _source(mm.get("source", ""), base),
-                                      mm.get("workers", 1)))
+        ring = _ring(f"{name}: [ring]", _check(f"{name}: [ring]", "ring", raw["ring"]))
+        for k in ("shards", "initial"):
+            if k in j:
+                raise ConfigError(f"{name}: [job] {k}: only a sharded job ([[ring]] tables) has one")
+        cfg = JobConfig(ring=ring, kind=j.get("kind", "ddp"), startup=j.get("startup", True),
+                        grad_dtype=j.get("grad_dtype", "float32"), path=name, name=j.get("name") or None,
+                        p2p_fill=j.get("p2p_fill", False))
+        if cfg.kind == "ddp":
+            cfg.layout = _layout(name, j, cfg.grad_dtype)
+        else:
+            if "counts" not in j:
+                raise ConfigError(f"{name}: [job] kind = \"allreduce\" needs counts = [elements, ...]")
+            cfg.counts = j["counts"]
+        cfg.mirrors = _mirrors(f"{name}: [[mirror]]", raw.get("mirror", []), ring, base, name)
     for sec in ("persist", "control", "metrics", "protection", "capture", "updater"):
         if sec in raw:
             setattr(cfg, sec, _check(f"{name}: [{sec}]", sec, raw[sec]))
@@ -274,6 +326,94 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
     if cfg.training and "grad_dtype" not in cfg.training:
         cfg.training["grad_dtype"] = cfg.grad_dtype  # one dtype for the wire and the replica
     return cfg
+
+
+def _sharded(raw: dict, j: dict, name: str, base: Path | None) -> JobConfig:
+    """A job of [[ring]] tables: its layout from [job] shards, each ring checked against it."""
+    if "mirror" in raw:
+        raise ConfigError(f"{name}: [[mirror]]: a job of [[ring]] tables lists each ring's mirrors as its "
+                          "[[ring.mirror]] entries")
+    for k in ("kind", "params", "buckets", "counts", "startup", "p2p_fill"):
+        if k in j:
+            raise ConfigError(f"{name}: [job] {k}: a job of [[ring]] tables takes its layout from [job] shards")
+    control = isinstance(raw.get("control"), dict)
+    if control and "listen" in raw["control"]:
+        raise ConfigError(f"{name}: [control] listen: a sharded job's control planes listen one per ring "
+                          "([[ring]] listen)")
+    layout, spath = None, None
+    if "shards" in j:
+        spath = Path(j["shards"])
+        spath = spath if spath.is_absolute() or base is None else base / spath
+        try:
+            layout = ShardedLayout.from_dict(json.loads(spath.read_text()))
+        except OSError as e:
+            raise ConfigError(f"{name}: [job] shards: {spath}: {e.strerror}") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{name}: [job] shards: {spath}: not a sharded layout: {e}") from None
+    elif not control:
+        raise ConfigError(f"{name}: [job] shards: missing; [[ring]] tables follow the rings of a sharded layout "
+                          "(a shards.json, as `mirrorckpt gen --sharded` writes it), or the trainer registers it "
+                          "over [control]")
+    rings: list[RingConfig] = []
+    taken: dict[str, int] = {}
+    for i, t in enumerate(raw["ring"]):
+        where = f"{name}: [[ring]] #{i + 1}"
+        r = _check(where, "rings", _table_or(name, "ring", t))
+        ring = _ring(where, r)
+        rc = RingConfig(ring, _mirrors(f"{where} [[ring.mirror]]", r.get("mirror", []), ring, base, name),
+                        r.get("group"), r.get("weights_only", False), r.get("replica", 0), r.get("listen"))
+        if control and rc.listen is None and not rc.weights_only:
+            raise ConfigError(f"{where}: missing key 'listen' (with [control] each ring's group has its control "
+                              "plane, at the address the trainer's appliances map names)")
+        if rc.listen is not None and not control:
+            raise ConfigError(f"{where} listen: a ring's control plane needs [control] (secret_file)")
+        if layout is not None:
+            _check_ring(where, rc, layout, spath.name)
+        elif rc.weights_only:
+            raise ConfigError(f"{where} weights_only: a weights-only ring needs the layout in [job] shards (its "
+                              "all-gathers' parts are laid out by it)")
+        elif rc.group is None:
+            raise ConfigError(f"{where}: missing key 'group' (the layout's group whose replica shard this ring keeps)")
+        if rc.name in taken:
+            key = "group" if rc.group is not None else "replica"
+            raise ConfigError(f"{where} {key}: {rc.name!r} is followed by [[ring]] #{taken[rc.name] + 1} already")
+        taken[rc.name] = i
+        rings.append(rc)
+    if not rings:
+        raise ConfigError(f"{name}: [[ring]]: no ring listed")
+    initial = j.get("initial")
+    if initial is not None and base is not None and not Path(initial).is_absolute():
+        initial = str(base / initial)
+    return JobConfig(ring=rings[0].ring, kind="sharded", grad_dtype=j.get("grad_dtype", "float32"), path=name,
+                     name=j.get("name") or None, shards=layout, shards_path=j.get("shards", ""), initial=initial,
+                     rings=rings)
+
+
+def _check_ring(where: str, rc: RingConfig, layout: ShardedLayout, shards_name: str) -> None:
+    """A [[ring]] against the layout: a group of it (or weights of an FSDP2 job), of its ring's size."""
+    names = [g.name for g in layout.groups]
+    if rc.weights_only:
+        if rc.group is not None:
+            raise ConfigError(f"{where} group: a weights_only ring keeps every parameter, not group {rc.group!r}")
+        if layout.scheme != "fsdp2":
+            raise ConfigError(f"{where} weights_only: a {layout.scheme} layout has no FSDP2 shard group to follow "
+                              "for weights")
+        if rc.replica >= layout.dp:
+            raise ConfigError(f"{where} replica: {rc.replica} outside the layout's replicas 0..{layout.dp - 1}")
+        size = layout.shards
+    else:
+        if rc.group is None:
+            raise ConfigError(f"{where}: missing key 'group' (the group of {shards_name} whose replica shard this "
+                              f"ring keeps: {', '.join(names)}), or weights_only = true")
+        if rc.group not in names:
+            raise ConfigError(f"{where} group: {rc.group!r} is not a group of {shards_name} (groups: "
+                              f"{', '.join(names)})")
+        if layout.refusal is not None:
+            raise ConfigError(f"{where} group: {layout.refusal}; follow such a job with one weights_only ring")
+        size = len(layout.group(rc.group).ranks)
+    if rc.ring.nranks != size:
+        raise ConfigError(f"{where} nranks: {rc.ring.nranks}, but the ring of {rc.name} in {shards_name} has "
+                          f"{size} ranks")
 
 
 def _table_or(name, sec, v):
@@ -328,10 +468,8 @@ def _drop_none(d):
     return d
 
 
-def dump_job(cfg: JobConfig) -> str:
-    r = cfg.ring
-    lines = ["# mirrorckpt job configuration", "[ring]", f"nranks = {r.nranks}", f"nchannels = {r.nchannels}",
-             f"protocol = {_toml_value(r.protocol)}"]
+def _ring_lines(r: RingSpec) -> list[str]:
+    lines = [f"nranks = {r.nranks}", f"nchannels = {r.nchannels}", f"protocol = {_toml_value(r.protocol)}"]
     if r.nccl_version:
         lines.append(f"nccl_version = {_toml_value(r.nccl_version)}")
     if r.nthreads:
@@ -340,6 +478,22 @@ def dump_job(cfg: JobConfig) -> str:
         lines.append(f"orders = {_toml_value(r.ring_orders)}")
     if r.addresses:
         lines.append(f"addresses = {_toml_value([r.addresses[i] for i in range(r.nranks)])}")
+    return lines
+
+
+def _mirror_lines(m: MirrorSpec, table: str) -> list[str]:
+    lines = ["", f"[[{table}]]", f"rank = {m.rank}", f"direction = {_toml_value(m.direction)}"]
+    if m.source:
+        lines.append(f"source = {_toml_value(m.source)}")
+    if m.workers != 1:
+        lines.append(f"workers = {m.workers}")
+    return lines
+
+
+def dump_job(cfg: JobConfig) -> str:
+    if cfg.rings:
+        return _dump_sharded(cfg)
+    lines = ["# mirrorckpt job configuration", "[ring]"] + _ring_lines(cfg.ring)
     lines += ["", "[job]"] + ([f"name = {_toml_value(cfg.name)}"] if cfg.name else [])
     lines += [f"kind = {_toml_value(cfg.kind)}", f"startup = {_toml_value(cfg.startup)}",
               f"grad_dtype = {_toml_value(cfg.grad_dtype)}"]
@@ -355,14 +509,37 @@ def dump_job(cfg: JobConfig) -> str:
                 lines.append(f"dtype = {_toml_value(p.dtype)}")
         lines += ["", "[job.buckets]", f"first = {_toml_value([list(b.params) for b in lay.bucket_list(0)])}",
                   f"after_rebuild = {_toml_value([list(b.params) for b in lay.buckets])}"]
+    lines += _section_lines(cfg)
+    for m in cfg.mirrors:
+        lines += _mirror_lines(m, "mirror")
+    return "\n".join(lines) + "\n"
+
+
+def _section_lines(cfg: JobConfig) -> list[str]:
+    lines = []
     for sec in ("training", "persist", "control", "metrics", "protection", "capture", "updater"):
         d = _drop_none(getattr(cfg, sec))
         if d:
             lines += ["", f"[{sec}]"] + [f"{k} = {_toml_value(v)}" for k, v in d.items()]
-    for m in cfg.mirrors:
-        lines += ["", "[[mirror]]", f"rank = {m.rank}", f"direction = {_toml_value(m.direction)}"]
-        if m.source:
-            lines.append(f"source = {_toml_value(m.source)}")
-        if m.workers != 1:
-            lines.append(f"workers = {m.workers}")
+    return lines
+
+
+def _dump_sharded(cfg: JobConfig) -> str:
+    lines = ["# mirrorckpt job configuration: a sharded job, one [[ring]] per followed ring", "[job]"]
+    lines += [f"name = {_toml_value(cfg.name)}"] if cfg.name else []
+    lines += [f"shards = {_toml_value(cfg.shards_path)}"] if cfg.shards_path else []
+    lines += [f"grad_dtype = {_toml_value(cfg.grad_dtype)}"]
+    if cfg.initial:
+        lines.append(f"initial = {_toml_value(cfg.initial)}")
+    lines += _section_lines(cfg)
+    for rc in cfg.rings:
+        lines += ["", "[[ring]]"]
+        lines += [f"group = {_toml_value(rc.group)}"] if rc.group is not None else ["weights_only = true"]
+        if rc.weights_only and rc.replica:
+            lines.append(f"replica = {rc.replica}")
+        if rc.listen:
+            lines.append(f"listen = {_toml_value(rc.listen)}")
+        lines += _ring_lines(rc.ring)
+        for m in rc.mirrors:
+            lines += _mirror_lines(m, "ring.mirror")
     return "\n".join(lines) + "\n"

@@ -75,9 +75,9 @@ def _partition(lists: list[list[str]], params: list[ParamSpec], what: str) -> li
     return out
 
 
-def _layout(params, groups, *, dp, shards, scheme, average, refusal, appliances) -> ShardedLayout:
+def _layout(params, groups, *, dp, shards, scheme, average, refusal, appliances, steps=None) -> ShardedLayout:
     return ShardedLayout(1, 1, dp, list(params), groups, list(dict.fromkeys(appliances)), shards=shards,
-                         scheme=scheme, average=average, refusal=refusal)
+                         scheme=scheme, average=average, refusal=refusal, steps=steps)
 
 
 # ------------------------------------------------------------------------------------ FSDP2
@@ -136,41 +136,26 @@ def _round_robin(order: list[ParamSpec], dp: int) -> list[ParamSpec]:
     return [order[i] for start in range(dp) for i in range(start, len(order), dp)]
 
 
-def zero(params: list[ParamSpec], dp: int, *, param_groups: list[list[str]] | None = None,
-         ready_order: list[str] | None = None, reduce_bucket_size: int = 500_000_000, round_robin: bool = False,
-         reduce_scatter: bool = True, multi_rank_bucket_allreduce: bool = True, ranks: list[int] | None = None,
-         appliances: list[str] | None = None) -> ShardedLayout:
-    """DeepSpeed ZeRO-1/2 over a DP group of ``dp`` ranks (``ranks``, default 0..dp-1).
-    ``param_groups``: the optimizer's param groups' FQNs (default one group, the model's order);
-    ``ready_order``: the order gradients become ready (default the reverse of the model's)."""
-    if dp < 2:
-        raise ValueError("ZeRO partitions over at least 2 ranks")
-    ranks = list(ranks) if ranks is not None else list(range(dp))
-    if len(ranks) != dp:
-        raise ValueError(f"{len(ranks)} ranks for dp={dp}")
+def zero_partitions(params: list[ParamSpec], dp: int, param_groups: list[list[str]] | None = None,
+                    round_robin: bool = False) -> list[tuple[int, list[tuple[ParamSpec, int]]]]:
+    """Per optimizer param group, DeepSpeed's flat buffer: the size of each of its ``dp`` equal
+    partitions (the buffer padded to a multiple of 2*dp elements) and its parameters in buffer
+    order, each with its start in the buffer."""
     groups_of = _partition(param_groups if param_groups is not None else [[p.name for p in params]], params,
                            "param groups")
-    # each parameter's place: (partition, start, stop) pieces of its own flat elements
-    pieces: dict[str, list[tuple[int, int, int]]] = {}
+    out = []
     for members in groups_of:
         order = _round_robin(members, dp) if round_robin else members
+        starts = [sum(p.numel for p in order[:i]) for i in range(len(order))]
         total = _ceil_to(sum(p.numel for p in order), ZERO_ALIGNMENT * dp)
-        size, pos = total // dp, 0
-        for p in order:
-            cuts = [pos] + [r * size for r in range(pos // size + 1, (pos + p.numel - 1) // size + 1)] + \
-                [pos + p.numel]
-            pieces[p.name] = [(lo // size, lo - pos, hi - pos) for lo, hi in zip(cuts, cuts[1:])]
-            pos += p.numel
-    names = _names(dp)
-    follows = _appliances(names, appliances)
-    slices: list[list[Shard]] = [[] for _ in range(dp)]
-    index: dict[tuple[str, int], int] = {}
-    for members in groups_of:
-        for p in (_round_robin(members, dp) if round_robin else members):
-            for r, lo, hi in pieces[p.name]:
-                index[(p.name, r)] = len(slices[r])
-                slices[r].append(Shard(p.name, tuple(p.shape), None, (0,) * len(p.shape), tuple(p.shape), p.dtype,
-                                       (lo, hi)))
+        out.append((total // dp, list(zip(order, starts))))
+    return out
+
+
+def zero_buckets(params: list[ParamSpec], ready_order: list[str] | None = None,
+                 reduce_bucket_size: int = 500_000_000) -> list[list[ParamSpec]]:
+    """DeepSpeed's gradient buckets: parameters in the order their gradients become ready (default
+    the reverse of the model's), a bucket closed before the parameter that would overflow it."""
     ready = _by_name(params, ready_order if ready_order is not None else [p.name for p in reversed(params)],
                      "ready_order")
     if sorted(p.name for p in ready) != sorted(p.name for p in params):
@@ -186,6 +171,41 @@ def zero(params: list[ParamSpec], dp: int, *, param_groups: list[list[str]] | No
         current.append(p)
         elements += p.numel
     buckets.append(current)
+    return buckets
+
+
+def zero(params: list[ParamSpec], dp: int, *, param_groups: list[list[str]] | None = None,
+         ready_order: list[str] | None = None, reduce_bucket_size: int = 500_000_000, round_robin: bool = False,
+         reduce_scatter: bool = True, multi_rank_bucket_allreduce: bool = True, check_grad_overflow: bool = False,
+         ranks: list[int] | None = None, appliances: list[str] | None = None) -> ShardedLayout:
+    """DeepSpeed ZeRO-1/2 over a DP group of ``dp`` ranks (``ranks``, default 0..dp-1).
+    ``param_groups``: the optimizer's param groups' FQNs (default one group, the model's order);
+    ``ready_order``: the order gradients become ready (default the reverse of the model's);
+    ``check_grad_overflow``: the step's overflow all-reduce (config.shard_steps)."""
+    if dp < 2:
+        raise ValueError("ZeRO partitions over at least 2 ranks")
+    ranks = list(ranks) if ranks is not None else list(range(dp))
+    if len(ranks) != dp:
+        raise ValueError(f"{len(ranks)} ranks for dp={dp}")
+    partitions = zero_partitions(params, dp, param_groups, round_robin)
+    # each parameter's place: (partition, start, stop) pieces of its own flat elements
+    pieces: dict[str, list[tuple[int, int, int]]] = {}
+    for size, members in partitions:
+        for p, pos in members:
+            cuts = [pos] + [r * size for r in range(pos // size + 1, (pos + p.numel - 1) // size + 1)] + \
+                [pos + p.numel]
+            pieces[p.name] = [(lo // size, lo - pos, hi - pos) for lo, hi in zip(cuts, cuts[1:])]
+    names = _names(dp)
+    follows = _appliances(names, appliances)
+    slices: list[list[Shard]] = [[] for _ in range(dp)]
+    index: dict[tuple[str, int], int] = {}
+    for _, members in partitions:
+        for p, _ in members:
+            for r, lo, hi in pieces[p.name]:
+                index[(p.name, r)] = len(slices[r])
+                slices[r].append(Shard(p.name, tuple(p.shape), None, (0,) * len(p.shape), tuple(p.shape), p.dtype,
+                                       (lo, hi)))
+    buckets = zero_buckets(params, ready_order, reduce_bucket_size)
     groups = []
     for r, name in enumerate(names):
         wire = [[(index[(p.name, owner)] if owner == r else PAD, hi - lo) for p in bucket
@@ -197,8 +217,11 @@ def zero(params: list[ParamSpec], dp: int, *, param_groups: list[list[str]] | No
                    "slice to its owner: the finished gradient never crosses the wire, so the optimizer state cannot "
                    "be followed exactly; set use_multi_rank_bucket_allreduce=True (DeepSpeed's default), whose "
                    "bucket all-reduce carries every partition's reduced gradient")
+    # each param group's parameters in flat-buffer order (round robin already applied)
+    steps = {"param_groups": [[p.name for p, _ in members] for _, members in partitions],
+             "check_grad_overflow": check_grad_overflow}
     return _layout(params, groups, dp=dp, shards=dp, scheme="zero", average="prediv" if reduce_scatter else "postmul",
-                   refusal=refusal, appliances=follows)
+                   refusal=refusal, appliances=follows, steps=steps)
 
 
 # ------------------------------------------------------------------------------------ Megatron

@@ -174,6 +174,17 @@ class DpGroup:
         """Elements of each all-reduce of the ring (padding included)."""
         return [sum(n for _, n in segments) for segments in self.wire or []]
 
+    def job_layout(self, grad_dtype: str = "float32") -> JobLayout:
+        """The group's ring as the replica follows it: its slices under their global FQNs (a flat
+        range as a 1-d tensor), one bucket per all-reduce of ``wire`` holding the slices it
+        carries in buffer order, its padding left out (``updater.shard_sink`` takes the slices
+        out of the padded buffer)."""
+        if self.wire is None:
+            raise ValueError(f"group {self.name}: its all-reduces are DDP's buckets, which the trainer registers")
+        return JobLayout([ParamSpec(s.fqn, s.local_shape, s.dtype) for s in self.shards],
+                         [BucketSpec(tuple(i for i, _ in segments if i != PAD)) for segments in self.wire],
+                         grad_dtype=grad_dtype)
+
     def to_dict(self) -> dict:
         d = {"name": self.name, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank, "ranks": list(self.ranks),
              "appliance": self.appliance, "shards": [s.to_dict() for s in self.shards]}
@@ -209,6 +220,9 @@ class ShardedLayout:
     # why the job's optimizer state cannot be followed exactly from its all-reduces, and the setting
     # that makes it followable; None: it can
     refusal: str | None = None
+    # what the framework's per-step collective sequence needs beyond the groups (config.shard_steps:
+    # ZeRO's param groups, its overflow check); None: nothing
+    steps: dict | None = None
 
     def __post_init__(self):
         if min(self.tp, self.pp, self.dp, self.shards) < 1:
@@ -286,7 +300,8 @@ class ShardedLayout:
              "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.params],
              "groups": [g.to_dict() for g in self.groups], "appliances": list(self.appliances)}
         # only what differs from a TP/PP layout: such a layout keeps its dict (and digest)
-        extra = {"shards": self.shards, "scheme": self.scheme, "average": self.average, "refusal": self.refusal}
+        extra = {"shards": self.shards, "scheme": self.scheme, "average": self.average, "refusal": self.refusal,
+                 "steps": self.steps}
         d.update({k: v for k, v in extra.items() if v != _DEFAULTS[k]})
         return d
 
@@ -301,7 +316,7 @@ class ShardedLayout:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
-_DEFAULTS = {"shards": 1, "scheme": "dtensor", "average": "premul", "refusal": None}
+_DEFAULTS = {"shards": 1, "scheme": "dtensor", "average": "premul", "refusal": None, "steps": None}
 
 
 def global_rank(pp_stage: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:

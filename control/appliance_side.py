@@ -78,6 +78,9 @@ class PlaneStats:
     events: list = field(default_factory=list)  # (kind, detail) in order, for logs and tests
 
 
+WEIGHT_FINGERPRINTS_KEPT = 16  # a weights_only job's fingerprints kept for snapshots that come later
+
+
 class AppliancePlane:
     def __init__(self, secret, *, host: str = "127.0.0.1", port: int = 0, training: TrainingSpec | None = None,
                  layout: JobLayout | None = None, ring: RingSpec | None = None, persist: PersistSpec | None = None,
@@ -90,6 +93,10 @@ class AppliancePlane:
         # a sharded job: the DP group this plane follows, the job's layout, and a check of both
         # (``on_shards(layout, group)``, raising Refused) before a registration is taken
         self.group, self.shards, self.on_shards = group, shards, on_shards
+        # a sharded job registered weights_only (control.sharded): the trainer's parameter
+        # fingerprints by step, which weight snapshots are checked against (ShardedAppliance.check_weights)
+        self.weights_only = False
+        self._trainer_params: dict[int, dict[str, int]] = {}
         self.replica_impl = replica_impl  # updater.numeric: the optimizer implementation the replica runs
         self.persist = persist
         self.max_meta_lag = max_meta_lag
@@ -300,6 +307,18 @@ class AppliancePlane:
         self._buffer.append(it)  # replayed after the resync if it is newer than the state
         s.iterations_skipped += 1
 
+    def wait_metadata(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` s for the trainer's step metadata of the iterations that wait for it
+        (a capture file read to its end before the trainer reported those steps); True when none waits."""
+        end = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if not self._waiting:
+                    return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.05)
+
     def _drain(self) -> None:
         while self._waiting:
             r = self.replica
@@ -369,6 +388,7 @@ class AppliancePlane:
             self.layout, self.training = layout, training
             if shards is not None:
                 self.shards, self.group = shards, b["group"]
+                self.weights_only = bool(b.get("weights_only"))
             self.ring = ring or self.ring  # a restarted job may run on other addresses
             first = not self.trainer_attached
             self.trainer_attached = True
@@ -504,12 +524,22 @@ class AppliancePlane:
         except gockpt.PartError as e:
             raise Refused(f"FINGERPRINT: {e}") from None
         with self.lock:
+            if self.weights_only:
+                self._trainer_params[step] = {k: w for k, w in fps.words.items() if k.startswith("model.")}
+                for old in sorted(self._trainer_params)[:-WEIGHT_FINGERPRINTS_KEPT]:
+                    del self._trainer_params[old]
             r = self.replica
             if r is None or r.stale is not None or self.fallback is not None:
                 return
             v = self.drift.trainer_digest(step, fps, r)
             if v is not None:
                 self._checked(r, step, fps, v)
+
+    def trainer_parameters(self, step: int) -> dict[str, int] | None:
+        """The trainer's parameter fingerprints of ``step`` ("model.<fqn>" -> word sum, its local
+        shards) when a weights_only job sent them (every ``fingerprint_every`` steps), else None."""
+        with self.lock:
+            return self._trainer_params.get(step)
 
     def _on_part(self, msg: m.Message, peer) -> None:
         with self.lock:

@@ -114,6 +114,10 @@ def sharded_register_error(b: dict) -> str | None:
     if err is not None:
         return err
     sl = ShardedLayout.from_dict(b["shards"])
+    if sl.refusal is not None and not b.get("weights_only"):
+        return f"{sl.refusal} (a registration of such a job says weights_only)"
+    if sl.refusal is None and b.get("weights_only"):
+        return "weights_only registers a job whose optimizer state cannot be followed; this layout's can"
     try:
         want = [(p.name, tuple(p.shape)) for p in sl.group_params(b["group"])]
     except KeyError as e:
@@ -155,8 +159,10 @@ REGISTRY: dict[str, Spec] = {
                             "state_meta": F("dict", required=False),
                             # one id per trainer start: a new one is a restarted job (new communicator)
                             "run": F("str", required=False),
-                            # sharded jobs (config.shards): the job's layout and this link's DP group
-                            "shards": F("dict", required=False), "group": F("str", required=False)},
+                            # sharded jobs (config.shards): the job's layout and this link's DP group;
+                            # weights_only: a job whose optimizer state the wire does not carry
+                            "shards": F("dict", required=False), "group": F("str", required=False),
+                            "weights_only": F("bool", required=False)},
                    tensors="any", check=_check_register),
     STEP_META: Spec(CLIENT, {"step": F("int"), "lr": F("num"), "loss_scale": F("num", nullable=True),
                              "data_position": F("json", required=False),

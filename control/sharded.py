@@ -22,8 +22,11 @@ on the shard dimension), the mesh's ranks and each unit's parameters give the la
 (``config.shard_rules.hsdp``): one group per shard index, whose ring is the replicate group. A
 job whose optimizer state its all-reduces do not carry (pure FSDP on a 1-d mesh; a layout with
 ``refusal``, e.g. one-instance Megatron from ``config.shard_rules``) is refused at attach with the
-reason and the setting that makes it followable (``NotFollowable``); ``weights_only=True`` is the
-hook for per-step weight snapshots of such jobs (not available in this version).
+reason and the setting that makes it followable (``NotFollowable``). With ``weights_only=True``
+a pure FSDP job registers anyway, each rank its own shard (a group of one), saying so in its
+REGISTER (``weights_only``): its appliances take full checkpoints by GoCkpt fallbacks at their
+own cadence and hold the trainer's parameter fingerprints, which the weight snapshots its
+all-gathers give (``updater.weights``) are checked against.
 
 ``ShardLink`` is a ``TrainerLink`` on one DP group's shard: the group's DP-rank-0 process talks to
 the control plane that follows the group (``appliances[group]``), registering the group's ring
@@ -48,8 +51,8 @@ import torch
 import torch.distributed as dist
 from mirrorckpt.config import shard_rules
 from mirrorckpt.config.ddp import reducer_params
-from mirrorckpt.config.layout import BucketSpec, JobLayout, ParamSpec
-from mirrorckpt.config.shards import PAD, DpGroup, Shard, ShardedLayout, group_name
+from mirrorckpt.config.layout import JobLayout, ParamSpec
+from mirrorckpt.config.shards import DpGroup, Shard, ShardedLayout, group_name
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.endpoint import ControlClient
 from mirrorckpt.control.trainer import (
@@ -172,14 +175,22 @@ def describe_fsdp(model, units: list[list[str]], appliances: dict[str, str] | No
 
 
 def check_followable(layout: ShardedLayout, weights_only: bool = False) -> None:
-    """NotFollowable when the layout's optimizer state cannot be followed exactly; with
-    ``weights_only`` the job asks for weight snapshots instead (not available in this version)."""
+    """NotFollowable when the layout's optimizer state cannot be followed exactly, unless the job
+    asks for weight snapshots instead (``weights_only``: FSDP2's parameter all-gathers carry them)."""
     if layout.refusal is None:
+        if weights_only:
+            raise ValueError("weights_only=True is for jobs whose optimizer state cannot be followed from the "
+                             "wire; this job's can: attach it without weights_only")
         return
     if weights_only:
-        raise NotImplementedError("weights-only protection (per-step weight snapshots from the parameter "
-                                  f"all-gathers) is not available in this version; the job as it is: {layout.refusal}")
-    raise NotFollowable(f"{layout.refusal}. attach refuses the job rather than leave it unprotected")
+        if layout.scheme != "fsdp2":
+            raise ValueError(f"weights-only protection follows FSDP2's parameter all-gathers; a {layout.scheme} "
+                             f"layout's are not modelled. The job as it is: {layout.refusal}")
+        return
+    raise NotFollowable(f"{layout.refusal}. attach refuses the job rather than leave it unprotected (or attach "
+                        "it with weights_only=True for weight snapshots and fallback checkpoints)"
+                        if layout.scheme == "fsdp2" else
+                        f"{layout.refusal}. attach refuses the job rather than leave it unprotected")
 
 
 def describe(model, mesh=None, *, appliances: dict[str, str] | None = None, pp_stage: int | None = None,
@@ -278,7 +289,8 @@ class ShardLink(TrainerLink):
     """A TrainerLink on DP group ``group``'s shard (see the module text); every rank makes one,
     the group's DP-rank-0 process talks to ``appliance``."""
 
-    def __init__(self, model, optimizer, *, shards: ShardedLayout, group: str, appliance, secret, **kw):
+    def __init__(self, model, optimizer, *, shards: ShardedLayout, group: str, appliance, secret,
+                 weights_only: bool = False, **kw):
         g = shards.group(group)
         if dist.get_rank() not in g.ranks:
             raise ValueError(f"rank {dist.get_rank()} is not in DP group {group} (ranks {g.ranks})")
@@ -288,6 +300,7 @@ class ShardLink(TrainerLink):
         if have != want:
             raise ValueError(f"the module's parameters are not DP group {group}'s slices: {have[:3]}... vs "
                              f"{want[:3]}...")
+        self.weights_only = weights_only
         self.shards, self.group = shards, group
         super().__init__(model, optimizer, appliance=appliance, secret=secret, leader=g.ranks[0], **kw)
 
@@ -296,12 +309,11 @@ class ShardLink(TrainerLink):
         if g.wire is None:
             return ddp_layout(self.ddp_model, [local(p) for p in self.model_params], self.names, order)
         # the framework's own all-reduces (config.shard_rules), one bucket each; their padding is in ``shards``
-        return JobLayout([ParamSpec(s.fqn, s.local_shape, "float32") for s in g.shards],
-                         [BucketSpec(tuple(i for i, _ in segments if i != PAD)) for segments in g.wire],
-                         grad_dtype=self.grad_dtype)
+        return g.job_layout(self.grad_dtype)
 
     def _register_extra(self) -> dict:
-        return {"shards": self.shards.to_dict(), "group": self.group}
+        return {"shards": self.shards.to_dict(), "group": self.group} | ({"weights_only": True}
+                                                                           if self.weights_only else {})
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
@@ -333,10 +345,10 @@ def attach_sharded(model, optimizer, mesh=None, *, appliances: dict[str, tuple[s
     that group; ``follows``: group -> appliance name (which appliance process, for joint checkpoints).
     ``layout``: the job's layout when the framework's rules give it (``config.shard_rules``) instead
     of reading it from the model. A job whose optimizer state cannot be followed exactly raises
-    NotFollowable (reason and setting); ``weights_only=True`` is the hook for weight snapshots of such
-    jobs. ``restore="appliance"``: every rank first pulls its shard (``restore_sharded``).
-    ``connect_timeout``: seconds the leaders wait for their first connection. Other keywords go to
-    TrainerLink (scheduler, data, parts, job...)."""
+    NotFollowable (reason and setting); ``weights_only=True`` registers a pure FSDP job for weight
+    snapshots and fallback checkpoints instead (see the module text). ``restore="appliance"``: every
+    rank first pulls its shard (``restore_sharded``). ``connect_timeout``: seconds the leaders wait
+    for their first connection. Other keywords go to TrainerLink (scheduler, data, parts, job...)."""
     shards = layout if layout is not None else describe(model, mesh, appliances=follows, pp_stage=pp_stage, pp=pp,
                                                         dp_dim=dp_dim, tp_dim=tp_dim, pp_dim=pp_dim)
     check_followable(shards, weights_only)
@@ -355,7 +367,7 @@ def attach_sharded(model, optimizer, mesh=None, *, appliances: dict[str, tuple[s
         raise ValueError(f"restore={restore!r}: a sharded job restores from 'appliance' (or loads a joint "
                          "checkpoint with dcp.load itself)")
     link = ShardLink(model, optimizer, shards=shards, group=g.name, appliance=appliances[g.name], secret=secret,
-                     **kw)
+                     weights_only=weights_only, **kw)
     return started(link, restored, connect_timeout)
 
 

@@ -10,6 +10,13 @@ all planes of the process got the same layout. A plane's replica, after every ap
 and every installed fallback, is offered to the ``updater.joint.JointPersister`` (``open_joint``,
 once the layout is known; the process must have joined the appliances' group,
 ``updater.joint.init_group``); ``save_round`` is the collective joint round.
+
+A job registered ``weights_only`` (pure FSDP: no ring carries a finished gradient) is followed by
+fallbacks alone: ``full_checkpoints_due`` says when the trainer is ``every`` steps past the newest
+full state (the caller asks ``request_fallbacks`` then: one joint full checkpoint per ``every``
+steps), and ``check_weights`` proves a weight snapshot of its all-gathers (``updater.weights``)
+equal to the trainer's parameters by the fingerprints the trainer sends every
+``fingerprint_every`` steps.
 """
 
 from __future__ import annotations
@@ -95,6 +102,37 @@ class ShardedAppliance:
             with p.lock:  # a registration in progress holds it
                 r = p.replica
                 out[g] = r.iterations_done if r is not None and r.stale is None else None
+        return out
+
+    def full_checkpoints_due(self, every: int) -> bool:
+        """A weights_only job's cadence: every group's trainer is ``every`` steps or more past its
+        newest full state (none yet counts as step 0), and no fallback is under way."""
+        for p in self.planes.values():
+            f = p.facts()
+            if not f.registered or f.trainer_step is None or f.fallback is not None:
+                return False
+            if f.trainer_step - (f.replica_step or 0) < every:
+                return False
+        return True
+
+    def check_weights(self, step: int, params: dict) -> dict[str, str | None]:
+        """A weight snapshot of ``step`` (every parameter whole, by FQN) against the trainer's
+        parameter fingerprints of that step, per followed group: None where every slice is
+        bit-equal, else what differs or why it cannot be told."""
+        from mirrorckpt.updater.fingerprint import fingerprint
+        from mirrorckpt.updater.shard_sink import group_slice
+
+        if self.shards is None:
+            raise ValueError("no sharded layout registered yet")
+        out: dict[str, str | None] = {}
+        for name, p in self.planes.items():
+            words = p.trainer_parameters(step)
+            if words is None:
+                out[name] = f"no parameter fingerprints of step {step} from group {name}'s trainer"
+                continue
+            bad = [s.fqn for s in self.shards.group(name).shards
+                   if words.get(f"model.{s.fqn}") != fingerprint(group_slice(s, params[s.fqn]))]
+            out[name] = f"differs from the trainer's parameters in {', '.join(bad[:3])}" if bad else None
         return out
 
     def _offer(self, group: str, replica) -> None:

@@ -27,6 +27,14 @@ class JobModel:
     per_iteration: list[CollSpec] | None = None  # used when there is no layout
     iterations: int | None = None  # how many iterations the sequence holds (None: no end)
     from_start: bool = True  # the capture begins with the job (False: attached mid-run)
+    # the parameters the start-up broadcasts "init_params:K" carry, in K order, when not ``layout``'s
+    # (a sharded optimizer's ring: the whole model, config.shard_steps)
+    weights: JobLayout | None = None
+
+    @property
+    def weights_layout(self) -> JobLayout | None:
+        """The layout of the initial weights the start-up broadcasts carry (DDP: ``layout``)."""
+        return self.weights if self.weights is not None else self.layout
 
     @classmethod
     def ddp(cls, ring: RingSpec, layout: JobLayout, with_startup: bool = True, iterations: int | None = None):
@@ -44,6 +52,14 @@ class JobModel:
         if job.kind == "ddp":
             return cls.ddp(job.ring, job.layout, with_startup=job.startup)
         return cls.allreduces(job.ring, job.counts, job.grad_dtype)
+
+    @classmethod
+    def sharded(cls, ring: RingSpec, steps):
+        """One ring of a sharded-optimizer job (``config.shard_steps.RingSteps``): its start-up
+        collectives, then per iteration the framework's sequence."""
+        if ring.nranks != len(steps.ranks):
+            raise ValueError(f"the ring has {ring.nranks} ranks, its communicator {len(steps.ranks)}")
+        return cls(ring, None, list(steps.startup), per_iteration=list(steps.per_iteration), weights=steps.weights)
 
     @classmethod
     def allreduces(cls, ring: RingSpec, counts: list[int], dtype: str, iterations: int | None = None):

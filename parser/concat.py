@@ -1,7 +1,9 @@
 """The concatenator: each collective's result buffer, assembled from every mirror stream.
 
 Only messages that carry final values are used: the fully reduced all-gather phase of an
-all-reduce, any message of a broadcast (the root's data), the pieces of an all-gather. Every
+all-reduce, any message of a broadcast (the root's data), the pieces of an all-gather. A
+reduce-scatter carries none (its owners add their own terms locally): its result holds nothing
+and is complete as soon as the traffic is past it (its sends only keep the ring's steps). Every
 element records whether it was covered; a second copy of an element (the same send mirrored at
 two ports, or a reduced chunk forwarded along the ring) must carry the same bytes, otherwise the
 element is marked conflicting and the collective can never be complete. A complete collective is
@@ -16,7 +18,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
-from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, CollSpec
+from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, REDUCESCATTER, CollSpec
 from mirrorckpt.config.layout import dtype_size, numpy_dtype
 from mirrorckpt.parser import _merge, memory
 from mirrorckpt.parser.collectives import JobModel
@@ -134,7 +136,7 @@ class Concatenator:
         r = self.open.get(i)
         if r is None:
             c = self.model[i]
-            n = c.count * (self.model.ring.nranks if c.kind == ALLGATHER else 1)
+            n = 0 if c.kind == REDUCESCATTER else c.count * (self.model.ring.nranks if c.kind == ALLGATHER else 1)
             # An element's bytes are only ever read where it is covered, so they need no zeroing
             # (that cost as much as placing them); no conflict flags until copies disagree.
             b = self._buffers
@@ -154,6 +156,9 @@ class Concatenator:
         else:
             sp[0], sp[1] = min(sp[0], t), max(sp[1], t)
         c, st = p.spec, p.step
+        if c.kind == REDUCESCATTER:
+            self._result(p.coll)  # nothing to keep: complete, it goes once the traffic is past it
+            return
         if c.kind == ALLREDUCE and st.phase != REDUCED:
             return
         if st.nelem == 0:

@@ -6,7 +6,8 @@ frames at once with ``Header.read`` (a numpy gather), and the generator and test
 
 Sources: IEEE 802.3/802.1Q; RFC 791 and 8200; RFC 768; InfiniBand Architecture Specification
 vol. 1 rel. 1.4, 9.2-9.3 and annex A17 (RoCEv2); NCCL net_ib.cc (CTS entry, see
-``parser.nccl_versions``); gloo ``transport/tcp/pair.h`` (Op preamble).
+``parser.nccl_versions``) and net_socket.cc (socket transport, ``parser.roce.ncclsock``); gloo
+``transport/tcp/pair.h`` (Op preamble).
 """
 
 from __future__ import annotations
@@ -261,6 +262,16 @@ LL128_LINE_BYTES = 128
 LL128_FLAG_OFFSET = 120
 LL128_GROUP_WIRE = 2048
 LL128_GROUP_DATA = 1920
+
+# --- NCCL's socket transport (NCCL_NET=Socket; net_socket.cc, misc/socket.cc; parser.roce.ncclsock) ----
+
+# Every TCP connection of a net connection opens with the socket layer's hello (u64 magic, u32
+# socket type) and the transport's one-byte socket index.
+NCCL_SOCK_HELLO = Header("nccl_sock_hello", 13, [
+    Field("magic", 0, 8, "little"), Field("type", 8, 4, "little"), Field("index", 12, 1),
+])
+# Each message's size, on the control socket before it (int, host order).
+NCCL_SOCK_SIZE = Header("nccl_sock_size", 4, [Field("size", 0, 4, "little", signed=True)])
 
 # --- gloo over TCP -----------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """What the parser hands the updater, as typed items of the job stream: the initial weights DDP
-broadcast at start-up (once), and one training iteration's reduced gradient buckets."""
+broadcast at start-up (once), one training iteration's reduced gradient buckets, and (a sharded
+optimizer's ring) each all-gather of parameters."""
 
 from __future__ import annotations
 
@@ -51,3 +52,21 @@ class InitialWeights:
 
     layout: JobLayout
     values: np.ndarray  # flat, every parameter in layout order (float32)
+
+
+@dataclass
+class GatheredWeights:
+    """One all-gather of parameters of a sharded optimizer's ring (config.shard_steps "params"):
+    collective ``index`` of that label in iteration ``iteration``, every rank's part in rank order
+    (``config.shard_steps.RingSteps.gathers`` says where each parameter sits); ``values`` None and
+    ``holes`` (element ranges) when it could not be reassembled whole."""
+
+    iteration: int
+    index: int
+    values: np.ndarray | None
+    holes: list[tuple[int, int]] = field(default_factory=list)
+    last_ts: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.values is not None

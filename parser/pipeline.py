@@ -8,7 +8,8 @@ is covered with agreeing copies, and an incomplete iteration never carries a gra
 is empty). A transport's job stream (``parser.roce.jobstream.JobStream``,
 ``parser.gloo.job.GlooJobStream``) runs it over its units and yields, in order: each finished
 ``CollectiveResult``, ``InitialWeights`` once (when DDP's start-up broadcast is whole), each complete
-``ReducedBucket`` as soon as it is final, and each ``ReducedIteration``; its ``report()``
+``ReducedBucket`` as soon as it is final, each ``ReducedIteration``, and (a sharded optimizer's
+ring) each per-iteration all-gather of parameters as ``GatheredWeights``; its ``report()``
 (``JobReport``) is what callers may read of its state.
 """
 
@@ -21,12 +22,13 @@ from typing import Protocol
 
 import numpy as np
 from mirrorckpt.config.layout import RingSpec
+from mirrorckpt.config.shard_steps import INIT_PARAMS, PARAMS
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.concat import CollectiveResult, Concatenator
-from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
+from mirrorckpt.parser.iteration import GatheredWeights, InitialWeights, ReducedBucket, ReducedIteration
 from mirrorckpt.parser.streams import StreamStats
 
-Item = CollectiveResult | InitialWeights | ReducedBucket | ReducedIteration
+Item = CollectiveResult | InitialWeights | ReducedBucket | ReducedIteration | GatheredWeights
 
 
 def default_collective_window(model: JobModel) -> int:
@@ -166,19 +168,24 @@ class CollectiveAssembler:
         for r in done:
             if r.spec.iteration is not None and r.spec.label == "grad":
                 its += self.iterations.add(r)
-            else:
+            elif r.spec.iteration is not None and r.spec.label == PARAMS:
+                its.append(GatheredWeights(r.spec.iteration, r.spec.bucket, r.values() if r.complete else None,
+                                           r.holes, r.last_ts))
+            elif r.spec.iteration is None:
                 self.startup[r.spec.label] = r
         return done, its
 
     def initial_weights(self) -> InitialWeights | None:
-        """DDP's broadcast of the initial parameters, once every group of it is whole (given once)."""
-        if self.weights_given or self.model.layout is None:
+        """The start-up broadcasts of the initial parameters (DDP's groups, DeepSpeed's one per
+        parameter), once every one of them is whole (given once)."""
+        layout = self.model.weights_layout
+        if self.weights_given or layout is None:
             return None
-        groups = [r for k, r in sorted(self.startup.items()) if k.startswith("init_params:")]
-        if not groups or not all(g.complete for g in groups):
+        groups = sorted((int(k[len(INIT_PARAMS):]), r) for k, r in self.startup.items() if k.startswith(INIT_PARAMS))
+        if not groups or not all(r.complete for _, r in groups):
             return None
         self.weights_given = True
-        return InitialWeights(self.model.layout, np.concatenate([g.values() for g in groups]))
+        return InitialWeights(layout, np.concatenate([r.values() for _, r in groups]))
 
     def items(self, out: tuple[list[CollectiveResult], list]) -> Iterator[Item]:
         """One ``add``/``settle``/``flush`` result as typed items, the initial weights before the

@@ -11,3 +11,4 @@ def truth() -> dict:
     if not FLOWCHECK.is_dir():
         pytest.fail(f"the real captures are missing: {FLOWCHECK} (tests read them from ../shared)")
     return flowcheck_truth()
+

@@ -42,6 +42,10 @@ TEXT = {
     ("gen", "inner_vlan"): ["x", "-1", "1,2,3"],
     ("gen", "p2p_send"): ["junk", "0>1", "0>9:100", "a>b:c", "0>1:-5"],
     ("status", "url"): ["notaurl", "http://", "ftp://127.0.0.1/metrics"],
+    ("record", "gpu"): ["x", "-1", "0,1"],
+    ("record", "algo"): ["Bogus", "Ring,,Tree", "allreduce:Ring;broadcast:Nope"],
+    ("record", "env_pairs"): ["junk", "PATH=/x", "NCCL_PROTO=LL"],  # the last: NCCL's, not gloo's
+    ("record", "model"): ["junk", "linear:0"],
 }
 # Numbers with a range the option's type does not carry (checked where the value is used).
 BOUNDS = {
@@ -82,6 +86,9 @@ def base(command: str, d) -> dict[str, list[str]]:
         "status": {},
         "bench": {"out": ["--out", str(d / "bench" / "B.md")]},
         "plan": {"mtbf_hours": ["--mtbf-hours", "1"], "params": ["--params", "7B"]},
+        # gloo on the CPU, so that a value the command accepts would record (and must be refused first)
+        "record": {"out_dir": ["--out", str(d / "rec")], "backend": ["--backend", "gloo"], "steps": ["--steps", "2"],
+                   "model": ["--model", "linear:10"], "": ["--no-replay"]},
     }[command]
 
 

@@ -28,7 +28,8 @@ from mirrorckpt.parser.gloo import framing as gloo
 from mirrorckpt.parser.gloo import schedule as gs
 from mirrorckpt.parser.gloo import tcp
 from mirrorckpt.parser.gloo.job import GlooJobStream
-from mirrorckpt.parser.headers import ETH, GLOO_OP, IPV4, IPV6, TCP, VLAN
+from mirrorckpt.parser.headers import GLOO_OP
+from mirrorckpt.tools.generator.tcpframes import tcp_frame
 
 # -- frames -------------------------------------------------------------------------------------
 
@@ -36,28 +37,6 @@ from mirrorckpt.parser.headers import ETH, GLOO_OP, IPV4, IPV6, TCP, VLAN
 def addr16(ip: str) -> bytes:
     a = ipaddress.ip_address(ip)
     return a.packed if a.version == 6 else b"\0" * 10 + b"\xff\xff" + a.packed
-
-
-def tcp_frame(src: str, dst: str, sport: int, dport: int, seq: int, payload: bytes = b"",
-              flags: int = tcp.ACK, vlan: int | None = None) -> bytes:
-    s, d = ipaddress.ip_address(src), ipaddress.ip_address(dst)
-    th = TCP.pack(sport=sport, dport=dport, seq=seq % (1 << 32), ack=1, off_flags=(5 << 12) | flags,
-                  window=65535)
-    if s.version == 4:
-        ip = IPV4.pack(ver_ihl=0x45, total_len=20 + len(th) + len(payload), ttl=64, proto=6,
-                       src=s.packed, dst=d.packed)
-        et = 0x0800
-    else:
-        ip = IPV6.pack(ver_tc_fl=6 << 28, payload_len=len(th) + len(payload), next=6, hop=64,
-                       src=s.packed, dst=d.packed)
-        et = 0x86DD
-    mac = bytes([2, 0, 0, 0, 0, 1])
-    if vlan is None:
-        eth = ETH.pack(dst=mac, src=mac, type=et)
-    else:
-        eth = ETH.pack(dst=mac, src=mac, type=0x8100) + VLAN.pack(tci=vlan, type=et)
-    frame = eth + ip + th + payload
-    return frame + b"\0" * max(0, 60 - len(frame))  # Ethernet padding beyond the IP length
 
 
 def op_bytes(opcode: int, slot: int, payload: bytes = b"", length: int | None = None) -> bytes:

@@ -140,3 +140,27 @@ def test_one_import_style():
             if isinstance(node, ast.ImportFrom) and node.level:
                 relative.append(f"{rel}:{node.lineno}")
     assert relative == []
+
+
+def wiring_problems(path) -> list[str]:
+    """What keeps a module from being wiring only: over 400 lines, a function over 60, or a reach
+    into another object's private fields (``x._name`` where x is not self or cls)."""
+    src = path.read_text()
+    out = [f"{len(src.splitlines())} lines"] if len(src.splitlines()) > 400 else []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+            out.append(f"{node.name}: {node.end_lineno - node.lineno + 1} lines")
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            out.append(f"line {node.lineno}: .{node.attr}")
+    return out
+
+
+def test_the_daemon_module_is_wiring():
+    assert wiring_problems(REPO / "tools" / "serve.py") == []
+
+
+def test_the_wiring_check_can_fail(tmp_path):
+    p = tmp_path / "w.py"
+    p.write_text("def f(x):\n    return x._queue\n" + "\n" * 400 + "def g():\n" + "    pass\n" * 61)
+    assert wiring_problems(p) == ["464 lines", "g: 62 lines", "line 2: ._queue"]

@@ -33,11 +33,12 @@ def test_the_wheel_holds_the_demo_capture_and_not_the_rigs():
     assert {"job.toml", "rank0_egress.pcapng", "rank1_egress.pcapng"} <= {p.name for p in cmd_replay.DEMO.iterdir()}
     assert all(any(fnmatch(f, g) for g in data) for f in files), (demo, data)
     packages = PYPROJECT["tool"]["setuptools"]["packages"]
-    assert "mirrorckpt.tools.testbed" not in packages
+    rigs = {"mirrorckpt.tools.testbed", "mirrorckpt.tools.record"}
+    assert not rigs & set(packages)
     # every other package folder is shipped
     folders = {"mirrorckpt." + ".".join(p.parent.relative_to(REPO).parts) for p in REPO.glob("*/**/__init__.py")
                if ".venv" not in p.parts and "tests" not in p.parts and "build" not in p.parts}
-    assert folders - {"mirrorckpt.tools.testbed"} == set(packages) - {"mirrorckpt"}
+    assert folders - rigs == set(packages) - {"mirrorckpt"}
 
 
 def test_bench_writes_into_the_working_directory(tmp_path, monkeypatch):
@@ -62,3 +63,12 @@ def test_a_section_that_drives_the_rigs_says_it_needs_a_source_checkout(tmp_path
     err = json.loads((tmp_path / "BENCHMARKS.json").read_text())["results"]["goodput"]["error"]
     assert err.startswith("needs a source checkout: this section drives the test rigs (tools/testbed)"), err
     assert "[bench] goodput: needs a source checkout" in res.stderr
+
+
+def test_record_from_the_wheel_says_it_needs_a_source_checkout(monkeypatch):
+    for name in [m for m in sys.modules if m.startswith("mirrorckpt.tools.record")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "mirrorckpt.tools.record", None)
+    res = CliRunner().invoke(main, ["record", "--check"], catch_exceptions=False)
+    assert res.exit_code == 1
+    assert "record runs from a source checkout" in res.stderr, res.stderr

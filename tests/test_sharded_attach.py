@@ -36,10 +36,15 @@ def test_attach_refuses_one_instance_megatron_naming_the_setting():
                        appliances={}, secret=SECRET)
     with pytest.raises(NotFollowable, match="dp_replicate >= 2"):
         check_followable(shard_rules.hsdp(MLP, 1, 2))
-    # the hook for weight snapshots of such jobs says plainly that it is not there yet
-    with pytest.raises(NotImplementedError, match="weights-only protection .* not available"):
+    # weight snapshots follow FSDP2's all-gathers: a pure FSDP job may ask for them, others are told why not
+    with pytest.raises(NotFollowable, match="or attach it with weights_only=True"):
+        check_followable(shard_rules.hsdp(MLP, 1, 2))
+    check_followable(shard_rules.hsdp(MLP, 1, 2), weights_only=True)
+    with pytest.raises(ValueError, match="follows FSDP2's parameter all-gathers; a megatron layout"):
         attach_sharded(*plain_job(), layout=shard_rules.megatron(MLP, 4, 1), weights_only=True, appliances={},
                        secret=SECRET)
+    with pytest.raises(ValueError, match="this job's can: attach it without weights_only"):
+        check_followable(shard_rules.hsdp(MLP, 2, 2), weights_only=True)
     # followable, but no integration reads Megatron's or DeepSpeed's partitions yet: said, not attempted
     for lay in (shard_rules.megatron(MLP, 4, 2), shard_rules.zero(MLP, 2)):
         with pytest.raises(ValueError, match="needs that framework's integration"):
@@ -100,3 +105,43 @@ def test_joint_checkpoint_of_flat_slices_loads_into_the_unsharded_model(tmp_path
         restore.load_into(fresh, opt, root)
         for n, p in fresh.named_parameters():
             assert torch.equal(p, full[n]), (root.name, n)
+
+
+def test_a_pure_fsdp_job_registers_weights_only_and_its_snapshots_are_checked():
+    """Each rank of a pure FSDP job registers its own shard saying weights_only (without it the
+    REGISTER is refused in words); the planes keep the trainer's parameter fingerprints, against which
+    a weight snapshot is proven equal slice by slice, or named where it differs; full checkpoints are
+    due once every trainer is the cadence's steps past the newest full state."""
+    from mirrorckpt.control import gockpt
+    from mirrorckpt.updater import numeric
+
+    lay = shard_rules.hsdp(MLP, 1, 2, appliances=["appliance-0"])
+    full = {p.name: torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(MLP)}
+    names = [g.name for g in lay.groups]
+    with pytest.raises(SchemaError, match="pure FSDP.*a registration of such a job says weights_only"):
+        register_message(lay, names[0], full, TRAINING.to_dict())
+    sa = ShardedAppliance(SECRET, "appliance-0", names)
+    try:
+        for name in names:
+            sa.planes[name]._on_register(register_message(lay, name, full, TRAINING.to_dict(), weights_only=True),
+                                         None)
+        assert all(p.weights_only for p in sa.planes.values())
+        for name in names:  # the trainer's fingerprints of step 3: its local shards
+            g = lay.group(name)
+            local = {f"model.{s.fqn}": full[s.fqn][s.offset[0]:s.offset[0] + s.shape[0]].clone() for s in g.shards}
+            d = numeric.digest(local, 3)
+            sa.planes[name]._on_fingerprint(m.make(m.FINGERPRINT, gockpt.digest_tensors(d), step=3,
+                                                   fingerprints=d.words), None)
+        assert sa.check_weights(3, full) == {n: None for n in names}
+        bad = dict(full, **{"0.weight": full["0.weight"].clone()})
+        bad["0.weight"][20, 3] += 1.0  # a row of shard 1 (rows 17..32)
+        got = sa.check_weights(3, bad)
+        assert got[names[0]] is None and "differs from the trainer's parameters in 0.weight" in got[names[1]]
+        assert "no parameter fingerprints of step 4" in sa.check_weights(4, full)[names[0]]
+        assert not sa.full_checkpoints_due(5)  # the trainer has not moved past step 0 yet
+        for name in names:
+            for step in range(1, 6):
+                sa.planes[name]._on_step_meta(m.make(m.STEP_META, step=step, lr=0.1, loss_scale=None), None)
+        assert sa.full_checkpoints_due(5) and not sa.full_checkpoints_due(6)
+    finally:
+        sa.stop()

@@ -23,7 +23,11 @@ COMMANDS = {
     "status": ("mirrorckpt.tools.cmd_status", "status", "Show the state of a running appliance."),
     "bench": ("mirrorckpt.tools.cmd_bench", "bench", "Run the benchmarks and write BENCHMARKS.md."),
     "plan": ("mirrorckpt.tools.cmd_plan", "plan", "Checkpoint interval and expected goodput per strategy."),
+    "record": ("mirrorckpt.tools.record.command", "record",
+               "Record real NCCL traffic of a DDP-shaped job on a GPU machine, with its truth, and check replay."),
 }
+# commands whose modules the wheel does not ship: the packages they need
+SOURCE_ONLY = {"record": ("mirrorckpt.tools.record", "mirrorckpt.tools.testbed")}
 
 
 class LazyGroup(click.Group):
@@ -69,6 +73,9 @@ class LazyGroup(click.Group):
         try:
             return getattr(importlib.import_module(mod), attr)
         except ModuleNotFoundError as e:
+            if name in SOURCE_ONLY and (e.name or "").startswith(SOURCE_ONLY[name]):
+                raise click.ClickException(f"{name} runs from a source checkout: the wheel ships neither "
+                                           "tools/record nor the rigs it drives (tools/testbed)") from None
             if e.name == mod:
                 return None
             raise

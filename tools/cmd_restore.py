@@ -56,7 +56,7 @@ def restore(checkpoint_dir: str, do_verify: bool, newest: bool, as_json: bool) -
     sel = None
     bar = _Bar()
     try:
-        from mirrorckpt.updater.restore import _is_checkpoint, select, summarize, verify
+        from mirrorckpt.updater.restore import WEIGHTS_ONLY, _is_checkpoint, select, summarize, verify
 
         path = Path(checkpoint_dir)
         if not path.exists():
@@ -101,6 +101,8 @@ def restore(checkpoint_dir: str, do_verify: bool, newest: bool, as_json: bool) -
         if report is not None:
             if report.step is not None:
                 click.echo(f"step        {report.step} iterations, {report.optimizer_step} optimizer steps")
+            if report.weights_only:
+                click.echo(f"kind        WEIGHTS ONLY: {WEIGHTS_ONLY}")
             click.echo(f"contents    {report.files} files, {report.bytes:,} bytes, {report.tensors} tensors")
             if report.ok:
                 click.echo("verified    every file and tensor sha256 matches" if do_verify

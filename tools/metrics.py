@@ -88,11 +88,42 @@ class Metrics:
         (it exists only once the appliance has started)."""
         self.registry.register(_PersistCollector(get))
 
-    def serve(self, listen: str):
-        """Starts the HTTP endpoint on HOST:PORT; returns the bound (host, port)."""
+    def serve(self, listen: str, registry: CollectorRegistry | None = None):
+        """Starts the HTTP endpoint on HOST:PORT (of ``registry``, default this one's); returns the
+        bound (host, port)."""
         host, _, port = listen.rpartition(":")
-        server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry or self.registry)
         return server.server_address[:2]
+
+
+def with_rings(job: Metrics, rings: dict[str, Metrics]) -> CollectorRegistry:
+    """One registry for a sharded job's endpoint: the job's own metrics (its verdict, its joint
+    commits) as they are, and each ring's under the same names with a ``ring`` label."""
+    registry = CollectorRegistry()
+    registry.register(_RingCollector(job, rings))
+    return registry
+
+
+class _RingCollector:
+    def __init__(self, job: Metrics, rings: dict[str, Metrics]):
+        self.job, self.rings = job, rings
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        families: dict[str, Metric] = {}
+        for ring, registry in [(None, self.job.registry)] + [(n, m.registry) for n, m in self.rings.items()]:
+            for fam in registry.collect():
+                out = families.get(fam.name)
+                if out is None:
+                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                for smp in fam.samples:
+                    labels = dict(smp.labels, ring=ring) if ring is not None else smp.labels
+                    out.add_sample(smp.name, labels, smp.value, smp.timestamp, smp.exemplar)
+        yield from families.values()
 
 
 def _rss() -> float:

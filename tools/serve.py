@@ -1,9 +1,8 @@
 """The appliance daemon, wired: capture workers, parser, updater and persister as pipeline stages,
 the control plane, and the protection verdict.
 
-    port 0: [capture worker: capture -> decode] -+
-    port 1: [capture worker: capture -> decode] -+-> sends queue (typed messages, bytes in shared rings)
-                (one process per mirror port or worker: the GIL does not bind)
+    port 0: [capture worker process: capture -> decode] -+
+    port 1: [capture worker process: capture -> decode] -+-> sends queue (typed messages, bytes in shared rings)
     main process:  [parser thread] -> iterations queue -> [updater thread: replica] -> [persister thread]
                    [monitor thread: port counters -> metrics; protection verdict -> metrics, degraded fallbacks]
 
@@ -28,7 +27,7 @@ import numpy as np
 from mirrorckpt.control.protection import PROTECTED, VERDICTS, Facts, Guard, Limits, Verdict
 from mirrorckpt.parser import memory
 from mirrorckpt.parser.iteration import ReducedIteration
-from mirrorckpt.tools.daemon.logs import JsonLogFormatter, setup_logging  # noqa: F401 - re-exported
+from mirrorckpt.tools.daemon.logs import RING_SEP, JsonLogFormatter, setup_logging  # noqa: F401 - re-exported
 from mirrorckpt.tools.daemon.ports import PortMonitor, stream_label, warn_uneven
 from mirrorckpt.tools.daemon.stages import Latencies, ParserStage
 from mirrorckpt.tools.daemon.streams import JobWatch, QueueStreams
@@ -38,6 +37,7 @@ from mirrorckpt.tools.sendring import SendRing
 log = logging.getLogger("mirrorckpt.serve")
 
 MONITOR_S = 0.2  # port counters to the metrics
+META_WAIT_S = 10.0  # capture files read to their end: how long iterations may wait for their step metadata
 JUDGE_S = 1.0  # the protection verdict
 
 
@@ -49,8 +49,9 @@ class Daemon:
 
     def __init__(self, job, training, persist, metrics, iteration_queue: int = 4, sends_queue: int = 64,
                  pace=None, updater_delay: float = 0.0, control=None, pipelined: bool = False,
-                 limits: Limits | None = None, control_only: bool = False):
+                 limits: Limits | None = None, control_only: bool = False, ring: str = ""):
         self.job, self.training, self.persist, self.metrics = job, training, persist, metrics
+        self.ring = ring  # one ring of a sharded job (tools.daemon.rings): its threads and logs carry the name
         self.pipelined = pipelined  # buckets stepped ahead of their iteration (Appliance; not with a control plane)
         self.pace = pace
         self.updater_delay = updater_delay  # tests: a deliberately slow updater
@@ -108,13 +109,19 @@ class Daemon:
 
         if self.job.kind != "ddp" or self.job.layout is not None:
             return NcclJobModel.from_job(self.job)
+        if not self._wait_registered():
+            return None
+        return NcclJobModel.ddp(self._ring(), self.control.layout, with_startup=self.job.startup)
+
+    def _wait_registered(self) -> bool:
+        """Waits until the trainer registered its layout; False if stopped before that."""
         if not self.control.registered.is_set():
             log.info("waiting for the trainer to register the job's layout")
             while not self.control.registered.wait(0.2):
                 if self.stopping.is_set():
-                    return None
+                    return False
             log.info("layout registered: following the mirror", extra={"params": len(self.control.layout.params)})
-        return NcclJobModel.ddp(self._ring(), self.control.layout, with_startup=self.job.startup)
+        return True
 
     def _drop_hint(self, m) -> str:
         if not m.live and self.pace is None:
@@ -321,19 +328,24 @@ class Daemon:
         memory.freeze_startup_heap()  # torch and the job are loaded: the threads below never collect them
         self.start_workers()
         done = threading.Event()
-        monitor = threading.Thread(target=self._monitor, args=(done,), name="monitor", daemon=True)
+        at = f"{RING_SEP}{self.ring}" if self.ring else ""  # a sharded job's ring: its threads carry the name
+        monitor = threading.Thread(target=self._monitor, args=(done,), name=f"monitor{at}", daemon=True)
         monitor.start()
         if self.control_only:
             log.info("control-only: no mirror; a fallback checkpoint every %s steps",
                      self.guard.limits.fallback_every)
             self.stopping.wait()
         else:
-            threads = [threading.Thread(target=self.parser, name="parser", daemon=True),
-                       threading.Thread(target=self._updater, name="updater", daemon=True)]
+            threads = [threading.Thread(target=self.parser, name=f"parser{at}", daemon=True),
+                       threading.Thread(target=self._updater, name=f"updater{at}", daemon=True)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
+            if self.control is not None and not self.live and not self.stopping.is_set() and \
+                    not self.control.wait_metadata(META_WAIT_S):
+                log.warning("capture files ended with iterations still waiting for the trainer's step metadata "
+                            "(%g s): they are not applied", META_WAIT_S)
         for w in self.workers:
             w.join(timeout=10)
         done.set()
@@ -347,11 +359,7 @@ class Daemon:
             log.warning("frames dropped while serving", extra={"ports": drops})
         if self.control is not None:
             self.control.server.stop()
-        if self.appliance is not None:
-            summary = self.appliance.close()
-            log.info("appliance stopped", extra=summary.to_dict())
-        else:
-            log.warning("appliance stopped before any trainer registered the job: no replica, nothing committed")
+        self._close_sink()
         failed = self.streams.finished and all(d is not None for d in self.streams.finished.values())
         if failed:
             log.error("every capture source failed", extra={"sources": self.streams.finished})
@@ -361,6 +369,13 @@ class Daemon:
         v = self.guard.verdict
         (log.info if v.state == PROTECTED else log.warning)("at stop the job was %s: %s", v.state, v.reason)
         return 1 if self.error is not None or failed or unmatched else 0
+
+    def _close_sink(self) -> None:
+        if self.appliance is not None:
+            summary = self.appliance.close()
+            log.info("appliance stopped", extra=summary.to_dict())
+        else:
+            log.warning("appliance stopped before any trainer registered the job: no replica, nothing committed")
 
     def matched_nothing(self) -> str | None:
         """Capture files read to their end with no iteration applied: what the wire showed against

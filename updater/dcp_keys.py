@@ -220,14 +220,17 @@ def unflatten(flat: dict[str, object], paths: dict[str, tuple]) -> dict:
     return root
 
 
-def required_keys(layout: dict, training: dict) -> list[str]:
-    """Flat keys every committed checkpoint of this layout/training must hold."""
+def required_keys(layout: dict, training: dict, weights_only: bool = False) -> list[str]:
+    """Flat keys every committed checkpoint of this layout/training must hold (``weights_only``: a
+    weight snapshot, updater.weights: the extras and the parameters)."""
     from mirrorckpt.config.training import TrainingSpec
     from mirrorckpt.updater.optim import state_keys
 
     names = [p["name"] for p in layout.get("params", [])]
     keys = [f"extra.{k}" for k in ("format", "iterations_done", "step", "layout", "training")]
     keys += [f"model.{n}" for n in names]
+    if weights_only:
+        return keys
     if not training.get("optimizer"):
         return keys + ["optim.param_groups.0.params", "optim.param_groups.0.lr"]
     for g, (gnames, spec) in enumerate(TrainingSpec.from_dict(training).groups(names)):

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
+from mirrorckpt.parser.iteration import GatheredWeights, InitialWeights, ReducedBucket, ReducedIteration
 
 
 class IterationSink(Protocol):
     """What ``drive`` hands the job stream's items to (``Appliance``, the control plane's
-    ``AppliancePlane``, the daemon's queue to its updater thread)."""
+    ``AppliancePlane``, the daemon's queue to its updater thread, a sharded ring's
+    ``updater.shard_sink`` adapters)."""
 
     def initial_weights(self, w: InitialWeights) -> None: ...
 
@@ -19,6 +20,12 @@ class IterationSink(Protocol):
         """A complete bucket ahead of its iteration (a sink may step it now, or wait)."""
 
     def apply(self, it: ReducedIteration) -> None: ...
+
+
+class WeightsSink(IterationSink, Protocol):
+    """A sink of a ring whose all-gathers carry parameters (only such job streams yield them)."""
+
+    def weights(self, g: GatheredWeights) -> None: ...
 
 
 def drive(items: Iterable, sink: IterationSink | None = None, on_item: Callable | None = None) -> None:
@@ -32,5 +39,7 @@ def drive(items: Iterable, sink: IterationSink | None = None, on_item: Callable 
                 sink.apply(item)
             elif isinstance(item, InitialWeights):
                 sink.initial_weights(item)
+            elif isinstance(item, GatheredWeights):
+                sink.weights(item)
         if on_item is not None:
             on_item(item)

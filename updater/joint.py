@@ -63,6 +63,18 @@ def init_group(address: str, rank: int, world: int, timeout_s: float = 60.0):
     return dist.group.WORLD
 
 
+def init_local_group():
+    """A process group of this process alone: one appliance process that follows every group of
+    the job (``serve`` with [[ring]] tables) writes its joint checkpoints through it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError("this process is already in a process group of several appliances")
+    return dist.group.WORLD
+
+
 def _paths(sd: dict) -> dict[str, tuple]:
     """DCP flat key -> path of keys and list indices (DCP's planner_data)."""
     out: dict[str, tuple] = {}

@@ -44,11 +44,12 @@ class CheckpointExists(FileExistsError):
 
 
 def write_checkpoint(root, state_dict: dict, keep_last: int | None = None, job: str | None = None,
-                     verified: dict | None = None, threads: int = 1) -> Path:
+                     verified: dict | None = None, threads: int = 1, weights_only: bool = False) -> Path:
     """Commit one checkpoint of the nested DCP ``state_dict`` (updater.dcp_keys layout) under
     ``root`` and return its directory. Synchronous; the Persister calls it from its thread.
     A root that belongs to another job (ckptdir.check_identity) is refused before anything is
-    written; a root without an identity gets this job's."""
+    written; a root without an identity gets this job's. ``weights_only``: the state is the
+    model's parameters alone (updater.weights), and the manifest says so."""
     root = Path(root)
     extra = state_dict["extra"]
     step = int(extra["iterations_done"])
@@ -66,7 +67,7 @@ def write_checkpoint(root, state_dict: dict, keep_last: int | None = None, job: 
     tmp = root / f"{ckptdir.PARTIAL}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _write_partial(tmp, state_dict, job, verified, threads)
+        _write_partial(tmp, state_dict, job, verified, threads, weights_only)
         os.rename(tmp, final)  # fails on an existing non-empty directory: no overwrite
         ckptdir.fsync_dir(root)
     except BaseException:
@@ -78,7 +79,8 @@ def write_checkpoint(root, state_dict: dict, keep_last: int | None = None, job: 
     return final
 
 
-def _write_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict | None, threads: int = 1) -> None:
+def _write_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict | None, threads: int = 1,
+                   weights_only: bool = False) -> None:
     """DCP files, then the manifest. ``threads`` DCP writer threads (one data file each); the
     tensors are hashed by as many threads while DCP writes, and the files read back in parallel
     (hashlib releases the GIL)."""
@@ -98,7 +100,7 @@ def _write_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict 
         if stored != set(tensors):
             raise RuntimeError(f"DCP stored tensor keys differ from ours: {sorted(stored ^ set(tensors))[:5]}")
         hashed = _hash_files(pool, tmp, md)
-    _finish_partial(tmp, state_dict, job, verified, tensors, hashed)
+    _finish_partial(tmp, state_dict, job, verified, tensors, hashed, weights_only)
 
 
 def storage_ranges(md) -> tuple[dict[str, list], dict[str, tuple]]:
@@ -120,7 +122,7 @@ def _hash_files(pool, tmp: Path, md):
 
 
 def _finish_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict | None, tensors: dict,
-                    hashed) -> None:
+                    hashed, weights_only: bool = False) -> None:
     names, where, results = hashed
     files, items = {}, {}
     for name, (size, sha, parts) in zip(names, results):
@@ -139,7 +141,8 @@ def _finish_partial(tmp: Path, state_dict: dict, job: str | None, verified: dict
         "files": files,
         "items": items,
         "tensors": tensors,
-    } | ({"job": job} if job else {}) | ({"verified": verified} if verified else {}))
+    } | ({"job": job} if job else {}) | ({"verified": verified} if verified else {})
+        | ({"weights_only": True} if weights_only else {}))
     ckptdir.fsync_dir(tmp)
 
 

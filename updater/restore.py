@@ -4,7 +4,8 @@
 From a root, ``select`` prefers the newest checkpoint proven equal to the trainer (manifest
 `verified`), else the newest intact one, never a quarantined one; it says which it chose and
 why, and lists every problem it met on the way (a torn or dangling `latest`, a damaged newer
-checkpoint)."""
+checkpoint). A weight snapshot (manifest ``weights_only``, updater.weights) holds the parameters
+alone: ``read_state`` and ``load_into`` refuse it as a training state unless asked for weights."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class CheckpointError(ValueError):
     """A checkpoint failed verification or cannot be loaded; the message names what failed."""
 
 
+WEIGHTS_ONLY = ("a weight snapshot (weights only): the parameters as the job's all-gathers carried them, no "
+                "optimizer state, not a full training state")
+
+
 @dataclass
 class Report:
     path: str
@@ -49,6 +54,7 @@ class Report:
     files: int = 0
     tensors: int = 0
     bytes: int = 0
+    weights_only: bool = False  # a weight snapshot (updater.weights), not a training state
 
     def fail(self, msg: str) -> None:
         self.ok = False
@@ -132,6 +138,7 @@ def verify(checkpoint_dir, tensors: bool = True, progress=None) -> Report:
         r.fail(str(e))
         return r
     r.step, r.optimizer_step = m["step"], m.get("optimizer_step")
+    r.weights_only = bool(m.get("weights_only"))
     tick = _progress(d, m, tensors, progress)
     _check_files(d, m, r, tick)
     if not r.ok:
@@ -152,7 +159,8 @@ def verify(checkpoint_dir, tensors: bool = True, progress=None) -> Report:
                    f"manifest says {t['shape']} {t['dtype']}")
     for k in sorted(k for k, s in stored.items() if hasattr(s, "chunks") and k not in m["tensors"]):
         r.fail(f"{d}: tensor {k} is stored but not in the manifest")
-    missing = [k for k in required_keys(m.get("layout") or {}, m.get("training") or {}) if k not in stored]
+    missing = [k for k in required_keys(m.get("layout") or {}, m.get("training") or {}, r.weights_only)
+               if k not in stored]
     if missing:
         r.fail(f"{d}: required key {missing[0]} missing" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
     if not r.ok:
@@ -216,6 +224,7 @@ def summarize(checkpoint_dir) -> Report:
         r.fail(str(e))
         return r
     r.step, r.optimizer_step = m["step"], m.get("optimizer_step")
+    r.weights_only = bool(m.get("weights_only"))
     r.files, r.tensors = len(m["files"]), len(m["tensors"])
     r.bytes = sum(f["size"] for f in m["files"].values())
     problem = quick_check(d)
@@ -362,9 +371,15 @@ def _verified(path, check: bool) -> Path:
     return d
 
 
+def _refuse_weights_only(d: Path, what: str) -> None:
+    if read_manifest(d).get("weights_only"):
+        raise CheckpointError(f"{d}: {WEIGHTS_ONLY}; {what}")
+
+
 def read_state(path, verify_first: bool = True) -> ReplicaState:
     """The full replica state stored in a checkpoint directory (or a root's latest checkpoint)."""
     d = _verified(path, verify_first)
+    _refuse_weights_only(d, "it cannot start a replica")
     md = dcp_module().FileSystemReader(d).read_metadata()
     flat = _read_flat(d, list(md.state_dict_metadata), md)
     return from_checkpoint(unflatten(flat, md.planner_data), where=str(d))
@@ -396,17 +411,48 @@ def keep_implementation(loaded: list[dict], own: list[dict]) -> None:
                 group.pop(k, None)
 
 
-def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, root_or_dir, scheduler=None,
-              scaler=None, verify_first: bool = True) -> Resumed:
+def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, root_or_dir, scheduler=None,
+              scaler=None, verify_first: bool = True, weights_only: bool = False) -> Resumed:
     """Resume a trainer from the latest committed checkpoint under ``root_or_dir`` (or that checkpoint
     directory): model parameters and optimizer state through get_state_dict/dcp.load/set_state_dict,
-    then the LR scheduler and a torch.amp.GradScaler when given."""
+    then the LR scheduler and a torch.amp.GradScaler when given. A weight snapshot is refused unless
+    ``weights_only``: then only the model's parameters are loaded (``optimizer`` None)."""
+    dcp = dcp_module()
+    d = _verified(root_or_dir, verify_first)
+    md = dcp.FileSystemReader(d).read_metadata()
+    if weights_only:
+        return _load_weights(model, d, md)
+    _refuse_weights_only(d, "load it with load_into(..., weights_only=True) into the model alone, and take the "
+                         "optimizer state from a full checkpoint (a GoCkpt fallback's)")
+    return _load_training(model, optimizer, d, md, scheduler, scaler)
+
+
+def _load_weights(model: torch.nn.Module, d: Path, md) -> Resumed:
+    """The parameters of a checkpoint (a weight snapshot or a full one) into ``model``."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    msd = get_model_state_dict(model)
+    params = {n for n, _ in model.named_parameters()}
+    sd = {"model": {k: v for k, v in msd.items() if k in params}}
+    missing = [f"model.{k}" for k in sd["model"] if f"model.{k}" not in md.state_dict_metadata]
+    if missing:
+        raise CheckpointError(f"{d}: the checkpoint has no {missing[0]}"
+                              + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + "; it was written for a different model")
+    dcp_module().load(sd, storage_reader=dcp_module().FileSystemReader(d),
+                      planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    set_model_state_dict(model, sd["model"], options=StateDictOptions(strict=False))
+    ex = unflatten(_read_flat(d, ["extra.iterations_done", "extra.step"], md), md.planner_data)["extra"]
+    return Resumed(path=d, iterations_done=int(ex["iterations_done"]), step=int(ex["step"]), rng={},
+                   data_position=None, missing_buffers=sorted(f"model.{n}" for n, _ in model.named_buffers()))
+
+
+def _load_training(model, optimizer, d: Path, md, scheduler, scaler) -> Resumed:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     dcp = dcp_module()
-    d = _verified(root_or_dir, verify_first)
-    md = dcp.FileSystemReader(d).read_metadata()
     msd, osd = get_state_dict(model, optimizer)
     sd = {"model": msd, "optim": osd}
     from mirrorckpt.updater.dcp_keys import flatten

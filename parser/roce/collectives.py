@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST, CollSpec
+from mirrorckpt.config.ddp import ALLGATHER, ALLREDUCE, BROADCAST, REDUCESCATTER, CollSpec
 from mirrorckpt.config.layout import RingSpec, dtype_size
 from mirrorckpt.parser.collectives import JobModel
 from mirrorckpt.parser.errors import InferenceError
@@ -78,6 +78,8 @@ class NcclJobModel(JobModel):
                 p = schedule.broadcast_plan(*args, root=r.ring_index(0, c.root), nthreads=nt)
             elif c.kind == ALLGATHER:
                 p = schedule.allgather_plan(*args, nthreads=nt)
+            elif c.kind == REDUCESCATTER:
+                p = schedule.reducescatter_plan(*args, nthreads=nt)
             else:
                 raise ValueError(f"unknown collective kind {c.kind!r}")
             self._plans[key] = p

@@ -521,6 +521,9 @@ def data_qp(v: str | NcclVersion, split: bool, nqps: int, msg: int, piece: int =
 # from 2.23: v2.23.4-1:src/include/nccl_common.h:61, src/graph/tuning.cc:108-110 (NCCL_PAT_ENABLE),
 # :179 (Simple only). Read from the source, not in the doc.
 PAT_SINCE = "2.23"
+# NCCL_ALGO's names (ncclAlgoStr, src/enqueue.cc / src/graph/tuning.cc), matched case-insensitively;
+# the variable takes a comma list, '^' to exclude, and from 2.24 "collective:list;..." per collective.
+ALGO_NAMES = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
 
 # --- what the wire tells about the version ------------------------------------------------------
 

@@ -26,6 +26,14 @@ Ring broadcast and ring all-gather are not spelt out in the doc; they were deriv
                  v2.23.4-1:src/enqueue.cc:58-65.
 In all versions the position before the root only receives (broadcast), and an all-gather position
 sends R-1 chunks per loop: its own, then those of the ranks 1..R-2 hops upstream.
+
+Ring reduce-scatter (v2.18.6-1:src/collectives/device/reduce_scatter.h:13-61) runs the all-gather's
+loop on the reduction type: the same chunk and loop sizes (the host counts both as nRanks chunks
+per loop of nBytes = count x nRanks x size, v2.18.6-1:src/include/info.h:63-70), and position r
+sends at step s the partial sum of chunk (r-s-1) mod R, never a finished one (the owner adds its
+own term locally, ../shared/docs/sharded-optimizers.md). Its CBD and cells parts are taken in
+bytes as the all-gather's (2.20+ align them in elements of the type: equal for 8-byte-aligned
+sizes).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from mirrorckpt.parser.roce.nccl_versions import (
     LL,
     LL128,
     LOOP,
+    REDUCESCATTER,
     SIMPLE,
     WARP_SIZE,
 )
@@ -374,7 +383,7 @@ class _BytePlan(RingPlan):
             return 0
         R, cs = self.nranks, nv.chunk_steps(self.protocol, self.kind)
         C = nv.chunk_bytes(self.protocol, self.kind, self.version, self.arm)
-        per_loop = R - 1 if self.kind == ALLGATHER else 1
+        per_loop = R - 1 if self.kind in (ALLGATHER, REDUCESCATTER) else 1
         if nv.chunk_family(self.version) == LOOP:
             if channel not in self._work:
                 return 0
@@ -419,6 +428,25 @@ class AllGatherPlan(_BytePlan):
         for li, (off, n) in enumerate(self.loops(channel)):
             for s in range(R - 1):  # own data first, then that of the rank s hops upstream
                 self._emit(out, s, li, (r - s) % R, off, n, OWN if s == 0 else FORWARD, op)
+                op += 1
+        return out
+
+
+class ReduceScatterPlan(_BytePlan):
+    """The all-gather's chunking (in bytes) on the reduction type: a message's ``chunk`` is the
+    ring position whose output it adds to, its ``offset`` inside that position's part."""
+
+    kind = REDUCESCATTER
+
+    @property
+    def _unit(self) -> int:
+        return self.esize
+
+    def _build(self, r: int, channel: int) -> list[RingStep]:
+        R, out, op = self.nranks, [], 0
+        for li, (off, n) in enumerate(self.loops(channel)):
+            for s in range(R - 1):  # own input first, then partial sums of s+1 inputs
+                self._emit(out, s, li, (r - s - 1) % R, off, n, OWN if s == 0 else PARTIAL, op)
                 op += 1
         return out
 
@@ -481,7 +509,8 @@ def _byte_work(size, kind, R, launch, comm_channels, proto, v, arm):
     """Broadcast/all-gather in bytes: channel -> loops -> (offset, nbytes); channel -> part bytes."""
     nc, nt = launch.nchannels, launch.nthreads
     C = nv.chunk_bytes(proto, kind, v, arm)
-    nchunks = R if kind == ALLGATHER else 1  # chunks per loop in NCCL's host accounting
+    per_rank = kind in (ALLGATHER, REDUCESCATTER)
+    nchunks = R if per_rank else 1  # chunks per loop in NCCL's host accounting
     fam = nv.chunk_family(v)
     work, parts = {}, {}
     if fam == LOOP:
@@ -490,7 +519,7 @@ def _byte_work(size, kind, R, launch, comm_channels, proto, v, arm):
             host_loop = nc * nchunks * C
             last = round_up(div_up(size * nchunks % host_loop, nc * nchunks), nt * 8)
         elif proto == LL128:
-            min_chunk = nt * nv.bytes_per_grain(LL128) // (2 if kind == ALLGATHER else 1)
+            min_chunk = nt * nv.bytes_per_grain(LL128) // (2 if per_rank else 1)
         for bid in range(nc):
             work[bid] = []
         for grid in range(0, size, loop_size):
@@ -566,10 +595,21 @@ def allgather_plan(count_per_rank: int, esize: int, nranks: int, nchannels: int,
                    nthreads: int | None = None, *, arm: bool = False) -> AllGatherPlan:
     """Ring all-gather of ``count_per_rank`` elements from every rank. Message offsets are inside
     the origin's contribution; its place in the output is ``rank_of(chunk) * count_per_rank``."""
+    return _per_rank_plan(AllGatherPlan, count_per_rank, esize, nranks, nchannels, protocol, version, nthreads, arm)
+
+
+def _per_rank_plan(cls, count_per_rank, esize, nranks, nchannels, protocol, version, nthreads, arm):
+    """An all-gather or reduce-scatter plan: ``count_per_rank`` elements per rank, chunked in bytes."""
     _check_args(count_per_rank, esize, nranks, nchannels)
     proto, v = nv.protocol(protocol), nv.version(version)
     size = count_per_rank * esize
     launch = select_launch(size * nranks, nranks, nchannels, proto, v, nthreads)
-    work, parts = _byte_work(size, ALLGATHER, nranks, launch, nchannels, proto, v, arm)
-    return AllGatherPlan(count_per_rank, esize, nranks, nchannels, proto, v, launch, _to_elements(work, esize),
-                         parts, arm)
+    work, parts = _byte_work(size, cls.kind, nranks, launch, nchannels, proto, v, arm)
+    return cls(count_per_rank, esize, nranks, nchannels, proto, v, launch, _to_elements(work, esize), parts, arm)
+
+
+def reducescatter_plan(count_per_rank: int, esize: int, nranks: int, nchannels: int, protocol: str, version,
+                       nthreads: int | None = None, *, arm: bool = False) -> ReduceScatterPlan:
+    """Ring reduce-scatter of ``count_per_rank`` output elements per rank (see the module text)."""
+    return _per_rank_plan(ReduceScatterPlan, count_per_rank, esize, nranks, nchannels, protocol, version, nthreads,
+                          arm)

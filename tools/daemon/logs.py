@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 
 FORMATS = ("json", "text")
+RING_SEP = ":"  # a sharded job's ring threads are named "<stage>:<ring>" (tools.daemon.rings)
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -38,9 +40,20 @@ def extra_fields(r: logging.LogRecord) -> dict:
     return {k: v for k, v in vars(r).items() if k not in JsonLogFormatter.skip}
 
 
+class RingFilter(logging.Filter):
+    """Names the ring of a sharded job whose thread logged the record (``ring``)."""
+
+    def filter(self, r: logging.LogRecord) -> bool:
+        _, sep, ring = threading.current_thread().name.partition(RING_SEP)
+        if sep and not hasattr(r, "ring"):
+            r.ring = ring
+        return True
+
+
 def setup_logging(level=logging.INFO, fmt: str = "json") -> None:
     h = logging.StreamHandler()
     h.setFormatter(TextLogFormatter() if fmt == "text" else JsonLogFormatter())
+    h.addFilter(RingFilter())
     root = logging.getLogger("mirrorckpt")
     root.handlers[:] = [h]
     root.setLevel(level)

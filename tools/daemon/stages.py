@@ -32,6 +32,9 @@ class UpdaterQueue:
     def bucket(self, b) -> None:
         self.q.put(b)
 
+    def weights(self, g) -> None:
+        self.q.put(g)
+
     def apply(self, it) -> None:
         it.run = self.run
         self.metrics.iterations.labels("complete" if it.complete else "incomplete").inc()

@@ -27,7 +27,8 @@ def dtype_name(a: np.ndarray) -> str:
     return ringreduce.BF16 if a.dtype == np.uint16 else a.dtype.name
 
 
-def _bytes(a: np.ndarray) -> np.ndarray:
+def payload_bytes(a: np.ndarray) -> np.ndarray:
+    """A message's user bytes: ``a`` little-endian, flat."""
     return np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1)
 
 
@@ -68,7 +69,7 @@ class AllReduceValues:
     def payload(self, w: Work, msg: schedule.RingStep) -> np.ndarray:
         off = self.plan.loops(w.channel)[msg.loop][msg.chunk][0]
         rel = msg.offset - off
-        return _bytes(self.acc[w.channel][msg.chunk][rel:rel + msg.nelem])
+        return payload_bytes(self.acc[w.channel][msg.chunk][rel:rel + msg.nelem])
 
 
 class CopyValues:
@@ -81,7 +82,7 @@ class CopyValues:
         pass
 
     def payload(self, w: Work, msg) -> np.ndarray:
-        return _bytes(self.by_origin(w.channel, msg.chunk)[msg.offset:msg.offset + msg.nelem])
+        return payload_bytes(self.by_origin(w.channel, msg.chunk)[msg.offset:msg.offset + msg.nelem])
 
 
 class SliceValues:
@@ -94,7 +95,7 @@ class SliceValues:
         pass
 
     def payload(self, w: Work, msg: P2pMsg) -> np.ndarray:
-        return _bytes(self.data[msg.offset:msg.offset + msg.nelem])
+        return payload_bytes(self.data[msg.offset:msg.offset + msg.nelem])
 
 
 class NcclRing:
@@ -174,6 +175,11 @@ class NcclRing:
         if self.p2p_noise and what.startswith("grad:"):
             self._noise(vals.result, what)
         return vals.result.reshape(a.shape)
+
+    def emit(self, kind: str, what: str, a: np.ndarray, plan, source) -> None:
+        """Put one collective this class does not compute itself on the wire (a sharded optimizer's
+        reduce-scatter, tools.generator.sharded_wire): ``plan``'s messages carrying ``source``'s values."""
+        self._run(kind, what, a, {None: plan}, source)
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -210,6 +210,15 @@ class Topology:
 def build(nranks: int, orders: list[list[int]], seed: int, version, arm: bool = False, nqps: int = 1) -> Topology:
     """NICs and the ring's QP pairs for ``orders`` (one ring order per channel, from rank 0),
     ``nqps`` QPs per connection."""
+    topo = fabric(nranks, seed)
+    topo.orders = [list(o) for o in orders]
+    topo.ring = ring_pairs(topo, list(range(nranks)), orders, version, arm, nqps)
+    return topo
+
+
+def fabric(nranks: int, seed: int) -> Topology:
+    """The NICs of ``nranks`` ranks and their allocators, no connection yet (``ring_pairs`` adds a
+    communicator's)."""
     rng = np.random.default_rng([seed, 0x70B0])
     nics = []
     for r in range(nranks):
@@ -217,24 +226,33 @@ def build(nranks: int, orders: list[list[int]], seed: int, version, arm: bool = 
         mac = bytes(oui) + bytes(rng.integers(0, 256, 3, dtype=np.uint8).tolist())
         ipv4 = bytes([10, 88, 0, 10 + r])
         nics.append(Nic(r, mac, ipv4, link_local_ipv6(mac)))
-    topo = Topology(nics, [list(o) for o in orders], {}, rng=rng)
+    topo = Topology(nics, [], {}, rng=rng)
     topo._next_qpn = [int(rng.integers(0x100, 0x2000)) for _ in range(nranks)]
     topo._next_gpu_va = [_GPU_VA_BASE + int(rng.integers(0, 64)) * _GPU_ALIGN for _ in range(nranks)]
     topo._next_host_va = [_HOST_VA_BASE + (int(rng.integers(0x10, 0xFF)) << 32) for _ in range(nranks)]
+    return topo
+
+
+def ring_pairs(topo: Topology, members: list[int], orders: list[list[int]], version, arm: bool = False,
+               nqps: int = 1) -> dict[tuple[int, int], QpPair]:
+    """The QP pairs of one communicator over ``members`` (its local rank i is NIC ``members[i]``;
+    ``orders`` in local ranks), allocated from ``topo``'s NICs: (channel, ring position) -> pair."""
     alloc = sum(nv.buffer_bytes(p, version, arm) for p in nv.PROTOCOLS)
+    n = len(members)
+    out = {}
     for ch, order in enumerate(orders):
         # NCCL connects channel by channel: every rank sets up its receive side, then its send
         # side; the receiver's QP exists before the sender's.
         recv_side = {}
-        for pos in range(nranks):
-            receiver = order[(pos + 1) % nranks]
+        for pos in range(n):
+            receiver = members[order[(pos + 1) % n]]
             qpns = [topo._qpn(receiver) for _ in range(nqps)]
             base = topo._gpu_alloc(receiver, alloc)
             recv_side[pos] = (qpns, base, {p: topo._rkey() for p in nv.PROTOCOLS})
-        for pos in range(nranks):
-            sender, receiver = order[pos], order[(pos + 1) % nranks]
+        for pos in range(n):
+            sender, receiver = members[order[pos]], members[order[(pos + 1) % n]]
             qpns, base, rkeys = recv_side[pos]
             sends = [topo._qpn(sender) for _ in range(nqps)]
-            topo.ring[(ch, pos)] = topo._make_pair(sender, receiver, qpns[0], sends[0], base, rkeys, version,
-                                                   tuple(zip(sends[1:], qpns[1:])))
-    return topo
+            out[(ch, pos)] = topo._make_pair(sender, receiver, qpns[0], sends[0], base, rkeys, version,
+                                             tuple(zip(sends[1:], qpns[1:])))
+    return out

@@ -13,6 +13,7 @@ super-frames with partial checksums. Test tooling: root, iproute2, tc and tcpdum
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from mirrorckpt.capture.afpacket import open_ring
 from mirrorckpt.tools.testbed import harness
-from mirrorckpt.tools.testbed.netns import Monitor, Topology, TopologyError
+from mirrorckpt.tools.testbed.netns import Host, Monitor, Topology, TopologyError
 
 MASTER_PORT = 29500
 _HOOK = {"egress": ("ingress",), "ingress": ("egress",), "both": ("ingress", "egress")}
@@ -55,12 +56,14 @@ def gloo_topology(nranks: int, mirrors: dict[int, list[tuple[int, str]]], offloa
 
 
 class Tcpdump:
-    """tcpdump on a monitor, writing a pcap; ``stop`` flushes and waits for it."""
+    """tcpdump on a monitor (or a host's own interface), writing a pcap; ``stop`` flushes and
+    waits for it. ``direction``: "in" or "out" captures only frames the interface receives or
+    sends (tcpdump -Q); None both."""
 
-    def __init__(self, topo: Topology, mon: Monitor, path: Path):
+    def __init__(self, topo: Topology, mon: Monitor | Host, path: Path, direction: str | None = None):
         self.path = Path(path)
         self.proc = topo.popen(mon, "tcpdump", "-i", mon.ifname, "-w", str(self.path), "-s", "0",
-                               "-B", "65536", "-n", "--immediate-mode",
+                               "-B", "65536", "-n", "--immediate-mode", *(["-Q", direction] if direction else []),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.log = ""
         self._wait_listening()
@@ -94,6 +97,11 @@ class Tcpdump:
         os.set_blocking(self.proc.stderr.fileno(), True)
         self.log += self.proc.stderr.read().decode(errors="replace")
         return self.log
+
+    def dropped(self) -> int | None:
+        """Frames the kernel dropped, from tcpdump's report at stop (None before it)."""
+        m = re.search(r"(\d+) packets? dropped by kernel", self.log)
+        return int(m.group(1)) if m else None
 
 
 class LiveSource:

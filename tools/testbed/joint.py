@@ -137,9 +137,10 @@ def dtensor_load_main(rank: int, world: int, address: str, root: str, result: st
 SECRET = "joint-rig-secret-0123456789abcdef"
 
 
-def register_message(layout, group: str, full: dict, training: dict):
+def register_message(layout, group: str, full: dict, training: dict, **extra):
     """The sharded REGISTER of ``group`` (config.shards.ShardedLayout) at step 0, its initial state
-    its slices of ``full`` (FQN -> global tensor): blocks, or flat ranges of them."""
+    its slices of ``full`` (FQN -> global tensor): blocks, or flat ranges of them; ``extra``: more
+    REGISTER fields (weights_only)."""
     from mirrorckpt.config.layout import BucketSpec, JobLayout
     from mirrorckpt.control import messages as m
 
@@ -148,11 +149,10 @@ def register_message(layout, group: str, full: dict, training: dict):
     for s in g.shards:
         block = full[s.fqn][tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape))]
         state[f"p:{s.fqn}"] = (block if s.flat is None else block.reshape(-1)[s.flat[0]:s.flat[1]]).clone()
-    buckets = [BucketSpec(tuple(i for i, _ in seg if i >= 0)) for seg in g.wire] if g.wire is not None \
-        else [BucketSpec(tuple(range(len(g.shards))))]
-    job = JobLayout(layout.group_params(group), buckets)
+    job = g.job_layout() if g.wire is not None else JobLayout(layout.group_params(group),
+                                                               [BucketSpec(tuple(range(len(g.shards))))])
     return m.make(m.REGISTER, state, job="j", step=0, run="r1", layout=job.to_dict(), ring=None, training=training,
-                  shards=layout.to_dict(), group=group)
+                  shards=layout.to_dict(), group=group, **extra)
 
 
 def registered_joint_main(layouts: list[dict], weights: str, address: str, roots: list[str], result: str):

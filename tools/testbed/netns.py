@@ -85,7 +85,7 @@ class Topology:
     removed first."""
 
     def __init__(self, hosts: int = 2, monitors: int = 1, prefix: str | None = None,
-                 mtu: int = 1500, ipv6: bool = False, offloads: bool = False):
+                 mtu: int = 1500, ipv6: bool = False, offloads: bool = False, subnet: int | None = None):
         self.hosts_count, self.monitors_count = int(hosts), int(monitors)
         self.prefix = prefix or unique_prefix()
         if not (self.prefix.isalnum() and len(self.prefix) <= 10):
@@ -94,7 +94,10 @@ class Topology:
         if not 1 <= self.hosts_count <= 99 or not 0 <= self.monitors_count <= 9:
             raise ValueError("hosts must be 1..99 and monitors 0..9")
         self.mtu, self.ipv6, self.offloads = int(mtu), bool(ipv6), bool(offloads)
-        self.subnet = 16 + zlib.crc32(self.prefix.encode()) % 200  # hosts in 10.SUBNET.0.0/24
+        # hosts in 10.SUBNET.0.0/24; by default one the prefix picks
+        self.subnet = 16 + zlib.crc32(self.prefix.encode()) % 200 if subnet is None else int(subnet)
+        if not 0 <= self.subnet <= 255:
+            raise ValueError(f"subnet {subnet}: hosts are in 10.SUBNET.0.0/24, SUBNET 0..255")
         self.hosts: list[Host] = []
         self.monitors: list[Monitor] = []
         self._mirrors: set[tuple[str, str, str]] = set()  # (port, hook, monitor peer)
