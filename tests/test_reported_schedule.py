@@ -21,6 +21,7 @@ from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.tools.testbed.harness import Shard, build_model
 from mirrorckpt.updater.dcp_keys import dumps
 from mirrorckpt.updater.fingerprint import state_sha256
+from mirrorckpt.updater.replica import ReplicaStale
 from torch import nn
 
 SECRET = "reported-schedule-secret-0123456789"
@@ -115,6 +116,9 @@ def test_a_reported_schedule_is_followed_bit_for_bit(recipe):
             if step == 1:
                 assert wait_for(lambda: plane.replica is not None)
             feed(plane, link, model, step - 1)
+            # the previous step's report went out at this step's start: keep the plane within its
+            # max_meta_lag (beyond it an iteration is applied without its report: stale, by design)
+            assert wait_for(lambda: plane.replica.iterations_done >= step - 1)
         link.close()
         assert wait_for(lambda: 12 in seen), sorted(seen)
         assert plane.training.lr_schedule.reported
@@ -156,5 +160,31 @@ def test_a_fallback_with_a_reported_schedule_rebuilds_the_trainers_state():
         got = state_of(r.params, r.optimizer, dumps(r.reported_schedule, "lr_scheduler"))
         assert got == want[r.iterations_done]
         assert not math.isclose(want[r.iterations_done][2][0][0], 1e-2)  # the warm-up moved lr
+    finally:
+        plane.stop()
+
+
+def test_a_step_without_its_report_leaves_the_replica_stale_not_guessing():
+    plane = AppliancePlane(SECRET, parts=2, fingerprint_every=0, fallback_timeout=60).start()
+    try:
+        torch.manual_seed(0)
+        model = build_model(DIMS, 3)
+        opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
+        sched = RECIPES["closure"](opt)
+        shard = Shard(DIMS, 3, 0)
+        link = attach(model, opt, appliance=("127.0.0.1", plane.port), secret=SECRET, scheduler=sched, data=shard,
+                      parts=2, fingerprint_every=0, connect_timeout=10)
+        x, y = shard.next()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        assert wait_for(lambda: plane.replica is not None)
+        with plane.lock:
+            r = plane.replica
+            grads = [p.grad.detach().reshape(-1) for p in model.parameters()]
+            buckets = [torch.cat([grads[i] for i in b.params]).numpy().copy() for b in plane.layout.bucket_list(0)]
+            with pytest.raises(ReplicaStale):
+                r.apply(ReducedIteration(0, buckets))  # no STEP_META: no hparams, no scheduler state
+            assert not r.committable
+        link.close()
     finally:
         plane.stop()
