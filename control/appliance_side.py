@@ -494,7 +494,7 @@ class AppliancePlane:
             self._saw_trainer(step)
             r = self.replica
             meta = {"rng": rng, "data_position": msg.body.get("data_position")}
-            for k in ("clip", "skipped"):  # what the trainer decided: the replica takes it as given
+            for k in ("clip", "skipped", "unused"):  # what the trainer decided: the replica takes it as given
                 if msg.body.get(k) is not None:
                     meta[k] = msg.body[k]
             schedule = self.training.lr_schedule if self.training is not None else None

@@ -5,7 +5,7 @@ on a laptop:
     torchrun --nproc-per-node 2 examples/hf_example.py --appliance 127.0.0.1:7070 --secret-file secret --restore
 
 The Trainer runs its defaults (linear warmup schedule, ``max_grad_norm`` clipping, a seeded
-shuffling sampler); what mirrorckpt adds is marked ``# mirrorckpt``. ``--steps`` is the Trainer's
+shuffling sampler, DDP with ``find_unused_parameters``); what mirrorckpt adds is marked ``# mirrorckpt``. ``--steps`` is the Trainer's
 ``max_steps``: the schedule spans it, so a resumed run passes the same value. A gloo job puts no
 RoCE on the wire, so an appliance protects it by fallback checkpoints (``serve --control-only``).
 """
@@ -98,7 +98,6 @@ def main() -> None:
 
     args = transformers.TrainingArguments(a.output_dir, max_steps=a.steps, per_device_train_batch_size=16,
                                           learning_rate=1e-2, warmup_steps=4, use_cpu=True, ddp_backend="gloo",
-                                          ddp_find_unused_parameters=False,  # mirrorckpt: DDP's default
                                           logging_strategy="no", save_strategy="no", report_to=[],
                                           disable_tqdm=True, dataloader_num_workers=0, seed=0)
     trainer = transformers.Trainer(model=Regressor(), args=args, train_dataset=Rows())

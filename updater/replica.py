@@ -115,7 +115,7 @@ class Replica:
         # empty: every construction fills them (or adopts tensors); untouched pages cost no memory
         self.params = [torch.empty(p.shape, dtype=torch.float32) for p in layout.params]
         self._grads = [torch.empty_like(p) for p in self.params]  # touched by the first mirror step
-        self.separable = training.separable
+        self.separable = training.separable and not layout.used_map  # which parameters step: known at the end
         self.impl = impl
         self.policy = numeric.policy(training.optimizer, impl)
         self.synced_at = 0  # optimizer step at which the state was last the trainer's own
@@ -425,7 +425,7 @@ class Replica:
         The trainer's skip decision (its inf/nan check) is taken as given when it sent one.
         ``pending``: an iteration whose buckets were unscaled and measured as they arrived
         (``_prepare_bucket``)."""
-        idx = list(range(len(self.params)))
+        idx = self._used(meta)
         if self.scaler is None:
             found_inf = False
         elif pending is not None:
@@ -441,6 +441,19 @@ class Replica:
         if self.scaler is not None:
             self.scaler.update(found_inf)
         return not found_inf
+
+    def _used(self, meta: dict | None) -> list[int]:
+        """The parameters this step updates: all, or with DDP's find_unused_parameters those the
+        trainer had a gradient for (no rank used the others: torch's optimizer skips grad=None).
+        Without the trainer's report the step cannot be taken as it was: stale, nothing changed."""
+        if not self.layout.used_map:
+            return list(range(len(self.params)))
+        unused = (meta or {}).get("unused")
+        if not isinstance(unused, list) or not set(unused) <= set(self.names):
+            log.warning("iteration %d: find_unused_parameters without the trainer's report of unused parameters",
+                        self.iterations_done)
+            self._go_stale(self.iterations_done, {})
+        return [i for i, n in enumerate(self.names) if n not in set(unused)]
 
     def _finish(self, index: int, stepped: bool, meta: dict):
         if stepped:

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers.Trainer``: one call before ``train()``.
 
-    trainer = Trainer(model=model, args=TrainingArguments(..., ddp_find_unused_parameters=False), ...)
+    trainer = Trainer(model=model, args=TrainingArguments(...), ...)
     cb = mirrorckpt.control.integrations.hf.attach_trainer(trainer, ("10.0.0.9", 7070), secret)
     trainer.train()                      # restore=True: trainer.train(resume_from_checkpoint=cb.resume_from)
 
@@ -19,10 +19,9 @@ state the appliance holds, trainer_state.json with its global step and epoch): t
 ``resume_from_checkpoint`` then restores the counters, skips the data and sets the RNG as it does
 for its own checkpoints. ``cb.restored`` says what was restored, ``cb.resume_from`` is the folder.
 
-Checked at attach, with the reason: ``ddp_find_unused_parameters`` (transformers turns it on for
-a model without gradient checkpointing: an extra all-reduce per step the appliance does not
-follow; set it False), several optimizers (none in the Trainer), DeepSpeed or FSDP under the
-Trainer, and whatever ``attach`` refuses."""
+Checked at attach, with the reason: DeepSpeed or FSDP under the Trainer, and whatever ``attach``
+refuses. ``ddp_find_unused_parameters`` (transformers turns it on for a model without gradient
+checkpointing) is followed: the extra all-reduce is in the job's sequence (config.ddp)."""
 
 from __future__ import annotations
 
@@ -34,14 +33,8 @@ log = logging.getLogger("mirrorckpt.control.integrations")
 
 
 def _checked(trainer) -> None:
-    args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        raise AttachError("Trainer with DeepSpeed or FSDP: use control.integrations.deepspeed, or plain DDP")
-    if args.world_size > 1 and args.ddp_find_unused_parameters is not False:
-        raise AttachError("TrainingArguments.ddp_find_unused_parameters is not False: transformers then builds DDP "
-                          "with find_unused_parameters=True (for any model without gradient checkpointing), which "
-                          "adds an all-reduce per step the appliance does not follow; set "
-                          "ddp_find_unused_parameters=False")
+        raise AttachError("Trainer with DeepSpeed or FSDP: the appliance follows the Trainer's plain DDP only")
 
 
 class StepPosition:

@@ -38,7 +38,7 @@ def ddp_options(ddp_model) -> str | None:
     if bad is None:
         return None
     return (f"DistributedDataParallel({bad}=True): {ddp.UNFOLLOWED[bad]}; the appliance follows DDP without it "
-            f"(bucket_cap_mb, bucket_cap_mb_list and gradient_as_bucket_view are followed)")
+            f"(find_unused_parameters, bucket_cap_mb, bucket_cap_mb_list and gradient_as_bucket_view are followed)")
 
 
 def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_order: list[int]) -> JobLayout:
@@ -49,13 +49,16 @@ def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_or
         raise ValueError(why)
     cfg = getattr(ddp_model, "_bucket_config", None)
     limits = list(getattr(cfg, "per_bucket_bytes_caps", ()) or ())
-    first = ddp.initial_buckets(params, limits)
     cap = int(getattr(ddp_model, "bucket_bytes_cap", 25 << 20))
     first_cap = int(getattr(cfg, "first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES))
-    rebuilt = ddp.rebuilt_buckets(params, ready_order, cap, first_cap, limits)
     dtype = DTYPE_NAMES[params[0].dtype]
-    return JobLayout(params=[ParamSpec(n, tuple(p.shape), "float32") for n, p in zip(names, params)],
-                     buckets=[BucketSpec(tuple(b)) for b in rebuilt],
+    specs = [ParamSpec(n, tuple(p.shape), "float32") for n, p in zip(names, params)]
+    if getattr(ddp_model, "find_unused_parameters", False):
+        fixed = [BucketSpec(tuple(b)) for b in ddp.used_map_buckets(params, cap, first_cap, limits)]
+        return JobLayout(params=specs, buckets=fixed, grad_dtype=dtype, used_map=True)
+    first = ddp.initial_buckets(params, limits)
+    rebuilt = ddp.rebuilt_buckets(params, ready_order, cap, first_cap, limits)
+    return JobLayout(params=specs, buckets=[BucketSpec(tuple(b)) for b in rebuilt],
                      first_buckets=[BucketSpec(tuple(b)) for b in first], grad_dtype=dtype)
 
 

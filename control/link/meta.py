@@ -43,11 +43,19 @@ class StepMeta:
                          "data_position": link.data.state_dict() if link.data is not None else None,
                          "lr": hp[0]["lr"], "hparams": hp, "clip": None if skipped else clip,
                          # a fused step given GradScaler's found_inf skips inside the kernel
-                         "found_inf": found_inf, "skipped": skipped}
+                         "found_inf": found_inf, "skipped": skipped, "unused": self._unused()}
         scale = float(link.scaler.get_scale()) if link.scaler is not None else None
         self.boundary["loss_scale"] = scale  # the scale this step's gradients carried
         self._held = (step, self.boundary, scale)
         return self.boundary
+
+    def _unused(self) -> list[str] | None:
+        """With DDP's find_unused_parameters: the parameters without a gradient at this step (no
+        rank used them; the optimizer skips them), which the replica skips too."""
+        link = self._link
+        if link.layout is None or not link.layout.used_map:
+            return None
+        return [n for n, p in zip(link.names, link.masters) if p.grad is None]
 
     def release(self) -> None:
         """Send the held record (with the plateau scheduler's state, which the loop has stepped)."""
@@ -65,6 +73,8 @@ class StepMeta:
             if meta.get("clip") is not None:
                 total, coef = meta["clip"][:2]
                 out["clip"] = {"total_norm": float(total.item()), "coef": float(coef.item())}
+            if meta.get("unused") is not None:
+                out["unused"] = meta["unused"]
             if meta.get("skipped"):
                 out["skipped"] = True
             elif meta.get("found_inf") is not None:
