@@ -418,6 +418,8 @@ def _finite(v) -> bool:
 
 
 _FLAGS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+# torch's optional per-group parameter names (torchtitan sets them): the replica names by layout
+_NOT_HYPER = ("param_names",)
 
 
 def merged_groups(own: list[dict], given, names: list[list[str]]) -> list[dict]:
@@ -432,7 +434,7 @@ def merged_groups(own: list[dict], given, names: list[list[str]]) -> list[dict]:
             raise PartError("a param group must be an object without 'params'")
         d = {k: v for k, v in mine.items() if k != "params"}
         for k, v in g.items():
-            if k in _FLAGS or not isinstance(k, str):
+            if k in _FLAGS or k in _NOT_HYPER or not isinstance(k, str):
                 continue
             if isinstance(d.get(k), bool) or isinstance(v, bool):
                 if d.get(k, v) is not v:

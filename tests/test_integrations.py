@@ -298,3 +298,65 @@ def test_torchtitans_default_schedule_is_followed_from_the_trainers_reports():
     link.close()
     assert link.training.lr_schedule.reported
     assert link.training.lr_schedule.kwargs["scheduler"] == "torch.optim.lr_scheduler:LambdaLR"
+
+
+def titan_loop(plane, record: dict, *, stop_at: int, restore: bool = False, fallback_at: int | None = None):
+    """torchtitan's loop pieces: OptimizersContainer(default_adamw), its LRSchedulersContainer
+    (warmup, then linear decay), its clip_grad_norm_, a StatefulDataLoader with its own generator,
+    input noise from the global RNG; ``record[step]``: the state after each step. Returns the link."""
+    from mirrorckpt.control.integrations.torchtitan import attach_torchtitan
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, default_adamw
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    torch.manual_seed(0)
+    model = mlp()
+    config = default_adamw(lr=1e-2)
+    config.implementation = "for-loop"
+    optimizers = OptimizersContainer(config, model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=3).build(optimizers=optimizers, training_steps=14)
+    loader = StatefulDataLoader(dataset(96), batch_size=16, generator=torch.Generator().manual_seed(1))
+    link = attach_torchtitan([model], optimizers, schedulers, ("127.0.0.1", plane.port), SECRET, max_norm=0.05,
+                             data=loader, restore=restore, connect_timeout=10, parts=2, fingerprint_every=0,
+                             allow_behind=True)
+    step = link.iterations_done
+    while step < stop_at:
+        for x, y in loader:
+            optimizers.zero_grad()
+            loss_of(model, x + 0.01 * torch.randn_like(x), y).backward()
+            clip_grad_norm_(list(model.parameters()), 0.05)
+            optimizers.step()
+            schedulers.step()
+            step += 1
+            opt = optimizers.optimizers[0]
+            ps, os_ = state_sha256(list(model.parameters()), opt)
+            record[step] = (ps, os_, opt.param_groups[0]["lr"], float(x.sum()),
+                            hash(torch.get_rng_state().numpy().tobytes()))
+            if step == fallback_at:  # once the plane took this run's registration (a re-arm ends a fallback)
+                assert wait_for(lambda: plane.stats.rearms == 1)
+                assert plane.request_fallback("test")
+            if step == stop_at:
+                break
+    link.close()
+    return link
+
+
+def test_torchtitans_loop_pieces_are_killed_and_resumed_from_the_appliance():
+    """torchtitan's default schedule (reported) and clipping, attached by attach_torchtitan alone;
+    a fallback verifies; a new loop restored from the appliance goes on as the uninterrupted one."""
+    pytest.importorskip("torchtitan", reason=NEED)
+    plane = plane_for(__name__)
+    try:
+        whole, first, resumed = {}, {}, {}
+        titan_loop(plane, whole, stop_at=14)
+        titan_loop(plane, first, stop_at=8, fallback_at=2)
+        assert wait_for(lambda: plane.stats.fallbacks_done == 1), plane.stats
+        step = plane.replica.iterations_done
+        assert plane.training.lr_schedule.reported and 2 < step <= 8
+        link = titan_loop(plane, resumed, stop_at=14, restore=True)
+        assert link.restored is not None and link.restored.iterations_done == step
+        assert min(resumed) == step + 1 and max(resumed) == 14
+        assert {s: resumed[s] for s in resumed} == {s: whole[s] for s in resumed}
+    finally:
+        plane.stop()
