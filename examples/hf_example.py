@@ -22,14 +22,8 @@ import time
 import torch
 import transformers
 from mirrorckpt.control.integrations.hf import attach_trainer  # mirrorckpt
+from mirrorckpt.control.link.checks import appliance_address  # mirrorckpt: --appliance HOST:PORT
 from torch import nn
-
-
-def address(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
-    return host, int(port)
 
 
 class Regressor(nn.Module):
@@ -82,7 +76,7 @@ class Record(transformers.TrainerCallback):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--appliance", type=address, required=True, help="the appliance's control plane, HOST:PORT")
+    ap.add_argument("--appliance", type=appliance_address, required=True, help="the appliance's control plane, HOST:PORT")
     ap.add_argument("--secret-file", required=True, help="the shared control-plane secret")
     ap.add_argument("--restore", action="store_true", help="resume from the appliance's state")
     ap.add_argument("--steps", type=int, default=40, help="the Trainer's max_steps")

@@ -11,7 +11,6 @@ import common
 import pytest
 import torch
 from mirrorckpt.control.appliance_side import AppliancePlane
-from mirrorckpt.control.link.checks import AttachError
 from mirrorckpt.updater.fingerprint import state_sha256
 from torch import nn
 
@@ -32,6 +31,31 @@ def mlp() -> nn.Module:
 
 def loss_of(net, x, y):
     return 10 * nn.functional.mse_loss(net(x), y)
+
+
+class HFNet(nn.Module):
+    """The MLP as a transformers model: a dict with the loss; ``noise``: input noise from the global RNG."""
+
+    def __init__(self, noise: bool = False):
+        super().__init__()
+        self.net, self.noise = mlp(), noise
+
+    def forward(self, x, y):
+        return {"loss": loss_of(self.net, x + 0.01 * torch.randn_like(x) if self.noise else x, y)}
+
+
+class Rows(torch.utils.data.Dataset):
+    """``dataset(n)`` as the rows a transformers Trainer collates."""
+
+    def __init__(self, n: int = 256):
+        self.data = dataset(n)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return {"x": x, "y": y}
 
 
 def plane_for(module: str):
@@ -165,25 +189,6 @@ def test_hf_trainer_with_its_default_warmup_schedule_and_clip_is_followed(tmp_pa
 
     record = {}
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = mlp()
-
-        def forward(self, x, y):
-            return {"loss": loss_of(self.net, x, y)}
-
-    class Rows(torch.utils.data.Dataset):
-        def __init__(self):
-            self.data = dataset()
-
-        def __len__(self):
-            return len(self.data)
-
-        def __getitem__(self, i):
-            x, y = self.data[i]
-            return {"x": x, "y": y}
-
     class AtStep(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             at_step(state.global_step)
@@ -191,7 +196,7 @@ def test_hf_trainer_with_its_default_warmup_schedule_and_clip_is_followed(tmp_pa
     plane = plane_for("transformers.optimization")
     try:
         torch.manual_seed(0)
-        model = Net()
+        model = HFNet()
         args = transformers.TrainingArguments(str(tmp_path), max_steps=14, per_device_train_batch_size=16,
                                               learning_rate=1e-2, warmup_steps=4, max_grad_norm=0.05,
                                               logging_strategy="no", save_strategy="no", report_to=[],
@@ -220,25 +225,6 @@ def hf_train(transformers, plane, tmp_path, record: dict, stop_at: int = 14, res
     after each step; training stops at ``stop_at`` (the job killed). Returns the callback."""
     from mirrorckpt.control.integrations.hf import attach_trainer
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = mlp()
-
-        def forward(self, x, y):
-            return {"loss": loss_of(self.net, x + 0.01 * torch.randn_like(x), y)}
-
-    class Rows(torch.utils.data.Dataset):
-        def __init__(self):
-            self.data = dataset(96)
-
-        def __len__(self):
-            return len(self.data)
-
-        def __getitem__(self, i):
-            x, y = self.data[i]
-            return {"x": x, "y": y}
-
     class AtStep(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
@@ -250,12 +236,12 @@ def hf_train(transformers, plane, tmp_path, record: dict, stop_at: int = 14, res
             control.should_training_stop = state.global_step >= stop_at
 
     torch.manual_seed(0)
-    model = Net()
+    model = HFNet(noise=True)
     args = transformers.TrainingArguments(str(tmp_path), max_steps=14, per_device_train_batch_size=16,
                                           learning_rate=1e-2, warmup_steps=4, max_grad_norm=0.05,
                                           logging_strategy="no", save_strategy="no", report_to=[],
                                           use_cpu=True, dataloader_num_workers=0, seed=0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(96))
     cb = attach_trainer(trainer, ("127.0.0.1", plane.port), SECRET, connect_timeout=10, parts=2,
                         fingerprint_every=0, restore=restore, allow_behind=True)
     trainer.add_callback(AtStep())

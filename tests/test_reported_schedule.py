@@ -77,12 +77,37 @@ def test_schedules_the_appliance_cannot_import_are_reported_and_importable_ones_
         LRScheduleSpec("reported", {"lr_lambda": "m:f"})
 
 
-def feed(plane, link, model, index: int) -> None:
-    """Iteration ``index``'s reduced gradients as the wire would give them (one process: its own)."""
-    grads = [p.grad.detach().reshape(-1) for p in model.parameters()]
-    layout = plane.layout
-    buckets = [torch.cat([grads[i] for i in b.params]).numpy().copy() for b in layout.bucket_list(index)]
-    plane.apply(ReducedIteration(index, buckets))
+class Job:
+    """One process training with ``make_scheduler`` attached to ``plane``; ``want[step]``: its state."""
+
+    def __init__(self, plane, make_scheduler, **attach_kw):
+        torch.manual_seed(0)
+        self.plane, self.model = plane, build_model(DIMS, 3)
+        self.opt = torch.optim.AdamW(groups_of(self.model), lr=1e-2, foreach=False)
+        self.sched = make_scheduler(self.opt)
+        self.shard = Shard(DIMS, 3, 0)
+        self.link = attach(self.model, self.opt, appliance=("127.0.0.1", plane.port), secret=SECRET,
+                           scheduler=self.sched, data=self.shard, parts=2, fingerprint_every=0, connect_timeout=10,
+                           **attach_kw)
+        self.want: dict[int, tuple] = {}
+
+    def step(self, step: int) -> None:
+        x, y = self.shard.next()
+        self.opt.zero_grad(set_to_none=True)
+        (10 * nn.functional.mse_loss(self.model(x), y)).backward()
+        self.opt.step()
+        self.sched.step()
+        self.want[step] = state_of(list(self.model.parameters()), self.opt,
+                                   dumps(self.sched.state_dict(), "lr_scheduler"))
+        if step == 1:
+            assert wait_for(lambda: self.plane.replica is not None)
+
+    def feed(self, index: int) -> None:
+        """Iteration ``index``'s reduced gradients as the wire would give them (one process: its own)."""
+        grads = [p.grad.detach().reshape(-1) for p in self.model.parameters()]
+        buckets = [torch.cat([grads[i] for i in b.params]).numpy().copy()
+                   for b in self.plane.layout.bucket_list(index)]
+        self.plane.apply(ReducedIteration(index, buckets))
 
 
 def state_of(params, opt, sched_state) -> tuple:
@@ -98,28 +123,15 @@ def test_a_reported_schedule_is_followed_bit_for_bit(recipe):
         seen.__setitem__(r.iterations_done, state_of(r.params, r.optimizer,
                                                      dumps(r.reported_schedule, "lr_scheduler"))))).start()
     try:
-        torch.manual_seed(0)
-        model = build_model(DIMS, 3)
-        opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
-        sched = RECIPES[recipe](opt)
-        shard = Shard(DIMS, 3, 0)
-        link = attach(model, opt, appliance=("127.0.0.1", plane.port), secret=SECRET, scheduler=sched, data=shard,
-                      parts=2, fingerprint_every=0, connect_timeout=10, report_schedule=recipe.endswith("reported"))
-        want = {}
+        job = Job(plane, RECIPES[recipe], report_schedule=recipe.endswith("reported"))
         for step in range(1, 13):
-            x, y = shard.next()
-            opt.zero_grad(set_to_none=True)
-            (10 * nn.functional.mse_loss(model(x), y)).backward()
-            opt.step()
-            sched.step()
-            want[step] = state_of(list(model.parameters()), opt, dumps(sched.state_dict(), "lr_scheduler"))
-            if step == 1:
-                assert wait_for(lambda: plane.replica is not None)
-            feed(plane, link, model, step - 1)
+            job.step(step)
+            job.feed(step - 1)
             # the previous step's report went out at this step's start: keep the plane within its
             # max_meta_lag (beyond it an iteration is applied without its report: stale, by design)
             assert wait_for(lambda: plane.replica.iterations_done >= step - 1)
-        link.close()
+        job.link.close()
+        want = job.want
         assert wait_for(lambda: 12 in seen), sorted(seen)
         assert plane.training.lr_schedule.reported
         moved = {s: want[s][2] for s in want}
@@ -134,27 +146,15 @@ def test_a_reported_schedule_is_followed_bit_for_bit(recipe):
 def test_a_fallback_with_a_reported_schedule_rebuilds_the_trainers_state():
     plane = AppliancePlane(SECRET, parts=2, fingerprint_every=0, fallback_timeout=60).start()
     try:
-        torch.manual_seed(0)
-        model = build_model(DIMS, 3)
-        opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, nested_warmup(3))
-        shard = Shard(DIMS, 3, 0)
-        link = attach(model, opt, appliance=("127.0.0.1", plane.port), secret=SECRET, scheduler=sched, data=shard,
-                      parts=2, fingerprint_every=0, connect_timeout=10)
-        want = {}
+        job = Job(plane, lambda o: torch.optim.lr_scheduler.LambdaLR(o, nested_warmup(3)))
         for step in range(1, 10):
-            x, y = shard.next()
-            opt.zero_grad(set_to_none=True)
-            (10 * nn.functional.mse_loss(model(x), y)).backward()
-            opt.step()
-            sched.step()
-            want[step] = state_of(list(model.parameters()), opt, dumps(sched.state_dict(), "lr_scheduler"))
+            job.step(step)
             if step == 1:
-                assert wait_for(lambda: plane.replica is not None)
                 assert plane.request_fallback("test")
             if plane.stats.fallbacks_done:
                 break
-        link.close()
+        job.link.close()
+        want = job.want
         assert plane.stats.fallbacks_done == 1, plane.stats
         r = plane.replica
         got = state_of(r.params, r.optimizer, dumps(r.reported_schedule, "lr_scheduler"))
@@ -167,24 +167,15 @@ def test_a_fallback_with_a_reported_schedule_rebuilds_the_trainers_state():
 def test_a_step_without_its_report_leaves_the_replica_stale_not_guessing():
     plane = AppliancePlane(SECRET, parts=2, fingerprint_every=0, fallback_timeout=60).start()
     try:
-        torch.manual_seed(0)
-        model = build_model(DIMS, 3)
-        opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
-        sched = RECIPES["closure"](opt)
-        shard = Shard(DIMS, 3, 0)
-        link = attach(model, opt, appliance=("127.0.0.1", plane.port), secret=SECRET, scheduler=sched, data=shard,
-                      parts=2, fingerprint_every=0, connect_timeout=10)
-        x, y = shard.next()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        assert wait_for(lambda: plane.replica is not None)
+        job = Job(plane, RECIPES["closure"])
+        job.step(1)
         with plane.lock:
             r = plane.replica
-            grads = [p.grad.detach().reshape(-1) for p in model.parameters()]
+            grads = [p.grad.detach().reshape(-1) for p in job.model.parameters()]
             buckets = [torch.cat([grads[i] for i in b.params]).numpy().copy() for b in plane.layout.bucket_list(0)]
             with pytest.raises(ReplicaStale):
                 r.apply(ReducedIteration(0, buckets))  # no STEP_META: no hparams, no scheduler state
             assert not r.committable
-        link.close()
+        job.link.close()
     finally:
         plane.stop()

@@ -11,9 +11,7 @@ import functools
 
 import common
 from mirrorckpt.control.appliance_side import AppliancePlane
-from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.testbed import harness
-from mirrorckpt.tools.testbed.follower import MirrorFollower
 from test_gockpt import replica_digest
 
 SECRET = "unused-secret-0123456789abcdef"
@@ -27,11 +25,7 @@ def test_find_unused_parameters_is_followed_bit_for_bit(tmp_path):
     states: dict[int, dict] = {}
     plane = AppliancePlane(SECRET, parts=2, fingerprint_every=2, fallback_timeout=60,
                            on_iteration=lambda _i, r: states.__setitem__(r.iterations_done, replica_digest(r))).start()
-    frames = harness.FrameStreamServer(WORLD)
-    ring, topo = harness.ring_for(WORLD)
-    follower = MirrorFollower(plane, MirrorStreams(frames.sources()), ring, channels=harness.channels_for(topo, ring),
-                              psn_window=16)
-    follower.start()
+    frames, follower = harness.followed(plane, WORLD)
     run = tmp_path / "run"
     try:
         procs = harness.spawn_ranks(WORLD, run, SECRET, control_port=plane.port, frames_port=frames.port, steps=STEPS,

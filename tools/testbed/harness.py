@@ -626,6 +626,20 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------------------------------ launching (tests)
 
+def followed(plane, world: int):
+    """A frame stream for ``world`` ranks (rank 0's hook sends to ``frames.port``) and a
+    MirrorFollower feeding ``plane`` from it, started; (frames, follower)."""
+    from mirrorckpt.parser.roce.streams import MirrorStreams
+    from mirrorckpt.tools.testbed.follower import MirrorFollower
+
+    frames = FrameStreamServer(world)
+    ring, topo = ring_for(world)
+    follower = MirrorFollower(plane, MirrorStreams(frames.sources()), ring, channels=channels_for(topo, ring),
+                              psn_window=16)
+    follower.start()
+    return frames, follower
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
