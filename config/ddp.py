@@ -19,12 +19,18 @@ What DDP's options change on the wire (Reducer, torch 2.13):
   caps of iteration 0's buckets and of the rebuild are that list (``initial_buckets``,
   ``rebuilt_buckets`` with ``limits``). Same collectives, other counts: followed.
 * ``gradient_as_bucket_view``: gradients are views of the buckets; nothing on the wire changes.
-* ``find_unused_parameters`` (without ``static_graph``): iteration 0 is bucketed with the caps, the
-  buckets are never rebuilt (no ``sync_bucket_indices``), and every iteration ends with one more
-  all-reduce (int32, one element per parameter: the used-parameter map), whose result also
-  decides which parameters step at all. Not followed (``UNFOLLOWED``).
-* ``static_graph``: iteration 0 starts with that used-map all-reduce before its one bucket
-  (``delay_all_reduce``); the rebuild's order is then the parameters' own. Not followed.
+* ``find_unused_parameters`` (without ``static_graph``): iteration 0 is bucketed with the caps
+  (``compute_bucket_size_limits``), the buckets are never rebuilt (no ``sync_bucket_indices``),
+  and every iteration ends with one more all-reduce (``all_reduce_local_used_map``: int32 SUM,
+  one element per parameter, the used-parameter map) issued once the last bucket's all-reduce is
+  launched, on the process group itself, never through a DDP comm hook. A parameter whose map
+  entry sums to 0 keeps ``grad=None`` (its bucket slot is zeros) and the optimizer skips it.
+  Followed: ``JobLayout.used_map``; the trainer reports which parameters had no gradient.
+* ``static_graph``: iteration 0's hooks only count; at the end of backward ``delay_all_reduce``
+  issues the used-map all-reduce, then every bucket in bucket order (iteration 0's one bucket).
+  No parameter is queued for the rebuild in iteration 0, so iteration 1 still runs iteration 0's
+  layout; its ready order (the unused parameters last) is rebuilt before iteration 2. No used-map
+  all-reduce after iteration 0. Not followed.
 """
 
 from __future__ import annotations
@@ -104,18 +110,26 @@ def assign_buckets(tensors: Sequence, limits: Sequence[int], indices: Sequence[i
     return [list(b) for b in buckets]
 
 
+USED_MAP = "used_map"  # CollSpec label of find_unused_parameters' used-parameter map all-reduce
+
 UNFOLLOWED = {
-    "find_unused_parameters": "every iteration ends with one more all-reduce (the int32 used-parameter map, which "
-                              "also decides which parameters step) and the buckets are never rebuilt",
-    "static_graph": "iteration 0 starts with an extra all-reduce (the int32 used-parameter map) before its bucket",
+    "static_graph": "iteration 0's all-reduces wait for the end of backward and start with an extra one (the int32 "
+                    "used-parameter map), and the bucket rebuild comes before iteration 2, not 1",
 }
 
 
 def unfollowed_option(find_unused_parameters: bool, static_graph: bool) -> str | None:
-    """The DDP option (of these two) whose collectives the appliance does not follow, or None."""
-    if static_graph:
-        return "static_graph"
-    return "find_unused_parameters" if find_unused_parameters else None
+    """The DDP option (of these two) whose collectives the appliance does not follow, or None
+    (find_unused_parameters is followed: ``used_map_buckets``, ``iteration``)."""
+    return "static_graph" if static_graph else None
+
+
+def used_map_buckets(params: Sequence, cap: int, first_cap: int, limits: Sequence[int] | None = None) -> list[list[int]]:
+    """find_unused_parameters' buckets, every iteration: compute_bucket_size_limits' caps
+    ([first_cap, cap] when the first is smaller, else [cap]; bucket_cap_mb_list's ``limits``),
+    reversed as DDP reverses them, never rebuilt."""
+    caps = list(limits) if limits else ([first_cap, cap] if first_cap < cap else [cap])
+    return initial_buckets(params, caps)
 
 
 def initial_buckets(params: Sequence, limits: Sequence[int] | None = None) -> list[list[int]]:
@@ -159,8 +173,13 @@ def rebuild(layout: JobLayout) -> list[CollSpec]:
 
 
 def iteration(layout: JobLayout, i: int) -> list[CollSpec]:
-    return [CollSpec(ALLREDUCE, layout.bucket_count(b), layout.grad_dtype, "grad", iteration=i, bucket=k)
-            for k, b in enumerate(layout.bucket_list(i))]
+    """Iteration ``i``'s collectives: one all-reduce per bucket, then with find_unused_parameters
+    the used-parameter map (int32, one element per parameter)."""
+    out = [CollSpec(ALLREDUCE, layout.bucket_count(b), layout.grad_dtype, "grad", iteration=i, bucket=k)
+           for k, b in enumerate(layout.bucket_list(i))]
+    if layout.used_map:
+        out.append(CollSpec(ALLREDUCE, len(layout.params), "int32", USED_MAP, iteration=i))
+    return out
 
 
 # -- reading DDP's payloads back -------------------------------------------------------------

@@ -54,6 +54,9 @@ class JobLayout:
     buckets: list[BucketSpec]  # after DDP's bucket rebuild; all-reduced in this order
     first_buckets: list[BucketSpec] | None = None  # first iteration, when it differs
     grad_dtype: str = "float32"  # gradient dtype on the wire
+    # DDP find_unused_parameters (config.ddp): every iteration ends with the int32 all-reduce of
+    # the used-parameter map, and the buckets are never rebuilt
+    used_map: bool = False
 
     def __post_init__(self):
         for bl in [self.buckets] + ([self.first_buckets] if self.first_buckets is not None else []):
@@ -93,6 +96,8 @@ class JobLayout:
         }
         if self.first_buckets is not None:
             d["first_buckets"] = [list(b.params) for b in self.first_buckets]
+        if self.used_map:
+            d["used_map"] = True
         return d
 
     @staticmethod
@@ -105,6 +110,7 @@ class JobLayout:
             buckets=[BucketSpec(tuple(int(i) for i in b)) for b in d["buckets"]],
             first_buckets=[BucketSpec(tuple(int(i) for i in b)) for b in fb] if fb is not None else None,
             grad_dtype=d.get("grad_dtype", "float32"),
+            used_map=bool(d.get("used_map", False)),
         )
 
 

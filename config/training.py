@@ -27,6 +27,10 @@ SCHEDULERS = (
     "LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau",
 )
 _SCHEDULER_ARGS_REFUSED = ("optimizer", "verbose", "last_epoch")
+# A schedule the appliance does not rebuild (closures, partials over nested functions, custom
+# classes, schedulers stepped per epoch): the trainer reports every step's hyper-parameters and the
+# scheduler's state with its STEP_META. kwargs: {"scheduler": "module:qualname"} of its class.
+REPORTED = "reported"
 # given as importable paths, or as a functools.partial of one: {"partial": path, "args": [...], "kwargs": {...}}
 CALLABLE_ARGS = ("lr_lambda", "scale_fn")
 _PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
@@ -208,7 +212,13 @@ class LRScheduleSpec:
         if self.name == "none":
             _need(not self.kwargs, w, "name 'none' takes no kwargs")
             return
-        _need(self.name in SCHEDULERS, w, f"name must be 'none' or one of {', '.join(SCHEDULERS)}, got {self.name!r}")
+        if self.name == REPORTED:
+            _need(isinstance(self.kwargs, dict) and set(self.kwargs) <= {"scheduler"}
+                  and isinstance(self.kwargs.get("scheduler", ""), str), w,
+                  f"name {REPORTED!r} takes only kwargs.scheduler, the class name it reports for")
+            self.kwargs = dict(self.kwargs)
+            return
+        _need(self.name in SCHEDULERS, w, f"name must be 'none', {REPORTED!r} or one of {', '.join(SCHEDULERS)}, got {self.name!r}")
         _need(isinstance(self.kwargs, dict), w, f"kwargs must be a table/dict, got {type(self.kwargs).__name__}")
         self.kwargs = dict(self.kwargs)
         refused = sorted(set(self.kwargs) & set(_SCHEDULER_ARGS_REFUSED))
@@ -237,7 +247,8 @@ class LRScheduleSpec:
             subs = self.kwargs["schedulers"]
             _need(isinstance(subs, list) and subs, w, f"{self.name}: schedulers must be a non-empty list of schedules")
             subs = [s if isinstance(s, LRScheduleSpec) else LRScheduleSpec.from_dict(s) for s in subs]
-            _need(all(s.enabled and not s.needs_metrics and "schedulers" not in s.kwargs for s in subs), w,
+            _need(all(s.enabled and not s.needs_metrics and not s.reported and "schedulers" not in s.kwargs
+                      for s in subs), w,
                   f"{self.name}: each scheduler must be a step-driven schedule (not none, "
                   f"ReduceLROnPlateau, or another chain)")
             self.kwargs["schedulers"] = [s.to_dict() for s in subs]
@@ -250,6 +261,11 @@ class LRScheduleSpec:
     def needs_metrics(self) -> bool:
         """Stepped with the metric the trainer passes (the trainer reports it with its steps)."""
         return self.name == "ReduceLROnPlateau"
+
+    @property
+    def reported(self) -> bool:
+        """Not rebuilt: each step's hyper-parameters and scheduler state come from the trainer."""
+        return self.name == REPORTED
 
     def callable_paths(self) -> list[str]:
         """Every importable path this schedule names, nested schedules included."""

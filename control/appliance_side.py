@@ -494,15 +494,19 @@ class AppliancePlane:
             self._saw_trainer(step)
             r = self.replica
             meta = {"rng": rng, "data_position": msg.body.get("data_position")}
-            for k in ("clip", "skipped"):  # what the trainer decided: the replica takes it as given
+            for k in ("clip", "skipped", "unused"):  # what the trainer decided: the replica takes it as given
                 if msg.body.get(k) is not None:
                     meta[k] = msg.body[k]
-            if "lr_scheduler" in msg.body and self.training is not None and self.training.lr_schedule.needs_metrics:
+            schedule = self.training.lr_schedule if self.training is not None else None
+            if "lr_scheduler" in msg.body and schedule is not None and (schedule.needs_metrics or schedule.reported):
                 try:
                     groups = len(self.training.groups([p.name for p in self.layout.params]))
-                    meta["lr_scheduler"] = plateau_state(loads(msg.body["lr_scheduler"]), groups)
+                    state = loads(msg.body["lr_scheduler"])
+                    meta["lr_scheduler"] = state if schedule.reported else plateau_state(state, groups)
                 except Exception as e:  # noqa: BLE001 - whatever hostile text provokes
                     raise Refused(f"STEP_META lr_scheduler: {type(e).__name__}: {str(e)[:120]}") from None
+            if schedule is not None and schedule.reported and msg.body.get("hparams") is not None:
+                meta["hparams"] = msg.body["hparams"]  # checked by the replica against its groups
             if r is not None and step <= r.iterations_done:
                 if step == r.iterations_done and r.stale is None and not self._waiting:
                     r.rng = {k: v for k, v in rng.items()}  # late metadata of the current step

@@ -55,7 +55,7 @@ from mirrorckpt.control.wire import as_numpy as wire_numpy
 from mirrorckpt.updater.dcp_keys import ReplicaState, loads, rng_tensor
 from mirrorckpt.updater.fingerprint import STATS_LEN, stats
 from mirrorckpt.updater.numeric import Digest, kernel_scalars, replica_flags
-from mirrorckpt.updater.optim import LossScaler, build_optimizer, state_keys
+from mirrorckpt.updater.optim import LossScaler, build_optimizer, hparams_error, set_hparams, state_keys
 
 MAX_PARTS = 64
 GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -418,6 +418,8 @@ def _finite(v) -> bool:
 
 
 _FLAGS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+# torch's optional per-group parameter names (torchtitan sets them): the replica names by layout
+_NOT_HYPER = ("param_names",)
 
 
 def merged_groups(own: list[dict], given, names: list[list[str]]) -> list[dict]:
@@ -432,7 +434,7 @@ def merged_groups(own: list[dict], given, names: list[list[str]]) -> list[dict]:
             raise PartError("a param group must be an object without 'params'")
         d = {k: v for k, v in mine.items() if k != "params"}
         for k, v in g.items():
-            if k in _FLAGS or not isinstance(k, str):
+            if k in _FLAGS or k in _NOT_HYPER or not isinstance(k, str):
                 continue
             if isinstance(d.get(k), bool) or isinstance(v, bool):
                 if d.get(k, v) is not v:
@@ -538,21 +540,8 @@ class Rebuild:
 
     def _check_hparams(self, hp) -> None:
         """Per group, the hyper-parameters of the step: known keys with finite values only."""
-        groups = self.optimizer.param_groups
-        self._expect(isinstance(hp, list) and len(hp) == len(groups),
-                     f"hparams must list the hyper-parameters of each of the {len(groups)} param group(s)")
-        for g, d in zip(groups, hp):
-            self._expect(isinstance(d, dict) and _finite(d.get("lr")) and d["lr"] >= 0,
-                         "each group's hparams need a finite lr >= 0")
-            for k, v in d.items():
-                self._expect(k in GROUP_OPTIONS and k in g, f"hparams: {k!r} is not a hyper-parameter of the group")
-                if isinstance(g[k], bool):  # flags pick the algorithm and its state: never moved
-                    self._expect(v is g[k], f"hparams: {k} must stay {g[k]}")
-                elif isinstance(g[k], tuple):
-                    self._expect(isinstance(v, list) and len(v) == len(g[k]) and all(map(_finite, v)),
-                                 f"hparams: {k} must be {len(g[k])} finite numbers")
-                else:
-                    self._expect(_finite(v) and v >= 0, f"hparams: {k} must be a finite number >= 0")
+        err = hparams_error(hp, self.optimizer.param_groups)
+        self._expect(err is None, err or "")
 
     def _check_scaling(self, slices: dict) -> None:
         """fp16: the loss scale of the step; low precision with clipping: the trainer's coefficient
@@ -630,8 +619,7 @@ class Rebuild:
                 self.optimizer.state[p] = st
         for i, g in zip(stepped, grads):
             self.params[i].grad = g
-        for g, hp in zip(self.optimizer.param_groups, slices["hparams"]):
-            g.update({k: tuple(v) if isinstance(v, list) else v for k, v in hp.items()})
+        set_hparams(self.optimizer, slices["hparams"])
         try:
             with kernel_scalars(self.optimizer, self.training.optimizer):
                 self.optimizer.step()  # parameters without .grad are skipped, as in the trainer

@@ -130,6 +130,12 @@ def sharded_register_error(b: dict) -> str | None:
 
 
 def _check_step_meta(b: dict) -> str | None:
+    unused = b.get("unused")
+    if unused is not None and not (isinstance(unused, list) and all(isinstance(n, str) for n in unused)):
+        return "unused must be a list of parameter names"
+    hp = b.get("hparams")
+    if hp is not None and not (isinstance(hp, list) and all(isinstance(d, dict) for d in hp)):
+        return "hparams must be a list of objects, one per param group"
     clip = b.get("clip")
     if clip is None:
         return None
@@ -164,6 +170,10 @@ REGISTRY: dict[str, Spec] = {
     STEP_META: Spec(CLIENT, {"step": F("int"), "lr": F("num"), "loss_scale": F("num", nullable=True),
                              "data_position": F("json", required=False),
                              "lr_scheduler": F("str", required=False),
+                             # a reported schedule: each param group's hyper-parameters after the step
+                             "hparams": F("json", required=False),
+                             # DDP find_unused_parameters: the parameters no rank used this step
+                             "unused": F("json", required=False),
                              # the clip the trainer applied (updater.replica multiplies by coef)
                              "clip": F("dict", required=False, nullable=True),
                              # the trainer skipped this step's optimizer update (inf/nan)

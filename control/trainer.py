@@ -95,7 +95,8 @@ class TrainerLink:
                  scheduler=None, scaler=None, data=None, training: TrainingSpec | None = None,
                  ring: RingSpec | None = None, job: str = "job", parts: int = 7,
                  fingerprint_every: int = 10, leader: int = 0, role: str = "trainer",
-                 max_grad_norm: float | None = None, norm_type: float = 2.0, client_options: dict | None = None):
+                 max_grad_norm: float | None = None, norm_type: float = 2.0, client_options: dict | None = None,
+                 report_schedule: bool = False):
         self.ddp_model, self.optimizer = ddp_model, optimizer
         self.module = unwrap(ddp_model)
         self.scheduler, self.scaler, self.data = scheduler, scaler, data
@@ -110,7 +111,8 @@ class TrainerLink:
         self.grad_dtype = DTYPE_NAMES[self.model_params[0].dtype]
         self._auto_training = training is None  # read from the optimizer: clipping is learned from the first step
         self.training = training or training_spec(optimizer, scheduler, self.grad_dtype,
-                                                  {id(p): n for n, p in zip(self.names, self.masters)})
+                                                  {id(p): n for n, p in zip(self.names, self.masters)},
+                                                  report_schedule=report_schedule)
         if max_grad_norm is not None and self.training.clip is None:
             self.training = dataclasses.replace(self.training, clip=ClipSpec(float(max_grad_norm), float(norm_type)))
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -123,7 +125,9 @@ class TrainerLink:
         self._ready_hooks = []
         self._lock = threading.Lock()
         self.copier = gockpt.copier_for(self.masters)
-        self.meta = StepMeta(self, self.training.lr_schedule.needs_metrics and scheduler is not None)
+        schedule = self.training.lr_schedule
+        self.meta = StepMeta(self, schedule.needs_metrics and scheduler is not None,
+                             schedule.reported and scheduler is not None)
         self.fingerprints = Fingerprints(fingerprint_every, self)
         self.fallbacks = Fallbacks(self)
         self.transport: Transport | None = None
@@ -218,7 +222,8 @@ class TrainerLink:
         self.meta.release()
         self.fallbacks.abandon(f"step {self.iterations_done} was skipped (inf/nan)")
         self.meta.record(self.iterations_done, skipped=True)
-        self.meta.release()
+        if not self.meta.holds:
+            self.meta.release()
 
     # ---------------------------------------------------------------- messages
     def _emit(self, build, copy: gockpt.Copy | None = None) -> None:
@@ -308,7 +313,7 @@ class TrainerLink:
         else:
             t = self.iterations_done
             self.meta.record(t, found_inf=kwargs.get("found_inf"))
-            if not self.meta.plateau:
+            if not self.meta.holds:
                 self.meta.release()
             self.fallbacks.after_step(t)
             if self.fallbacks.run is None and self.fingerprints.due(t):
@@ -353,7 +358,7 @@ def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, s
            data=None, training: TrainingSpec | None = None, ring: RingSpec | None = None, job: str = "job",
            parts: int = 7, fingerprint_every: int = 10, restore: str | None = None, allow_behind: bool = False,
            max_grad_norm: float | None = None, norm_type: float = 2.0, connect_timeout: float = 0.0,
-           client_options: dict | None = None) -> TrainerLink:
+           client_options: dict | None = None, report_schedule: bool = False) -> TrainerLink:
     """Attach a DDP model and its optimizer to the appliance; see the module docstring.
 
     Every argument is checked first (``control.link.checks``: AttachError names the one that does
@@ -364,7 +369,9 @@ def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, s
     restores. ``max_grad_norm`` (and ``norm_type``): the loop clips the gradients to this norm with
     torch's ``clip_grad_norm_`` or a framework's; the link finds each step's coefficient on the
     gradients (control.link.clip), nothing in the loop changes. ``connect_timeout``: seconds to
-    wait for the first connection."""
+    wait for the first connection. ``report_schedule``: the scheduler is not stepped once per
+    optimizer step (Lightning's ``interval="epoch"``): its hyper-parameters and state are sent with
+    every step instead of the appliance rebuilding it (as for any schedule it cannot import)."""
     if any(hasattr(p, "placements") for p in unwrap(ddp_model).parameters()):
         # its local shards are not the parameters a single ring registers: refused here, not at its first fallback
         raise ValueError("the model's parameters are DTensors (TP, FSDP2): attach a sharded job with "
@@ -381,7 +388,7 @@ def attach(ddp_model, optimizer, *, appliance: tuple[str, int] | None, secret, s
     link = TrainerLink(ddp_model, optimizer, appliance=appliance, secret=secret, scheduler=scheduler,
                        scaler=scaler, data=data, training=training, ring=ring, job=job, parts=parts,
                        fingerprint_every=fingerprint_every, max_grad_norm=max_grad_norm, norm_type=norm_type,
-                       client_options=client_options)
+                       client_options=client_options, report_schedule=report_schedule)
     return started(link, restored, connect_timeout)
 
 

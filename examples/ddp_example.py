@@ -16,17 +16,11 @@ import os
 
 import torch
 import torch.distributed as dist
+from mirrorckpt.control.link.checks import appliance_address  # mirrorckpt: --appliance HOST:PORT
 from mirrorckpt.control.trainer import attach  # mirrorckpt
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchdata.stateful_dataloader import StatefulDataLoader
-
-
-def address(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
-    return host, int(port)
 
 
 class Position:
@@ -46,7 +40,7 @@ class Position:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--appliance", type=address, required=True, help="the appliance's control plane, HOST:PORT")
+    ap.add_argument("--appliance", type=appliance_address, required=True, help="the appliance's control plane, HOST:PORT")
     ap.add_argument("--secret-file", required=True, help="the shared control-plane secret")
     ap.add_argument("--restore", action="store_true", help="resume from the appliance's state")
     ap.add_argument("--steps", type=int, default=40)

@@ -39,8 +39,9 @@ class JobModel:
     @classmethod
     def ddp(cls, ring: RingSpec, layout: JobLayout, with_startup: bool = True, iterations: int | None = None):
         """A DDP job: start-up collectives, the rebuild broadcasts, one all-reduce per bucket."""
+        rebuilt = with_startup and not layout.used_map  # find_unused_parameters never rebuilds
         return cls(ring, layout, ddp.startup(layout) if with_startup else [],
-                        ddp.rebuild(layout) if with_startup else [], iterations=iterations,
+                        ddp.rebuild(layout) if rebuilt else [], iterations=iterations,
                         from_start=with_startup)
 
     @classmethod

@@ -261,7 +261,7 @@ def test_an_optimizer_that_cannot_be_built_is_refused_by_name(d, msg):
 
 
 @pytest.mark.parametrize("d,msg", [
-    ({"name": "WarmupLR"}, "lr_schedule: name must be 'none' or one of"),
+    ({"name": "WarmupLR"}, "lr_schedule: name must be 'none', 'reported' or one of"),
     ({"name": "LambdaLR"}, "LambdaLR needs argument"),
     ({"name": "ReduceLROnPlateau", "kwargs": {"mode": "sideways"}}, "ReduceLROnPlateau cannot be built: mode"),
     ({"name": "none", "kwargs": {"gamma": 0.5}}, "name 'none' takes no kwargs"),

@@ -401,7 +401,7 @@ def test_training_spec_round_trip_and_errors():
         (lambda: OptimizerSpec("adam", momentum=0.9), "apply to sgd only"),
         (lambda: OptimizerSpec("sgd", nesterov=True), "nesterov needs momentum"),
         (lambda: OptimizerSpec("adam", foreach=True, fused=True), "mutually exclusive"),
-        (lambda: LRScheduleSpec("LambdaLRX", {}), "lr_schedule: name must be 'none' or one of"),
+        (lambda: LRScheduleSpec("LambdaLRX", {}), "lr_schedule: name must be 'none', 'reported' or one of"),
         (lambda: LRScheduleSpec("LambdaLR", {}), "LambdaLR needs argument.* lr_lambda"),
         (lambda: LRScheduleSpec("LambdaLR", {"lr_lambda": "lambda e: 0.9 ** e"}), "importable path"),
         (lambda: LRScheduleSpec("SequentialLR", {"schedulers": [{"name": "ReduceLROnPlateau"}], "milestones": []}),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import common
 import pytest
@@ -80,11 +81,12 @@ def test_a_scheduler_of_another_optimizer_is_refused():
                scheduler=torch.optim.lr_scheduler.StepLR(other, 3))
 
 
-@pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph"])
-def test_ddp_options_with_extra_collectives_are_refused_with_the_reason(group, option):
-    ddp = nn.parallel.DistributedDataParallel(build_model(DIMS, 1), **{option: True})
-    with pytest.raises(AttachError, match=rf"{option}=True\): .*used-parameter map"):
+def test_static_graph_is_refused_with_the_reason_and_find_unused_parameters_followed(group):
+    ddp = nn.parallel.DistributedDataParallel(build_model(DIMS, 1), static_graph=True)
+    with pytest.raises(AttachError, match=r"static_graph=True\): .*used-parameter map"):
         attach(ddp, adamw(ddp), appliance=None, secret=SECRET)
+    ddp = nn.parallel.DistributedDataParallel(build_model(DIMS, 1), find_unused_parameters=True)
+    attach(ddp, adamw(ddp), appliance=None, secret=SECRET).close()  # tests/e2e/test_ddp_unused.py follows it
 
 
 # ------------------------------------------------------------------------ restore
@@ -248,11 +250,16 @@ def scaled(factor: float, epoch: int, *, table: dict) -> float:
     (functools.partial(scaled, float("nan"), table={}), r"args\[0\] is nan"),
     (functools.partial(lambda f, e: f, 0.5), "not a module-level function"),
 ])
-def test_a_partial_whose_function_or_arguments_cannot_travel_is_refused_at_attach(fn, words):
+def test_a_partial_whose_function_or_arguments_cannot_travel_is_reported_not_rebuilt(fn, words, caplog):
+    """The appliance follows such a schedule from the trainer's per-step reports
+    (tests/test_reported_schedule.py), and the log says why it is not rebuilt."""
     model = build_model(DIMS, 1)
     opt = adamw(model)
-    with pytest.raises(ValueError, match=words):
-        attach(model, opt, appliance=None, secret=SECRET, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, fn))
+    with caplog.at_level(logging.INFO, logger="mirrorckpt.control.trainer"):
+        link = attach(model, opt, appliance=None, secret=SECRET, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, fn))
+    link.close()
+    assert link.training.lr_schedule.reported
+    assert any(re.search(words, r.getMessage()) for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_transformers_warmup_schedules_are_rebuilt_step_for_step():

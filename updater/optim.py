@@ -8,7 +8,7 @@ import functools
 import importlib
 
 import torch
-from mirrorckpt.config.training import CALLABLE_ARGS, LossScaleSpec, LRScheduleSpec, OptimizerSpec, SpecError
+from mirrorckpt.config.training import CALLABLE_ARGS, GROUP_OPTIONS, LossScaleSpec, LRScheduleSpec, OptimizerSpec, SpecError
 
 
 def state_keys(spec: OptimizerSpec) -> tuple[str, ...]:
@@ -65,7 +65,9 @@ def resolve_callable(v):
 
 
 def build_scheduler(spec: LRScheduleSpec, optimizer: torch.optim.Optimizer):
-    if not spec.enabled:
+    """The torch scheduler the spec rebuilds; None without one, or for a reported schedule (the
+    trainer sends each step's hyper-parameters: ``set_hparams``)."""
+    if not spec.enabled or spec.reported:
         return None
     kwargs = dict(spec.kwargs)
     for arg in CALLABLE_ARGS:
@@ -95,6 +97,38 @@ def step_scheduler(scheduler, spec: LRScheduleSpec, meta: dict | None) -> None:
         scheduler.load_state_dict(st)
         for g, lr in zip(scheduler.optimizer.param_groups, st["_last_lr"]):
             g["lr"] = lr
+
+
+def hparams_error(hp, groups: list[dict]) -> str | None:
+    """Why ``hp`` is not one hyper-parameter dict per param group of ``groups`` (torch's groups):
+    known keys the group has, finite values, flags unchanged; None when it is."""
+    import math
+
+    def finite(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not (isinstance(hp, list) and len(hp) == len(groups)):
+        return f"hparams must list the hyper-parameters of each of the {len(groups)} param group(s)"
+    for g, d in zip(groups, hp):
+        if not (isinstance(d, dict) and finite(d.get("lr")) and d["lr"] >= 0):
+            return "each group's hparams need a finite lr >= 0"
+        for k, v in d.items():
+            if k not in GROUP_OPTIONS or k not in g:
+                return f"hparams: {k!r} is not a hyper-parameter of the group"
+            if isinstance(g[k], bool):  # flags pick the algorithm and its state: never moved
+                if v is not g[k]:
+                    return f"hparams: {k} must stay {g[k]}"
+            elif isinstance(g[k], tuple):
+                if not (isinstance(v, list) and len(v) == len(g[k]) and all(map(finite, v))):
+                    return f"hparams: {k} must be {len(g[k])} finite numbers"
+            elif not (finite(v) and v >= 0):
+                return f"hparams: {k} must be a finite number >= 0"
+    return None
+
+
+def set_hparams(optimizer: torch.optim.Optimizer, hp: list[dict]) -> None:
+    """Each param group takes the hyper-parameters a step ran with (checked by ``hparams_error``)."""
+    for g, d in zip(optimizer.param_groups, hp):
+        g.update({k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def plateau_state(d, groups: int) -> dict:

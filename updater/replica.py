@@ -9,6 +9,7 @@ applied: the replica turns stale and refuses every later iteration until ``resyn
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +22,22 @@ from mirrorckpt.parser.iteration import ReducedIteration
 from mirrorckpt.updater import fingerprint as fp
 from mirrorckpt.updater import numeric
 from mirrorckpt.updater.dcp_keys import ReplicaState, rng_tensor, to_checkpoint
-from mirrorckpt.updater.optim import LossScaler, build_optimizer, build_scheduler, fresh_state, step_scheduler
+from mirrorckpt.updater.optim import (
+    LossScaler,
+    build_optimizer,
+    build_scheduler,
+    fresh_state,
+    hparams_error,
+    set_hparams,
+    step_scheduler,
+)
 
 MASTER_DTYPES = ("float32", "bfloat16", "float16")  # model dtypes; the masters are always fp32
 _OWN_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+log = logging.getLogger("mirrorckpt.updater.replica")
 
 class ReplicaStale(RuntimeError):
     """The replica cannot go on at ``iteration`` and needs ``resync``. Missed gradient data leaves
@@ -104,7 +115,7 @@ class Replica:
         # empty: every construction fills them (or adopts tensors); untouched pages cost no memory
         self.params = [torch.empty(p.shape, dtype=torch.float32) for p in layout.params]
         self._grads = [torch.empty_like(p) for p in self.params]  # touched by the first mirror step
-        self.separable = training.separable
+        self.separable = training.separable and not layout.used_map  # which parameters step: known at the end
         self.impl = impl
         self.policy = numeric.policy(training.optimizer, impl)
         self.synced_at = 0  # optimizer step at which the state was last the trainer's own
@@ -117,6 +128,8 @@ class Replica:
         self._undo: dict[int, tuple[torch.Tensor, dict]] = {}  # pipelined mode: pre-bucket copies
         self.rng: dict[str, torch.Tensor] = {}
         self.data_position = None
+        # a reported schedule (config.training.REPORTED): the trainer's scheduler state, as it sent it
+        self.reported_schedule: dict | None = None
         if isinstance(initial_params, (ReplicaState, str, Path)):
             self.load_state(initial_params, adopt=adopt)
         else:
@@ -201,7 +214,13 @@ class Replica:
         self._set_params(state.params, adopt)
         self._fresh_optimizer()  # scheduler built before the optimizer state is loaded, as torch expects
         self.optimizer.load_state_dict(self._indexed_optim(state.optim, getattr(state, "unstepped", ())))
-        if self.scheduler is not None:
+        self.reported_schedule = None
+        if self.training.lr_schedule.reported:
+            if not isinstance(state.lr_scheduler, dict):
+                raise LayoutMismatch("state has no lr_scheduler state, the training spec's schedule is reported "
+                                     "by the trainer with it")
+            self.reported_schedule = state.lr_scheduler
+        elif self.scheduler is not None:
             if state.lr_scheduler is None:
                 raise LayoutMismatch(f"state has no lr_scheduler state, the training spec configures "
                                      f"{self.training.lr_schedule.name}")
@@ -284,7 +303,7 @@ class Replica:
             optim={"state": ostate, "param_groups": groups},
             iterations_done=self.iterations_done,
             step=self.step,
-            lr_scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
+            lr_scheduler=self.scheduler.state_dict() if self.scheduler is not None else self.reported_schedule,
             loss_scale=self.scaler.state_dict() if self.scaler is not None else None,
             rng=dict(self.rng),
             data_position=self.data_position,
@@ -406,7 +425,7 @@ class Replica:
         The trainer's skip decision (its inf/nan check) is taken as given when it sent one.
         ``pending``: an iteration whose buckets were unscaled and measured as they arrived
         (``_prepare_bucket``)."""
-        idx = list(range(len(self.params)))
+        idx = self._used(meta)
         if self.scaler is None:
             found_inf = False
         elif pending is not None:
@@ -422,6 +441,19 @@ class Replica:
         if self.scaler is not None:
             self.scaler.update(found_inf)
         return not found_inf
+
+    def _used(self, meta: dict | None) -> list[int]:
+        """The parameters this step updates: all, or with DDP's find_unused_parameters those the
+        trainer had a gradient for (no rank used the others: torch's optimizer skips grad=None).
+        Without the trainer's report the step cannot be taken as it was: stale, nothing changed."""
+        if not self.layout.used_map:
+            return list(range(len(self.params)))
+        unused = (meta or {}).get("unused")
+        if not isinstance(unused, list) or not set(unused) <= set(self.names):
+            log.warning("iteration %d: find_unused_parameters without the trainer's report of unused parameters",
+                        self.iterations_done)
+            self._go_stale(self.iterations_done, {})
+        return [i for i, n in enumerate(self.names) if n not in set(unused)]
 
     def _finish(self, index: int, stepped: bool, meta: dict):
         if stepped:
@@ -439,6 +471,23 @@ class Replica:
                     pass  # metadata we cannot store must not stop the replica; the state is still exact
         if (meta or {}).get("data_position") is not None:
             self.data_position = meta["data_position"]
+        if self.training.lr_schedule.reported:
+            self._take_reported(index, meta or {})
+
+    def _take_reported(self, index: int, meta: dict) -> None:
+        """A reported schedule: the param groups take the hyper-parameters the trainer's next step
+        runs with, and the scheduler state is the trainer's; without them (or malformed) the
+        replica cannot take its next step as the trainer does: stale, its state not committable."""
+        hp, sched = meta.get("hparams"), meta.get("lr_scheduler")
+        err = hparams_error(hp, self.optimizer.param_groups) if hp is not None else "no hparams"
+        if err is None and not isinstance(sched, dict):
+            err = "no scheduler state"
+        if err is not None:
+            self.stale = ReplicaStale(self.step, index + 1, {}, state_good=False)
+            log.warning("iteration %d: the reported schedule's step metadata is unusable (%s)", index, err)
+            raise self.stale
+        set_hparams(self.optimizer, hp)
+        self.reported_schedule = sched
 
     def apply(self, it: ReducedIteration) -> bool:
         """Apply one complete iteration; returns whether an optimizer step was taken (fp16 may skip).

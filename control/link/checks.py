@@ -12,6 +12,14 @@ class AttachError(ValueError):
     """An argument of ``attach`` the link cannot work with; the message names it and what to give."""
 
 
+def appliance_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` as the ``appliance=`` tuple (a command line's --appliance); ValueError otherwise."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
 def _kind(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 

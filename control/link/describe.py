@@ -38,7 +38,7 @@ def ddp_options(ddp_model) -> str | None:
     if bad is None:
         return None
     return (f"DistributedDataParallel({bad}=True): {ddp.UNFOLLOWED[bad]}; the appliance follows DDP without it "
-            f"(bucket_cap_mb, bucket_cap_mb_list and gradient_as_bucket_view are followed)")
+            f"(find_unused_parameters, bucket_cap_mb, bucket_cap_mb_list and gradient_as_bucket_view are followed)")
 
 
 def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_order: list[int]) -> JobLayout:
@@ -49,13 +49,16 @@ def ddp_layout(ddp_model, params: list[torch.Tensor], names: list[str], ready_or
         raise ValueError(why)
     cfg = getattr(ddp_model, "_bucket_config", None)
     limits = list(getattr(cfg, "per_bucket_bytes_caps", ()) or ())
-    first = ddp.initial_buckets(params, limits)
     cap = int(getattr(ddp_model, "bucket_bytes_cap", 25 << 20))
     first_cap = int(getattr(cfg, "first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES))
-    rebuilt = ddp.rebuilt_buckets(params, ready_order, cap, first_cap, limits)
     dtype = DTYPE_NAMES[params[0].dtype]
-    return JobLayout(params=[ParamSpec(n, tuple(p.shape), "float32") for n, p in zip(names, params)],
-                     buckets=[BucketSpec(tuple(b)) for b in rebuilt],
+    specs = [ParamSpec(n, tuple(p.shape), "float32") for n, p in zip(names, params)]
+    if getattr(ddp_model, "find_unused_parameters", False):
+        fixed = [BucketSpec(tuple(b)) for b in ddp.used_map_buckets(params, cap, first_cap, limits)]
+        return JobLayout(params=specs, buckets=fixed, grad_dtype=dtype, used_map=True)
+    first = ddp.initial_buckets(params, limits)
+    rebuilt = ddp.rebuilt_buckets(params, ready_order, cap, first_cap, limits)
+    return JobLayout(params=specs, buckets=[BucketSpec(tuple(b)) for b in rebuilt],
                      first_buckets=[BucketSpec(tuple(b)) for b in first], grad_dtype=dtype)
 
 
@@ -104,7 +107,7 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def training_spec(optimizer: torch.optim.Optimizer, scheduler=None, grad_dtype: str = "float32",
-                  names: dict[int, str] | None = None) -> TrainingSpec:
+                  names: dict[int, str] | None = None, report_schedule: bool = False) -> TrainingSpec:
     """The TrainingSpec of a torch optimizer (and scheduler): what the replica rebuilds.
     ``names`` (id of each optimizer parameter -> layout name) is needed for several groups."""
     name = OPTIMIZER_NAMES.get(type(optimizer))
@@ -125,7 +128,7 @@ def training_spec(optimizer: torch.optim.Optimizer, scheduler=None, grad_dtype: 
             own = _options(g, name, scheduler)
             param_groups.append(ParamGroupSpec([names[id(p)] for p in g["params"]],
                                                {k: v for k, v in own.items() if v != base[k]}))
-    return TrainingSpec(optimizer=opt, lr_schedule=schedule_spec(scheduler), grad_dtype=grad_dtype,
+    return TrainingSpec(optimizer=opt, lr_schedule=schedule_spec(scheduler, report_schedule), grad_dtype=grad_dtype,
                         param_groups=param_groups)
 
 

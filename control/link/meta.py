@@ -1,7 +1,9 @@
 """STEP_META: what the wire does not carry about each step (hyper-parameters it used, loss scale,
 clip coefficient, a skip, RNG states, data position), recorded at the step's end and sent by the
-sender thread. With ReduceLROnPlateau a step's record is held until the loop has stepped the
-scheduler on its metric (the next step's start, or close) and goes with the scheduler's state."""
+sender thread. With ReduceLROnPlateau or a reported schedule (config.training.REPORTED) a step's
+record is held until the loop has stepped the scheduler (the next step's start, or close) and goes
+with the scheduler's state; a reported schedule's record also carries every group's
+hyper-parameters as they are then: what the next step runs with."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from mirrorckpt.updater.dcp_keys import dumps
 
 
 class StepMeta:
-    def __init__(self, link, plateau: bool):
+    def __init__(self, link, plateau: bool, reported: bool = False):
         self._link = link  # optimizer, scheduler, scaler, data, transport
-        self.plateau = plateau
+        self.plateau, self.reported = plateau, reported
+        self.holds = plateau or reported  # a record waits for the loop's scheduler step
         self.boundary: dict = {}  # the last step's record: rng, data position, hyper-parameters, clip...
         self._held: tuple | None = None
         self.clip: tuple | None = None  # (total_norm, coef, max_norm, norm_type) of this iteration
@@ -40,11 +43,19 @@ class StepMeta:
                          "data_position": link.data.state_dict() if link.data is not None else None,
                          "lr": hp[0]["lr"], "hparams": hp, "clip": None if skipped else clip,
                          # a fused step given GradScaler's found_inf skips inside the kernel
-                         "found_inf": found_inf, "skipped": skipped}
+                         "found_inf": found_inf, "skipped": skipped, "unused": self._unused()}
         scale = float(link.scaler.get_scale()) if link.scaler is not None else None
         self.boundary["loss_scale"] = scale  # the scale this step's gradients carried
         self._held = (step, self.boundary, scale)
         return self.boundary
+
+    def _unused(self) -> list[str] | None:
+        """With DDP's find_unused_parameters: the parameters without a gradient at this step (no
+        rank used them; the optimizer skips them), which the replica skips too."""
+        link = self._link
+        if link.layout is None or not link.layout.used_map:
+            return None
+        return [n for n, p in zip(link.names, link.masters) if p.grad is None]
 
     def release(self) -> None:
         """Send the held record (with the plateau scheduler's state, which the loop has stepped)."""
@@ -53,13 +64,17 @@ class StepMeta:
             return
         step, meta, scale = held
         sched = self._link.scheduler
-        extra = {"lr_scheduler": dumps(sched.state_dict(), "lr_scheduler")} if self.plateau else {}
+        extra = {"lr_scheduler": dumps(sched.state_dict(), "lr_scheduler")} if self.holds else {}
+        if self.reported:
+            extra["hparams"] = hyper_parameters(self._link.optimizer)
 
         def build(_t):  # the sender thread: reading the clip and found_inf tensors waits there
             out = dict(extra)
             if meta.get("clip") is not None:
                 total, coef = meta["clip"][:2]
                 out["clip"] = {"total_norm": float(total.item()), "coef": float(coef.item())}
+            if meta.get("unused") is not None:
+                out["unused"] = meta["unused"]
             if meta.get("skipped"):
                 out["skipped"] = True
             elif meta.get("found_inf") is not None:

@@ -1,14 +1,19 @@
 """A torch LR scheduler read back as an LRScheduleSpec: its constructor arguments, and the
-functions it calls (LambdaLR's lambdas) named by importable paths the appliance resolves."""
+functions it calls (LambdaLR's lambdas) named by importable paths the appliance resolves; or, for
+a schedule the appliance cannot rebuild, a "reported" spec (the trainer sends each step's
+hyper-parameters and the scheduler's state instead)."""
 
 from __future__ import annotations
 
 import collections
 import functools
 import inspect
+import logging
 
-from mirrorckpt.config.training import LRScheduleSpec, callable_error
+from mirrorckpt.config.training import REPORTED, SCHEDULERS, LRScheduleSpec, callable_error
 from mirrorckpt.updater.optim import resolve
+
+log = logging.getLogger("mirrorckpt.control.trainer")
 
 
 def _path(fn) -> str:
@@ -49,7 +54,7 @@ def _scheduler_kwargs(scheduler) -> dict:
     cls = type(scheduler).__name__
     groups = scheduler.optimizer.param_groups if hasattr(scheduler, "optimizer") else []
     if cls in ("SequentialLR", "ChainedScheduler"):
-        kw = {"schedulers": [schedule_spec(s).to_dict() for s in scheduler._schedulers]}
+        kw = {"schedulers": [rebuilt_spec(s).to_dict() for s in scheduler._schedulers]}
         if cls == "SequentialLR":
             kw["milestones"] = list(scheduler._milestones)
         return kw
@@ -94,9 +99,30 @@ def _scheduler_kwargs(scheduler) -> dict:
     return kwargs
 
 
-def schedule_spec(scheduler) -> LRScheduleSpec:
-    """A scheduler's constructor arguments read back from it (see ``_scheduler_kwargs``)."""
+def rebuilt_spec(scheduler) -> LRScheduleSpec:
+    """A scheduler's constructor arguments read back from it (see ``_scheduler_kwargs``);
+    ValueError when the appliance could not rebuild it from them."""
+    name = type(scheduler).__name__
+    if name not in SCHEDULERS:
+        raise ValueError(f"{type(scheduler).__module__}.{type(scheduler).__qualname__} is not a torch scheduler class "
+                         f"the appliance rebuilds")
+    return LRScheduleSpec(name=name, kwargs=_scheduler_kwargs(scheduler))
+
+
+def reported_spec(scheduler) -> LRScheduleSpec:
+    cls = type(scheduler)
+    return LRScheduleSpec(name=REPORTED, kwargs={"scheduler": f"{cls.__module__}:{cls.__qualname__}"})
+
+
+def schedule_spec(scheduler, report: bool = False) -> LRScheduleSpec:
+    """The spec the replica follows ``scheduler`` by: rebuilt from its constructor arguments when
+    it can be, else (or with ``report``: a scheduler not stepped once per optimizer step) reported."""
     if scheduler is None:
         return LRScheduleSpec()
-    return LRScheduleSpec(name=type(scheduler).__name__, kwargs=_scheduler_kwargs(scheduler))
-
+    if report:
+        return reported_spec(scheduler)
+    try:
+        return rebuilt_spec(scheduler)
+    except ValueError as e:
+        log.info("scheduler %s is followed from the trainer's reports: %s", type(scheduler).__name__, e)
+        return reported_spec(scheduler)

@@ -12,9 +12,7 @@ import functools
 
 import common
 from mirrorckpt.control.appliance_side import AppliancePlane
-from mirrorckpt.parser.roce.streams import MirrorStreams
 from mirrorckpt.tools.testbed import harness
-from mirrorckpt.tools.testbed.follower import MirrorFollower
 from test_gockpt import replica_digest
 
 SECRET = "recipes-secret-0123456789abcdef"
@@ -28,11 +26,7 @@ def test_clip_accumulation_and_data_loader_followed_and_resumed(tmp_path):
     states: dict[int, dict] = {}
     plane = AppliancePlane(SECRET, parts=2, fingerprint_every=2, fallback_timeout=60,
                            on_iteration=lambda _i, r: states.__setitem__(r.iterations_done, replica_digest(r))).start()
-    frames = harness.FrameStreamServer(WORLD)
-    ring, topo = harness.ring_for(WORLD)
-    follower = MirrorFollower(plane, MirrorStreams(frames.sources()), ring, channels=harness.channels_for(topo, ring),
-                              psn_window=16)
-    follower.start()
+    frames, follower = harness.followed(plane, WORLD)
     run = tmp_path / "run"
     try:
         procs = harness.spawn_ranks(WORLD, run, SECRET, control_port=plane.port, frames_port=frames.port, steps=200,

@@ -309,6 +309,7 @@ class HarnessState:
         self.drop = set(drop or ())
         self.iteration = 0
         self.calls = 0
+        self.used_of: list | None = None  # find_unused_parameters: DDP's parameters, in its order
         self.comm = None
         self.sink = None
         if rank == 0 and frames is not None:
@@ -357,10 +358,25 @@ def mirror_allreduce_hook(state: HarnessState, bucket: dist.GradBucket) -> torch
     buf.copy_(out.view(torch.bfloat16) if buf.dtype == torch.bfloat16 else out)
     state.calls += 1
     if bucket.is_last():
+        if state.used_of is not None:
+            _used_map_allreduce(state)
         state.iteration += 1
     fut = torch.futures.Future()
     fut.set_result(buf)
     return fut
+
+
+def _used_map_allreduce(state: HarnessState) -> None:
+    """find_unused_parameters: DDP all-reduces the int32 used-parameter map on the process group
+    once the last bucket's all-reduce is launched, not through the comm hook (config.ddp): the
+    harness puts the same collective on the wire after the last bucket. A parameter is locally
+    used when backward gave it a gradient (the loop zeroes gradients to None)."""
+    local = torch.tensor([int(p.grad is not None) for p in state.used_of], dtype=torch.int32)
+    parts = [torch.empty_like(local) for _ in range(state.world)]
+    dist.all_gather(parts, local, group=state.group)
+    if state.comm is not None:
+        state.comm.all_reduce([p.numpy() for p in parts], f"used_map:iter={state.iteration}")
+        state.sink.flush()
 
 
 # DDP checks the hook's annotations as objects (this module postpones them as strings)
@@ -373,6 +389,10 @@ def register(ddp_model, frames: tuple[str, int] | None, *, seed: int = 1, drop=N
     """Install the hook on ``ddp_model``; ``frames`` is the appliance's frame-stream address
     (used by rank 0)."""
     state = HarnessState(dist.get_world_size(), dist.get_rank(), frames, seed, drop, protocol=protocol)
+    if ddp_model.find_unused_parameters:
+        from mirrorckpt.config.ddp import reducer_params
+
+        state.used_of = [p for _, p in reducer_params(ddp_model.module)]
     ddp_model.register_comm_hook(state, mirror_allreduce_hook)
     return state
 
@@ -433,6 +453,20 @@ class LoaderShard:
         self.epoch, self._it = int(d["epoch"]), None
         self.sampler.set_epoch(self.epoch)
         self.loader.load_state_dict(d["loader"])
+
+
+class SometimesUsed(nn.Module):
+    """A model with a layer backward reaches only on some steps (``use_spare``): with DDP's
+    find_unused_parameters its parameters then have no gradient and are not stepped."""
+
+    def __init__(self, body: nn.Module, width: int):
+        super().__init__()
+        self.body, self.spare = body, nn.Linear(width, width)
+        self.use_spare = False
+
+    def forward(self, x):
+        out = self.body(x)
+        return out + self.spare(out) if self.use_spare else out
 
 
 def build_model(dims, seed: int) -> nn.Module:
@@ -508,6 +542,8 @@ def main(argv=None) -> None:
                                                                    "but the last)")
     ap.add_argument("--loader", default="shard", choices=("shard", "stateful"),
                     help="the data: the synthetic Shard, or torchdata's StatefulDataLoader (LoaderShard)")
+    ap.add_argument("--find-unused", action="store_true",
+                    help="DDP find_unused_parameters=True, with a layer used on every third step only")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -521,11 +557,13 @@ def main(argv=None) -> None:
 
     dims = tuple(int(x) for x in a.dims.split(","))
     model = build_model(dims, a.seed + a.rank)  # differs per rank: DDP's broadcast makes them agree
+    if a.find_unused:
+        model = SometimesUsed(model, dims[-1])
     # One RNG stream on every rank (dropout, noise): the appliance keeps the leader's RNG state,
     # which is then every rank's.
     torch.manual_seed(a.seed)
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, **({"bucket_cap_mb": a.bucket_cap_mb} if a.bucket_cap_mb else {}))
+        model, find_unused_parameters=a.find_unused, **({"bucket_cap_mb": a.bucket_cap_mb} if a.bucket_cap_mb else {}))
     drop = {tuple(int(v) for v in d.split(":")) for d in a.drop.split(",") if d}
     hs = register(ddp, ("127.0.0.1", a.frames_port) if a.frames_port else None, seed=a.ring_seed, drop=drop,
                   protocol=a.protocol)
@@ -546,6 +584,8 @@ def main(argv=None) -> None:
     for _ in range(a.steps):
         while a.wait_file and os.path.exists(a.wait_file):
             time.sleep(0.01)
+        if a.find_unused:
+            model.use_spare = start % 3 == 0
         opt.zero_grad(set_to_none=True)
         for micro in range(a.accumulate):  # DDP all-reduces on the last micro-step only
             x, y = shard.next()
@@ -585,6 +625,20 @@ if __name__ == "__main__":
 
 
 # ------------------------------------------------------------------------------ launching (tests)
+
+def followed(plane, world: int):
+    """A frame stream for ``world`` ranks (rank 0's hook sends to ``frames.port``) and a
+    MirrorFollower feeding ``plane`` from it, started; (frames, follower)."""
+    from mirrorckpt.parser.roce.streams import MirrorStreams
+    from mirrorckpt.tools.testbed.follower import MirrorFollower
+
+    frames = FrameStreamServer(world)
+    ring, topo = ring_for(world)
+    follower = MirrorFollower(plane, MirrorStreams(frames.sources()), ring, channels=channels_for(topo, ring),
+                              psn_window=16)
+    follower.start()
+    return frames, follower
+
 
 def free_port() -> int:
     with socket.socket() as s:
