@@ -124,7 +124,8 @@ def unfollowed_option(find_unused_parameters: bool, static_graph: bool) -> str |
     return "static_graph" if static_graph else None
 
 
-def used_map_buckets(params: Sequence, cap: int, first_cap: int, limits: Sequence[int] | None = None) -> list[list[int]]:
+def used_map_buckets(params: Sequence, cap: int, first_cap: int,
+                     limits: Sequence[int] | None = None) -> list[list[int]]:
     """find_unused_parameters' buckets, every iteration: compute_bucket_size_limits' caps
     ([first_cap, cap] when the first is smaller, else [cap]; bucket_cap_mb_list's ``limits``),
     reversed as DDP reverses them, never rebuilt."""

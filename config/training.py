@@ -218,7 +218,8 @@ class LRScheduleSpec:
                   f"name {REPORTED!r} takes only kwargs.scheduler, the class name it reports for")
             self.kwargs = dict(self.kwargs)
             return
-        _need(self.name in SCHEDULERS, w, f"name must be 'none', {REPORTED!r} or one of {', '.join(SCHEDULERS)}, got {self.name!r}")
+        _need(self.name in SCHEDULERS, w,
+              f"name must be 'none', {REPORTED!r} or one of {', '.join(SCHEDULERS)}, got {self.name!r}")
         _need(isinstance(self.kwargs, dict), w, f"kwargs must be a table/dict, got {type(self.kwargs).__name__}")
         self.kwargs = dict(self.kwargs)
         refused = sorted(set(self.kwargs) & set(_SCHEDULER_ARGS_REFUSED))

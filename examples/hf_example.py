@@ -5,10 +5,10 @@ on a laptop:
     torchrun --nproc-per-node 2 examples/hf_example.py --appliance 127.0.0.1:7070 --secret-file secret --restore
 
 The Trainer runs its defaults (linear warmup schedule, ``max_grad_norm`` clipping, a seeded
-shuffling sampler, DDP with ``find_unused_parameters``); what mirrorckpt adds is marked ``# mirrorckpt``. ``--steps`` is the Trainer's
-``max_steps``: the schedule spans it, so a resumed run passes the same value. A gloo job puts no
-RoCE on the wire, so an appliance protects it by fallback checkpoints (``serve --control-only``).
-"""
+shuffling sampler, DDP with ``find_unused_parameters``); what mirrorckpt adds is marked ``#
+mirrorckpt``. ``--steps`` is the Trainer's ``max_steps``: the schedule spans it, so a resumed run
+passes the same value. A gloo job puts no RoCE on the wire, so an appliance protects it by fallback
+checkpoints (``serve --control-only``). """
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ class Record(transformers.TrainerCallback):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--appliance", type=appliance_address, required=True, help="the appliance's control plane, HOST:PORT")
+    ap.add_argument("--appliance", type=appliance_address, required=True,
+                    help="the appliance's control plane, HOST:PORT")
     ap.add_argument("--secret-file", required=True, help="the shared control-plane secret")
     ap.add_argument("--restore", action="store_true", help="resume from the appliance's state")
     ap.add_argument("--steps", type=int, default=40, help="the Trainer's max_steps")

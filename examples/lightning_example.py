@@ -67,7 +67,8 @@ class Regressor(pl.LightningModule):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--appliance", type=appliance_address, required=True, help="the appliance's control plane, HOST:PORT")
+    ap.add_argument("--appliance", type=appliance_address, required=True,
+                    help="the appliance's control plane, HOST:PORT")
     ap.add_argument("--secret-file", required=True, help="the shared control-plane secret")
     ap.add_argument("--restore", action="store_true", help="resume from the appliance's state")
     ap.add_argument("--steps", type=int, default=40, help="the global step the fit ends at")

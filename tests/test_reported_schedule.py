@@ -129,7 +129,7 @@ def test_a_reported_schedule_is_followed_bit_for_bit(recipe):
             job.feed(step - 1)
             # the previous step's report went out at this step's start: keep the plane within its
             # max_meta_lag (beyond it an iteration is applied without its report: stale, by design)
-            assert wait_for(lambda: plane.replica.iterations_done >= step - 1)
+            assert wait_for(lambda step=step: plane.replica.iterations_done >= step - 1)
         job.link.close()
         want = job.want
         assert wait_for(lambda: 12 in seen), sorted(seen)

@@ -8,7 +8,14 @@ import functools
 import importlib
 
 import torch
-from mirrorckpt.config.training import CALLABLE_ARGS, GROUP_OPTIONS, LossScaleSpec, LRScheduleSpec, OptimizerSpec, SpecError
+from mirrorckpt.config.training import (
+    CALLABLE_ARGS,
+    GROUP_OPTIONS,
+    LossScaleSpec,
+    LRScheduleSpec,
+    OptimizerSpec,
+    SpecError,
+)
 
 
 def state_keys(spec: OptimizerSpec) -> tuple[str, ...]:

@@ -6,11 +6,12 @@
 
 A ``TrainerCallback`` attaches at ``on_train_begin``, when the Trainer has wrapped the model (DDP)
 and built the optimizer and scheduler: the wrapped model, the torch optimizer inside accelerate's
-wrapper, the scheduler (transformers' get_*_schedule_with_warmup: a LambdaLR of a
-functools.partial, reported step by step unless ``report_schedule=False`` asks an appliance whose
-``lambda_modules`` include ``transformers.optimization`` to rebuild it), accelerate's GradScaler, and ``args.max_grad_norm`` as
-``max_grad_norm`` (the link sees the Trainer's own clip on the gradients). The data position kept
-is the Trainer's own: its global step (and epoch), from which it skips the batches already seen.
+wrapper, the scheduler (transformers' get_*_schedule_with_warmup: a LambdaLR of a functools.partial,
+reported step by step unless ``report_schedule=False`` asks an appliance whose ``lambda_modules``
+include ``transformers.optimization`` to rebuild it), accelerate's GradScaler, and
+``args.max_grad_norm`` as ``max_grad_norm`` (the link sees the Trainer's own clip on the gradients).
+The data position kept is the Trainer's own: its global step (and epoch), from which it skips the
+batches already seen.
 
 ``restore=True`` pulls the appliance's state into the model and the Trainer's optimizer (built
 early with ``create_optimizer``, which the Trainer then keeps) and writes it as a Trainer
@@ -107,8 +108,8 @@ def restore_trainer(trainer, appliance: tuple[str, int], secret, *, allow_behind
     import numpy as np
     import torch
     import torch.distributed as dist
-    from transformers import TrainerState
     from mirrorckpt.control.link.restore import restore_from_appliance
+    from transformers import TrainerState
 
     optimizer = trainer.create_optimizer()  # the Trainer keeps an optimizer it already has
     optimizer = getattr(optimizer, "optimizer", optimizer)
