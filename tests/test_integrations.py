@@ -63,14 +63,21 @@ def plane_for(module: str):
                           lambda_modules=(module,)).start()
 
 
-def ask_fallback_then_compare(plane, params, optimizer, record):
+def ask_fallback(plane, link) -> None:
+    """Ask for a fallback and hold the training thread until the trainer's link has the request: on
+    a loaded machine it could otherwise arrive after the job's last step, and never complete."""
+    assert plane.request_fallback("test")
+    assert wait_for(lambda: link().fallback_pending)
+
+
+def ask_fallback_then_compare(plane, params, optimizer, record, link):
     """A hook for the loop's step ends: ask for a fallback at step 3; record the trainer's state
     hash at each step so the rebuilt replica can be compared with the same step."""
     def at_step(step: int):
         ps, os_ = state_sha256(params(), optimizer())
         record[step] = (ps, os_, optimizer().param_groups[0]["lr"])
         if step == 3:
-            assert plane.request_fallback("test")
+            ask_fallback(plane, link)
     return at_step
 
 
@@ -106,12 +113,12 @@ def test_lightning_fit_with_its_clip_and_a_step_scheduler_is_followed():
     try:
         torch.manual_seed(0)
         model = Net()
+        cb = MirrorckptCallback(("127.0.0.1", plane.port), SECRET, connect_timeout=10, parts=2, fingerprint_every=0)
         at_step = ask_fallback_then_compare(plane, lambda: list(model.parameters()),
-                                            lambda: model.trainer.optimizers[0], record)
+                                            lambda: model.trainer.optimizers[0], record, lambda: cb.link)
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=14, gradient_clip_val=0.05, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[MirrorckptCallback(("127.0.0.1", plane.port), SECRET, connect_timeout=10,
-                                                           parts=2, fingerprint_every=0)])
+                             callbacks=[cb])
         trainer.fit(model, torch.utils.data.DataLoader(dataset(), batch_size=16))
         assert wait_for(lambda: plane.stats.fallbacks_done == 1), plane.stats
         step, state = replica_state(plane)
@@ -147,7 +154,7 @@ def lightning_fit(pl, plane, steps: int, record: dict, restore: bool = False, fa
             record[t.global_step] = (ps, os_, t.optimizers[0].param_groups[0]["lr"], t.current_epoch, batch_idx,
                                      float(batch[0].sum()), hash(torch.get_rng_state().numpy().tobytes()))
             if t.global_step == fallback_at:
-                assert plane.request_fallback("test")
+                ask_fallback(plane, lambda: cb.link)
 
     torch.manual_seed(0)
     model = Net()
@@ -204,7 +211,7 @@ def test_hf_trainer_with_its_default_warmup_schedule_and_clip_is_followed(tmp_pa
         trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
         at_step = ask_fallback_then_compare(plane, lambda: list(model.parameters()),
                                             lambda: getattr(trainer.optimizer, "optimizer", trainer.optimizer),
-                                            record)
+                                            record, lambda: cb.link)
         cb = attach_trainer(trainer, ("127.0.0.1", plane.port), SECRET, connect_timeout=10, parts=2,
                             fingerprint_every=0, report_schedule=False)  # rebuilt: the plane imports transformers
         trainer.add_callback(AtStep())
@@ -232,7 +239,7 @@ def hf_train(transformers, plane, tmp_path, record: dict, stop_at: int = 14, res
             record[state.global_step] = (ps, os_, opt.param_groups[0]["lr"], round(state.epoch, 6),
                                          hash(torch.get_rng_state().numpy().tobytes()))
             if state.global_step == fallback_at:
-                assert plane.request_fallback("test")
+                ask_fallback(plane, lambda: cb.link)
             control.should_training_stop = state.global_step >= stop_at
 
     torch.manual_seed(0)
@@ -321,7 +328,7 @@ def titan_loop(plane, record: dict, *, stop_at: int, restore: bool = False, fall
                             hash(torch.get_rng_state().numpy().tobytes()))
             if step == fallback_at:  # once the plane took this run's registration (a re-arm ends a fallback)
                 assert wait_for(lambda: plane.stats.rearms == 1)
-                assert plane.request_fallback("test")
+                ask_fallback(plane, lambda: link)
             if step == stop_at:
                 break
     link.close()
