@@ -5,7 +5,10 @@ and failure draws, and the mirror loses at most one iteration per failure plus i
 
 from __future__ import annotations
 
+import pytest
 from mirrorckpt.benchmarks import bench_goodput
+
+pytestmark = pytest.mark.alone  # wall times compared with a model: nothing else may share the cores
 
 STEPS, EVERY, MTBF, SEED = 40, 8, 1.5, 6  # seed 6: failures at 1.04, 1.31 and 2.22 s, all inside the run
 
