@@ -552,6 +552,7 @@ class AppliancePlane:
                 return
             rep, rb, want, v = got
             self._install(rep, rb)
+            self.fallbacks.completed()
             if self.app.persister is not None:
                 self.app.persister.mark_verified(rep.iterations_done, want.words, source="gockpt", numeric=v.record())
 

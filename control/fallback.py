@@ -137,5 +137,9 @@ class FallbackController:
             self.retry(f"rebuild to step {rb.final_step} differs from the trainer in {diff[0]}")
             return None
         self.current = None
-        self.stats.fallbacks_done += 1
         return rep, rb, want, v
+
+    def completed(self) -> None:
+        """Counted once the rebuilt replica is installed: a reader of the stats never sees a fallback
+        done while the old replica is still in place."""
+        self.stats.fallbacks_done += 1

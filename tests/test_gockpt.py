@@ -83,6 +83,7 @@ def run_fallback(plane, job, max_steps=60):
     assert plane.replica.iterations_done == 0
     job.step()
     assert plane.request_fallback("test")
+    assert wait_for(lambda: job.link.fallback_pending)  # a late request on a loaded machine is not a lost one
     for _ in range(max_steps):
         job.step()
         time.sleep(0.01)  # let the control plane move (the hooks never wait for it)

@@ -110,6 +110,8 @@ def fallback_job(plane, opt_kw: dict, steps: int = 12):
     train(link, model, opt, shard, 1)
     assert wait_for(lambda: plane.replica is not None)
     plane.request_fallback("test")
+    # on a loaded machine the request could reach the link after the last step: the fallback never ran
+    assert wait_for(lambda: link.fallback_pending)
     for _ in range(steps):
         train(link, model, opt, shard, 1)
         if plane.stats.fallbacks_done:
