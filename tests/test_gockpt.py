@@ -382,6 +382,7 @@ def test_retries_are_bounded_and_end_in_a_clear_error_state(monkeypatch, caplog)
         assert wait_for(lambda: plane.replica is not None)
         job.step()
         assert plane.request_fallback("test")
+        assert wait_for(lambda: job.link.fallback_pending)
         for _ in range(80):
             job.step()
             time.sleep(0.01)

@@ -151,6 +151,7 @@ def test_a_fallback_with_a_reported_schedule_rebuilds_the_trainers_state():
             job.step(step)
             if step == 1:
                 assert plane.request_fallback("test")
+                assert wait_for(lambda: job.link.fallback_pending)  # not reaching the link after step 9
             if plane.stats.fallbacks_done:
                 break
         job.link.close()
