@@ -44,6 +44,15 @@ def replica_digest(r) -> dict:
             "rng": hashlib.sha256(r.rng["torch"].numpy().tobytes()).hexdigest(), "data": r.data_position}
 
 
+def recording_plane(secret: str) -> tuple[AppliancePlane, dict[int, dict]]:
+    """A started plane (2-part fallbacks, fingerprints every 2 steps) and the replica's digest at each
+    step it applies, by step."""
+    states: dict[int, dict] = {}
+    plane = AppliancePlane(secret, parts=2, fingerprint_every=2, fallback_timeout=60,
+                           on_iteration=lambda _i, r: states.__setitem__(r.iterations_done, replica_digest(r))).start()
+    return plane, states
+
+
 class Job:
     """A plain (single-process) training job: the hooks do not need a process group."""
 

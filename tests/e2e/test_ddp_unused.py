@@ -10,9 +10,8 @@ from __future__ import annotations
 import functools
 
 import common
-from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.tools.testbed import harness
-from test_gockpt import replica_digest
+from test_gockpt import recording_plane
 
 SECRET = "unused-secret-0123456789abcdef"
 WORLD = 2
@@ -22,9 +21,7 @@ wait_for = functools.partial(common.wait_for, timeout=60.0)
 
 
 def test_find_unused_parameters_is_followed_bit_for_bit(tmp_path):
-    states: dict[int, dict] = {}
-    plane = AppliancePlane(SECRET, parts=2, fingerprint_every=2, fallback_timeout=60,
-                           on_iteration=lambda _i, r: states.__setitem__(r.iterations_done, replica_digest(r))).start()
+    plane, states = recording_plane(SECRET)
     frames, follower = harness.followed(plane, WORLD)
     run = tmp_path / "run"
     try:

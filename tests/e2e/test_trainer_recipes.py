@@ -11,9 +11,8 @@ from __future__ import annotations
 import functools
 
 import common
-from mirrorckpt.control.appliance_side import AppliancePlane
 from mirrorckpt.tools.testbed import harness
-from test_gockpt import replica_digest
+from test_gockpt import recording_plane
 
 SECRET = "recipes-secret-0123456789abcdef"
 WORLD = 2
@@ -23,9 +22,7 @@ wait_for = functools.partial(common.wait_for, timeout=60.0)
 
 
 def test_clip_accumulation_and_data_loader_followed_and_resumed(tmp_path):
-    states: dict[int, dict] = {}
-    plane = AppliancePlane(SECRET, parts=2, fingerprint_every=2, fallback_timeout=60,
-                           on_iteration=lambda _i, r: states.__setitem__(r.iterations_done, replica_digest(r))).start()
+    plane, states = recording_plane(SECRET)
     frames, follower = harness.followed(plane, WORLD)
     run = tmp_path / "run"
     try:
