@@ -397,6 +397,7 @@ def started(link: TrainerLink, restored: Restored | None, connect_timeout: float
     if restored is not None:
         link.iterations_done = restored.iterations_done
         link.restored = restored
-    if connect_timeout and link.client is not None:
-        link.client.wait_connected(connect_timeout)
+    if connect_timeout and link.client is not None and not link.client.wait_connected(connect_timeout):
+        log.warning("the appliance did not answer within %g s: training goes on unprotected until it does "
+                    "(the link keeps trying and registers the job when it connects)", connect_timeout)
     return link

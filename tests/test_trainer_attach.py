@@ -351,3 +351,14 @@ def test_a_clip_attach_was_not_told_of_or_that_is_no_scaling_is_an_error(caplog)
         assert any("no single float32 factor" in s for s in said), said
     finally:
         plane.stop()
+
+
+def test_an_appliance_that_does_not_answer_at_attach_is_said(caplog):
+    """A stopped appliance: attach returns after connect_timeout (training must not stop for it) and
+    says the job trains unprotected."""
+    model = build_model(DIMS, 3)
+    link = attach(model, adamw(model), appliance=("127.0.0.1", free_port()), secret=SECRET, connect_timeout=0.5)
+    try:
+        assert "training goes on unprotected" in caplog.text
+    finally:
+        link.close()
