@@ -63,9 +63,12 @@ def plane_for(module: str):
                           lambda_modules=(module,)).start()
 
 
-def ask_fallback(plane, link) -> None:
+def ask_fallback(plane, link, rearms: int = 0) -> None:
     """Ask for a fallback and hold the training thread until the trainer's link has the request: on
-    a loaded machine it could otherwise arrive after the job's last step, and never complete."""
+    a loaded machine it could otherwise arrive after the job's last step, and never complete. A
+    plane that saw an earlier run must have taken this run's registration first (``rearms``): a
+    re-arm ends a fallback asked for before it."""
+    assert wait_for(lambda: plane.stats.rearms == rearms), plane.stats
     assert plane.request_fallback("test")
     assert wait_for(lambda: link().fallback_pending)
 
@@ -154,7 +157,7 @@ def lightning_fit(pl, plane, steps: int, record: dict, restore: bool = False, fa
             record[t.global_step] = (ps, os_, t.optimizers[0].param_groups[0]["lr"], t.current_epoch, batch_idx,
                                      float(batch[0].sum()), hash(torch.get_rng_state().numpy().tobytes()))
             if t.global_step == fallback_at:
-                ask_fallback(plane, lambda: cb.link)
+                ask_fallback(plane, lambda: cb.link, rearms=1)  # the uninterrupted run registered first
 
     torch.manual_seed(0)
     model = Net()
@@ -239,7 +242,7 @@ def hf_train(transformers, plane, tmp_path, record: dict, stop_at: int = 14, res
             record[state.global_step] = (ps, os_, opt.param_groups[0]["lr"], round(state.epoch, 6),
                                          hash(torch.get_rng_state().numpy().tobytes()))
             if state.global_step == fallback_at:
-                ask_fallback(plane, lambda: cb.link)
+                ask_fallback(plane, lambda: cb.link, rearms=1)  # the uninterrupted run registered first
             control.should_training_stop = state.global_step >= stop_at
 
     torch.manual_seed(0)
@@ -327,8 +330,7 @@ def titan_loop(plane, record: dict, *, stop_at: int, restore: bool = False, fall
             record[step] = (ps, os_, opt.param_groups[0]["lr"], float(x.sum()),
                             hash(torch.get_rng_state().numpy().tobytes()))
             if step == fallback_at:  # once the plane took this run's registration (a re-arm ends a fallback)
-                assert wait_for(lambda: plane.stats.rearms == 1)
-                ask_fallback(plane, lambda: link)
+                ask_fallback(plane, lambda: link, rearms=1)
             if step == stop_at:
                 break
     link.close()
