@@ -165,6 +165,8 @@ def test_sharded_job_attached_over_the_control_plane(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(serve_toml)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     initial = dict(build_model(MODEL, seed=cfg.seed).named_parameters())
+    seed = _flat(job.out / "seed")
+    assert all(torch.equal(seed[f"model.{k}"], v) for k, v in initial.items()), "REGISTER weights differ from the seed"
     clients = []
     truth = json.loads((job.out / "truth.json").read_text())["groups"]
     try:
@@ -185,8 +187,21 @@ def test_sharded_job_attached_over_the_control_plane(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     sel = restore.select(root, verify_data=True)
     assert sel.path == root / ckptdir.step_dirname(STEPS) and not sel.problems, (sel.problems, err[-2000:])
-    want = job.state()
-    md = ckptdir.dcp_module().FileSystemReader(sel.path).read_metadata()
-    got = restore._read_flat(sel.path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
-    for k, v in want.items():
-        assert torch.equal(got[k], v), k
+    got = _flat(sel.path)
+    wrong = {k: (float((got[k] - v).abs().max()), int((got[k] != v).sum())) for k, v in job.state().items()
+             if not torch.equal(got[k], v)}
+    if wrong:  # which committed step first left the trainer's parameters, and what the appliance said
+        steps = {}
+        for d in sorted(root.glob("step-*")):
+            s = ckptdir.parse_step(d.name)
+            if s < STEPS:
+                ours = {k[6:]: tensor_sha256(t) for k, t in _flat(d).items() if k.startswith("model.")}
+                steps[s] = sorted(n for n, h in job.params[s].items() if ours.get(n) != h)
+        said = [line for line in err.splitlines() if '"warning"' in line or '"error"' in line]
+        raise AssertionError(f"differs from the trainer (max |diff|, elements): {wrong}; earlier committed steps' "
+                             f"differing parameters: {steps}; the appliance's warnings: {said[-20:]}")
+
+
+def _flat(path: Path) -> dict:
+    md = ckptdir.dcp_module().FileSystemReader(path).read_metadata()
+    return restore._read_flat(path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
