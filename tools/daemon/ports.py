@@ -151,8 +151,9 @@ class PortMonitor:
         now, out = time.monotonic(), []
         for port in range(self.nports):
             where = f"port {self.labels[port]} ({self.sources[port]})"
-            if self.damage.get(port):
-                out.append(f"capture on {where} failed: {self.damage[port]}")
+            if port in self.damage:  # a source that ended is not a silent mirror (a file read to its end)
+                if self.damage[port]:
+                    out.append(f"capture on {where} failed: {self.damage[port]}")
                 continue
             if port not in self._roce_at:
                 continue  # not capturing yet
