@@ -30,24 +30,30 @@ import numpy as np
 
 PMTU = {"LL": 1024, "LL128": 4096, "Simple": 4096}
 WIRE_PER_BYTE = {"LL": 2.0, "LL128": 2048 / 1920, "Simple": 1.0}  # wire bytes per user byte
-LINK_GBps = 100 / 8  # a 100 Gbit/s mirror port
-# FlowCheck's Fig. 10 jobs: parameters, bf16 gradients, 8 data-parallel ranks.
-FIG10 = {"GPT-3 1.3B": 1.3e9, "Llama2-7B": 6.74e9}
+PORTS_Gbit = (100, 400)  # mirror ports the cores are counted for
+# FlowCheck's Fig. 10 jobs (parameters, bf16 gradients) and a 70B one, on 8 and 64 data-parallel ranks.
+FIG10 = {"GPT-3 1.3B": 1.3e9, "Llama2-7B": 6.74e9, "Llama2-70B": 6.9e10}
+FIG10_RANKS = (8, 64)
 
 
-def fig10(rates: dict[str, float], ranks: int = 8, grad_bytes: int = 2) -> list[dict]:
-    """Per job and protocol: capture bytes one mirrored port carries per iteration (a rank's egress
-    of a ring all-reduce: 2 (R-1)/R of the gradient, in wire bytes), the processing time per
-    iteration on one core at the measured rate, and the cores that keep up with the port."""
-    out = []
+def fig10(rates: dict[str, float], grad_bytes: int = 2) -> dict:
+    """From the per-core rates (GB of capture per CPU second, by protocol): ``cores``, the cores
+    that keep up with a port at line rate, per protocol and port speed; ``jobs``, per job, ranks and
+    protocol, the bytes one mirrored port carries per iteration (a rank's egress of a ring
+    all-reduce: 2 (R-1)/R of the gradient, in wire bytes), their time on the wire at each port
+    speed, and their processing time on one core."""
+    cores = [{"protocol": p, "GB_per_cpu_second": r,
+              "cores": {str(g): g / 8 / r for g in PORTS_Gbit}} for p, r in rates.items()]
+    jobs = []
     for job, params in FIG10.items():
-        user = 2 * (ranks - 1) / ranks * params * grad_bytes
-        for proto, rate in rates.items():
-            wire = user * WIRE_PER_BYTE[proto]
-            out.append({"job": job, "protocol": proto, "port_GB_per_iteration": wire / 1e9,
-                        "seconds_one_core": wire / (rate * 1e9), "wire_seconds": wire / (LINK_GBps * 1e9),
-                        "cores_for_line_rate": LINK_GBps / rate})
-    return out
+        for ranks in FIG10_RANKS:
+            user = 2 * (ranks - 1) / ranks * params * grad_bytes
+            for proto, rate in rates.items():
+                wire = user * WIRE_PER_BYTE[proto]
+                jobs.append({"job": job, "ranks": ranks, "protocol": proto, "port_GB_per_iteration": wire / 1e9,
+                             "seconds_one_core": wire / (rate * 1e9),
+                             "wire_seconds": {str(g): wire / (g / 8 * 1e9) for g in PORTS_Gbit}})
+    return {"cores": cores, "jobs": jobs}
 
 
 def memcpy_GBps(nbytes: int = 256 << 20, repeat: int = 5) -> float:

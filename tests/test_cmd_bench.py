@@ -65,3 +65,21 @@ def test_unrecorded_command_is_said_and_failed_sections_keep_their_error():
     md = render({"stall": stall, "capture": {"error": "RuntimeError: no interface"}}, info)
     assert _tables_are_captioned(md, "*X, 2 cores · `command not recorded` · 2026-01-01T00:00:00*") == 1
     assert "RuntimeError: no interface" in md
+
+
+def test_fig10_counts_cores_per_port_speed_and_the_bytes_of_each_job():
+    from mirrorckpt.benchmarks.bench_e2e import FIG10, FIG10_RANKS, fig10
+
+    fig = fig10({"Simple": 2.5, "LL": 1.25})
+    cores = {c["protocol"]: c["cores"] for c in fig["cores"]}
+    assert cores["Simple"] == {"100": 5.0, "400": 20.0} and cores["LL"]["400"] == 40.0  # 50 GB/s at 1.25 per core
+    assert len(fig["jobs"]) == len(FIG10) * len(FIG10_RANKS) * 2
+    row = next(j for j in fig["jobs"] if j["job"] == "Llama2-7B" and j["ranks"] == 64 and j["protocol"] == "LL")
+    user = 2 * 63 / 64 * 6.74e9 * 2  # bf16 gradient bytes in one rank's egress
+    assert abs(row["port_GB_per_iteration"] - 2 * user / 1e9) < 1e-9  # LL: 8 wire bytes per 4 of data
+    assert abs(row["wire_seconds"]["400"] * 50e9 - 2 * user) < 1
+    assert abs(row["seconds_one_core"] - 2 * user / 1.25e9) < 1e-9
+    doc = json.loads((Path(__file__).parents[1] / "BENCHMARKS.json").read_text())
+    doc["results"]["e2e"]["fig10"] = fig
+    text = render({"e2e": doc["results"]["e2e"]}, doc["machine"])
+    assert "| LL | 1.25 | 10.0 | 40.0 |" in text and "| Llama2-70B | 64 | Simple |" in text

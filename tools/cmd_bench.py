@@ -418,14 +418,29 @@ def _render_e2e(name, r) -> list[str]:
         for steps, x in m:
             lines.append(f"| {steps} steps, {x['bytes'] / 1e6:.0f} MB | {x['peak_rss_MB']:.0f} | "
                          f"{'yes' if x['exact'] else 'NO'} |")
-    lines += ["", "FlowCheck's Fig. 10 for this appliance, from the rates per CPU second above: 8 data-parallel "
-              "ranks, bf16 gradients, one mirrored port (a rank's egress carries 2·7/8 of the gradient per "
-              "iteration, in wire bytes of the protocol) at 100 Gbit/s.", "",
-              "| job | protocol | GB on the port per iteration | on the wire at 100 Gbit/s, s | processing on one "
-              "core, s | cores to keep up |", "|---|---|---|---|---|---|"]
-    for f in r.get("fig10", []):
-        lines.append(f"| {f['job']} | {f['protocol']} | {f['port_GB_per_iteration']:.1f} | {f['wire_seconds']:.2f} | "
-                     f"{f['seconds_one_core']:.1f} | {f['cores_for_line_rate']:.1f} |")
+    fig = r.get("fig10")
+    if isinstance(fig, dict) and fig.get("cores"):
+        ports = list(fig["cores"][0]["cores"])
+        lines += ["", "FlowCheck's Fig. 10 for this appliance, from the rates per CPU second above (bf16 gradients; a "
+                  "mirrored port carries one rank's egress of the ring all-reduce, 2 (R-1)/R of the gradient per "
+                  "iteration in the protocol's wire bytes). Cores that keep up with a port at line rate, one "
+                  "worker's pipeline per core at the measured rate:", "",
+                  "| protocol | GB per CPU second | " + " | ".join(f"cores for {g} Gbit/s" for g in ports) + " |",
+                  "|---|---|" + "---|" * len(ports)]
+        for c in fig["cores"]:
+            lines.append(f"| {c['protocol']} | {c['GB_per_cpu_second']:.2f} | " +
+                         " | ".join(f"{c['cores'][g]:.1f}" for g in ports) + " |")
+        lines += ["", "Per job: the bytes on the port per iteration, their time on the wire, and their processing "
+                  "time on one core (its ratio to the wire time is the cores above). NCCL's tuner picks Simple (or "
+                  "LL128 where it is enabled) for DDP's 25 MB buckets; the LL rows price the same bytes in LL's form:",
+                  "",
+                  "| job | DP ranks | protocol | GB on the port per iteration | " +
+                  " | ".join(f"on the wire at {g} Gbit/s, s" for g in ports) + " | processing on one core, s |",
+                  "|---|---|---|---|" + "---|" * len(ports) + "---|"]
+        for f in fig["jobs"]:
+            lines.append(f"| {f['job']} | {f['ranks']} | {f['protocol']} | {f['port_GB_per_iteration']:.1f} | " +
+                         " | ".join(f"{f['wire_seconds'][g]:.2f}" for g in ports) +
+                         f" | {f['seconds_one_core']:.1f} |")
     return lines
 
 
