@@ -1,0 +1,114 @@
+"""One sharded job followed by two `mirrorckpt serve` processes, one per appliance ([joint]): a
+generated FSDP2 HSDP job with global-norm clipping, each appliance's serve following its own
+group's ring from its own job file; the two agree on every iteration's global norm through their
+process group's store and write one joint checkpoint equal to the trainer's state. A job file
+whose [[ring]] is another appliance's group, and an appliance whose peer never joins, are refused
+in words."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mirrorckpt.config.jobfile import dump_job, load_job
+from mirrorckpt.config.training import ClipSpec, OptimizerSpec, TrainingSpec
+from mirrorckpt.tools.generator.sharded_wire import ShardedWireConfig, generate_sharded_wire
+from mirrorckpt.tools.testbed.harness import free_port
+from mirrorckpt.updater import ckptdir, restore
+from mirrorckpt.updater.manifest import read_manifest
+
+MODEL = "mlp:16,33,8"
+STEPS = 3
+CLIPPED = TrainingSpec(optimizer=OptimizerSpec(name="adam", lr=0.01), clip=ClipSpec(max_norm=0.05))
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    cfg = ShardedWireConfig(scheme="hsdp", ranks=2, shard=2, model=MODEL, steps=STEPS, protocol="Simple",
+                            training=CLIPPED, seed=4)
+    return generate_sharded_wire(cfg, tmp_path_factory.mktemp("joint") / "gen")
+
+
+def appliance_file(job, tmp: Path, appliance: str, address: str, groups: list[str], root: Path) -> Path:
+    """The generated job file cut to ``groups``' [[ring]]s, as appliance ``appliance``'s serve."""
+    cfg = load_job(job.out / "job.toml")
+    cfg = dataclasses.replace(cfg, rings=[rc for rc in cfg.rings if rc.group in groups],
+                              shards_path=str(job.out / "shards.json"),
+                              joint={"appliance": appliance, "address": address, "timeout_seconds": 60},
+                              persist={"directory": str(root)})
+    path = tmp / f"{appliance}.toml"
+    path.write_text(dump_job(cfg))
+    return path
+
+
+def serve(path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def logs(err: str) -> list[dict]:
+    return [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+
+
+def test_two_appliances_write_one_joint_checkpoint_with_global_norm_clipping(job, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    root = tmp_path / "ck"
+    names = {g.appliance: g.name for g in job.layout.groups}
+    assert len(names) == 2
+    procs = {a: serve(appliance_file(job, tmp_path, a, address, [g], root)) for a, g in names.items()}
+    out = {}
+    try:
+        for a, p in procs.items():
+            out[a] = p.communicate(timeout=180)[1]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    for a, p in procs.items():
+        assert p.returncode == 0, (a, out[a][-3000:])
+        records = logs(out[a])
+        stopped = [r for r in records if r["msg"] == "appliance stopped"]
+        assert [r["ring"] for r in stopped] == [names[a]]  # each serve followed its own group alone
+        assert stopped[0]["iterations_applied"] == STEPS and stopped[0]["iterations_incomplete"] == 0
+        assert any(r["msg"].startswith("at stop the job was protected") for r in records), out[a][-2000:]
+    # the global norm was above max_norm every step: a replica that did not clip by it would differ
+    norms = json.loads((job.out / "truth.json").read_text())["grad_norms"]
+    assert len(norms) == STEPS and min(norms) > CLIPPED.clip.max_norm
+    sel = restore.select(root, verify_data=True)
+    assert sel.path == root / ckptdir.step_dirname(STEPS) and not sel.problems, sel.problems
+    m = read_manifest(sel.path)
+    assert m["joint"]["appliances"] == 2 and m["joint"]["shards"] == job.layout.to_dict()
+    md = ckptdir.dcp_module().FileSystemReader(sel.path).read_metadata()
+    got = restore._read_flat(sel.path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
+    want = job.state()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_a_ring_of_another_appliance_is_refused(job, tmp_path):
+    g0 = job.layout.groups[0]
+    other = next(g for g in job.layout.groups if g.appliance != g0.appliance)
+    path = appliance_file(job, tmp_path, g0.appliance, f"127.0.0.1:{free_port()}", [g0.name, other.name],
+                          tmp_path / "ck")
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert (f"[[ring]] #2 group: {other.name!r} is followed by appliance {other.appliance!r} in shards.json, not "
+            f"by this serve's [joint] appliance {g0.appliance!r}") in res.stderr, res.stderr[-2000:]
+
+
+def test_a_peer_that_never_joins_is_not_protected(job, tmp_path):
+    g0 = job.layout.groups[0]
+    path = appliance_file(job, tmp_path, g0.appliance, f"127.0.0.1:{free_port()}", [g0.name], tmp_path / "ck")
+    path.write_text(path.read_text().replace("timeout_seconds = 60", "timeout_seconds = 2"))
+    res = subprocess.run([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--config", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "job NOT PROTECTED: the appliances' process group at 127.0.0.1:" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "ck").exists() or not ckptdir.step_dirs(tmp_path / "ck")
