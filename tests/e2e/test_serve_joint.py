@@ -3,7 +3,8 @@ generated FSDP2 HSDP job with global-norm clipping, each appliance's serve follo
 group's ring from its own job file; the two agree on every iteration's global norm through their
 process group's store and write one joint checkpoint equal to the trainer's state. A job file
 whose [[ring]] is another appliance's group, and an appliance whose peer never joins, are refused
-in words."""
+in words. With [control] each appliance's plane takes its group's registration and the trainer's
+coefficients."""
 
 from __future__ import annotations
 
@@ -34,15 +35,20 @@ def job(tmp_path_factory):
     return generate_sharded_wire(cfg, tmp_path_factory.mktemp("joint") / "gen")
 
 
-def appliance_file(job, tmp: Path, appliance: str, address: str, groups: list[str], root: Path) -> Path:
-    """The generated job file cut to ``groups``' [[ring]]s, as appliance ``appliance``'s serve."""
+def appliance_file(job, tmp: Path, appliance: str, address: str, groups: list[str], root: Path,
+                   control: dict | None = None, ports: dict | None = None) -> Path:
+    """The generated job file cut to ``groups``' [[ring]]s, as appliance ``appliance``'s serve; with
+    ``control`` (and each group's plane port) the trainer registers the layout and initial state."""
     cfg = load_job(job.out / "job.toml")
-    cfg = dataclasses.replace(cfg, rings=[rc for rc in cfg.rings if rc.group in groups],
-                              shards_path=str(job.out / "shards.json"),
-                              joint={"appliance": appliance, "address": address, "timeout_seconds": 60},
-                              persist={"directory": str(root)})
+    rings = [dataclasses.replace(rc, listen=f"127.0.0.1:{ports[rc.group]}" if ports else None)
+             for rc in cfg.rings if rc.group in groups]
+    joint = {"appliance": appliance, "address": address, "timeout_seconds": 60}
+    changes = dict(rings=rings, shards_path=str(job.out / "shards.json"), joint=joint, persist={"directory": str(root)})
+    if control is not None:
+        joint.update(rank=job.layout.appliances.index(appliance), world=len(job.layout.appliances))
+        changes.update(shards_path="", initial=None, control=control)
     path = tmp / f"{appliance}.toml"
-    path.write_text(dump_job(cfg))
+    path.write_text(dump_job(dataclasses.replace(cfg, **changes)))
     return path
 
 
@@ -112,3 +118,53 @@ def test_a_peer_that_never_joins_is_not_protected(job, tmp_path):
     assert res.returncode == 1, res.stderr[-2000:]
     assert "job NOT PROTECTED: the appliances' process group at 127.0.0.1:" in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "ck").exists() or not ckptdir.step_dirs(tmp_path / "ck")
+
+
+def test_two_appliances_attached_over_the_control_plane(job, tmp_path):
+    """With [control] and no layout in the job files ([joint] gives rank and world): each group's
+    trainer registers at its appliance's plane and reports the clipping coefficient it applied;
+    one joint checkpoint equal to the trainer's state."""
+    from mirrorckpt.control import messages as m
+    from mirrorckpt.control.endpoint import ControlClient
+    from mirrorckpt.tools.generator.models import build_model
+    from mirrorckpt.tools.testbed.joint import register_message
+    from mirrorckpt.updater.shard_clip import clip_coefficient
+
+    secret = "serve-joint-secret-0123456789abcdef"
+    (tmp_path / "secret").write_text(secret)
+    address, root = f"127.0.0.1:{free_port()}", tmp_path / "ck"
+    ports = {g.name: free_port() for g in job.layout.groups}
+    procs = {}
+    control = {"secret_file": str(tmp_path / "secret")}
+    for g in job.layout.groups:
+        procs[g.appliance] = serve(appliance_file(job, tmp_path, g.appliance, address, [g.name], root, control, ports))
+    initial = {k: v.detach() for k, v in build_model(MODEL, seed=job.cfg.seed).named_parameters()}
+    truth = json.loads((job.out / "truth.json").read_text())
+    coefs = [float(clip_coefficient(torch.tensor(n, dtype=torch.float32), CLIPPED.clip.max_norm))
+             for n in truth["grad_norms"]]
+    clients, out = [], {}
+    try:
+        for name, port in ports.items():
+            cli = ControlClient("127.0.0.1", port, secret, backoff_max=0.2).start()
+            clients.append(cli)
+            assert cli.wait_connected(60), f"plane of {name} not reachable"
+            cli.send(register_message(job.layout, name, initial, CLIPPED.to_dict()))
+            for it, norm, coef in zip(truth["groups"][name]["iterations"], truth["grad_norms"], coefs):
+                cli.send(m.make(m.STEP_META, step=it["step"], lr=it["lr"], loss_scale=None,
+                                clip={"total_norm": norm, "coef": coef}))
+        for a, p in procs.items():
+            out[a] = p.communicate(timeout=180)[1]
+    finally:
+        for cli in clients:
+            cli.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    for a, p in procs.items():
+        assert p.returncode == 0, (a, out[a][-3000:])
+    sel = restore.select(root, verify_data=True)
+    assert sel.path == root / ckptdir.step_dirname(STEPS) and not sel.problems, sel.problems
+    md = ckptdir.dcp_module().FileSystemReader(sel.path).read_metadata()
+    got = restore._read_flat(sel.path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
+    for k, v in job.state().items():
+        assert torch.equal(got[k], v), k

@@ -22,11 +22,13 @@ only when every appliance holds the step), the norms meet in its store
 last commit is the newest step all reached. A peer that never joins, or leaves, makes the job NOT
 PROTECTED in words; no partial checkpoint is ever committed.
 
-The job's verdict is its worst ring's; the endpoint serves the job's metrics and every ring's under a ``ring`` label (``metrics.with_rings``).
+The job's verdict is its worst ring's; the endpoint serves the job's metrics and every ring's
+under a ``ring`` label (``metrics.with_rings``).
 
 With ``[control]`` every gradient ring's group has a control plane of its own (``[[ring]]
 listen``, one ``AppliancePlane`` per group, as ``control.sharded_appliance`` has them): the
-trainer's sharded REGISTER brings the layout (every plane the same, every group followed here),
+trainer's sharded REGISTER brings the layout (every plane the same, every group followed here, or
+with [joint] every group of this appliance),
 the initial state or a fallback, and each step's metadata with the clipping coefficient it
 applied; the ring's sink hands the plane the group's slices, and the joint persister opens once
 every plane is registered.
