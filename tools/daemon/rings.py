@@ -28,10 +28,10 @@ under a ``ring`` label (``metrics.with_rings``).
 With ``[control]`` every gradient ring's group has a control plane of its own (``[[ring]]
 listen``, one ``AppliancePlane`` per group, as ``control.sharded_appliance`` has them): the
 trainer's sharded REGISTER brings the layout (every plane the same, every group followed here, or
-with [joint] every group of this appliance),
-the initial state or a fallback, and each step's metadata with the clipping coefficient it
-applied; the ring's sink hands the plane the group's slices, and the joint persister opens once
-every plane is registered.
+with [joint] every group of this appliance), the initial state or a fallback, and each step's
+metadata with the clipping coefficient it applied; the ring's sink hands the plane the group's
+slices, and the joint persister opens once every plane is registered (with [joint]: every
+appliance's).
 """
 
 from __future__ import annotations
