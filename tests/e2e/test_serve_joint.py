@@ -168,3 +168,32 @@ def test_two_appliances_attached_over_the_control_plane(job, tmp_path):
     got = restore._read_flat(sel.path, [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")], md)
     for k, v in job.state().items():
         assert torch.equal(got[k], v), k
+
+
+def test_a_peer_lost_while_following_is_not_protected(job, tmp_path):
+    """Appliance 1's serve (paced: its captures take ~40 s) is killed once both follow: appliance 0,
+    which already replayed its ring and waits for its peer's norms and rounds, says the group lost a
+    member, commits nothing partial and exits 1."""
+    address, root = f"127.0.0.1:{free_port()}", tmp_path / "ck"
+    first, second = job.layout.groups
+    paths = {g.appliance: appliance_file(job, tmp_path, g.appliance, address, [g.name], root) for g in (first, second)}
+    survivor = serve(paths[first.appliance])
+    doomed = subprocess.Popen([sys.executable, "-m", "mirrorckpt.tools.cli", "serve", "--pace", "0.00001",
+                               "--config", str(paths[second.appliance])],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in doomed.stderr:
+            if '"following 1 rings of one job"' in line:
+                break
+        doomed.kill()
+        doomed.wait(30)
+        err = survivor.communicate(timeout=120)[1]
+    finally:
+        for p in (survivor, doomed):
+            if p.poll() is None:
+                p.kill()
+    assert survivor.returncode == 1, err[-3000:]
+    said = [r for r in logs(err) if r["msg"].startswith("at stop the job was not protected") and "ring" not in r]
+    assert said and "the appliances' group lost a member" in said[0]["msg"], err[-3000:]
+    assert not list(root.glob(".partial*"))
+    assert not ckptdir.step_dirs(root) or not restore.select(root, verify_data=True).problems
