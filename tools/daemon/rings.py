@@ -329,6 +329,7 @@ class ShardedDaemon:
     def _joint_loop(self) -> None:
         """Rounds until every appliance is ending (its rings stopped): the last one commits the
         newest step all of them reached. Alone in its group, that is this process's last round."""
+        said = False
         while True:
             ending = self._rings_done.is_set()
             if self.joint is None and self._open_registered(ending) == "stop":
@@ -337,6 +338,10 @@ class ShardedDaemon:
                 self._round(ending)
                 if self.joint.stats.broken is not None or (ending and self.joint.all_ending):
                     return
+                if ending and not said:
+                    said = True
+                    log.info("this appliance's rings stopped; its joint rounds go on until every appliance's have "
+                             "(stopping it alone would break the others' joint checkpoints)")
             self._rings_done.wait(JOINT_S)
 
     # -- the verdict ------------------------------------------------------------------------------------
