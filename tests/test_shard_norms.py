@@ -8,8 +8,10 @@ is said, not waited on."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from mirrorckpt.tools.testbed.harness import free_port
@@ -69,17 +71,23 @@ def test_appliances_agree_on_the_in_process_coefficient():
     assert any(not torch.equal(swapped[("sh0", it)], want[("sh0", it)]) for it in range(ITERATIONS))
 
 
-def test_a_missing_norm_leaves_every_ring_without_a_coefficient():
-    master, client = stores(2)
-    across = {"appliance-0": StoreNormExchange(RINGS, MINE["appliance-0"], 0.5, 2.0, master),
-              "appliance-1": StoreNormExchange(RINGS, MINE["appliance-1"], 0.5, 2.0, client)}
+@pytest.mark.parametrize("where", ["across appliances", "in one process"])
+def test_a_missing_norm_leaves_every_ring_without_a_coefficient(where):
+    if where == "in one process":
+        across = {"one": NormExchange(RINGS, 0.5, 2.0)}
+    else:
+        master, client = stores(2)
+        across = {"appliance-0": StoreNormExchange(RINGS, MINE["appliance-0"], 0.5, 2.0, master),
+                  "appliance-1": StoreNormExchange(RINGS, MINE["appliance-1"], 0.5, 2.0, client)}
     norm = {(r, it): local_norm(grads(it)[r], 2.0) for r in RINGS for it in range(ITERATIONS)}
     plan = {
         "sh0": [(0, norm[("sh0", 0)]), (1, norm[("sh0", 1)]), (2, norm[("sh0", 2)]), (3, norm[("sh0", 3)])],
         "sh1": [(0, None), (2, norm[("sh1", 2)])],  # 0 incomplete, 1 skipped, ended before 3
         "sh2": [(0, norm[("sh2", 0)]), (1, norm[("sh2", 1)]), (2, norm[("sh2", 2)]), (3, norm[("sh2", 3)])],
     }
+    started = time.monotonic()
     got = run_rings(across, plan)
+    assert time.monotonic() - started < 5, "a ring waited out its 10 s timeout for a norm that never comes"
     for r in RINGS:
         assert got.get((r, 0)) is None and got.get((r, 1)) is None and got.get((r, 3)) is None, r
         assert got[(r, 2)] is not None

@@ -72,17 +72,23 @@ class NormExchange:
         self._cond = threading.Condition()
         self._norms: dict[int, dict[str, torch.Tensor | None]] = {}
         self._ended: set[str] = set()
+        self._latest: dict[str, int] = {}  # each ring's newest iteration given
         self._stopped = False
 
     def coefficient(self, ring: str, iteration: int, norm: torch.Tensor | None,
                     timeout: float | None = None) -> torch.Tensor | None:
         """Give ``ring``'s local norm of ``iteration`` (None: it has none) and wait for the others';
-        the clipping coefficient, or None when a ring gave none, ended, or the exchange stopped."""
+        the clipping coefficient, or None when a ring gave none, skipped the iteration (gave a later
+        one), ended, or the exchange stopped."""
         with self._cond:
             self._norms.setdefault(iteration, {})[ring] = norm
+            self._latest[ring] = iteration
             self._cond.notify_all()
-            ok = self._cond.wait_for(lambda: self._stopped or set(self._norms[iteration]) | self._ended >=
-                                     set(self.rings), timeout)
+
+            def settled(r: str) -> bool:
+                return r in self._norms[iteration] or r in self._ended or self._latest.get(r, -1) > iteration
+
+            ok = self._cond.wait_for(lambda: self._stopped or all(settled(r) for r in self.rings), timeout)
             got = self._norms[iteration]
             for old in [i for i in self._norms if i < iteration - 2]:
                 del self._norms[old]
