@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -53,6 +54,14 @@ class JointSaveError(RuntimeError):
     """A joint round failed; nothing was committed."""
 
 
+def said(e: BaseException) -> str:
+    """An error in one line for a log or a verdict, without gloo's source location
+    ("[.../pair.cc:553] Connection closed by peer ...")."""
+    text = str(e).strip()
+    first = re.sub(r"^\[[^\]\s]+:\d+\]\s*", "", text.splitlines()[0]) if text else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 def init_group(address: str, rank: int, world: int, timeout_s: float = 60.0):
     """Join the appliances' gloo process group: rank 0 hosts the TCPStore at ``address`` (host:port)."""
     import torch.distributed as dist
@@ -72,9 +81,8 @@ def join_group(address: str, rank: int, world: int, timeout_s: float = 60.0):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(f"the appliances' process group at {address} (rank {rank} of {world}) was not complete "
-                           f"within {timeout_s:g} s: {first}") from None
+                           f"within {timeout_s:g} s: {said(e)}") from None
     return store
 
 
@@ -345,7 +353,7 @@ class JointPersister:
             if isinstance(e, KeyboardInterrupt):
                 raise
             self.stats.failed += 1
-            self.stats.last_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.stats.last_error = said(e)
             if not isinstance(e, JointSaveError):
                 self.stats.broken = self.stats.last_error
             if self.coordinator and partial is not None:

@@ -436,10 +436,11 @@ class ShardedDaemon:
         """With [joint]: wait for every appliance before leaving, so the store (rank 0's) outlives
         every peer's last norm."""
         import torch.distributed as dist
+        from mirrorckpt.updater.joint import said
 
         if self.joint_cfg is None or self.group_error is not None or not dist.is_initialized():
             return
         try:
             dist.barrier()
         except RuntimeError as e:
-            self.group_error = f"an appliance left the group before the others stopped: {str(e).splitlines()[0]}"
+            self.group_error = f"an appliance left the group before the others stopped: {said(e)}"
