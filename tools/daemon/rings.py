@@ -188,7 +188,7 @@ class ShardedDaemon:
         try:
             store = join_group(j["address"], j["rank"], j["world"], self._timeout())
         except RuntimeError as e:
-            self.group_error = f"{e}; no joint checkpoint and no global norm without every appliance"
+            self.group_error = f"{e} (every appliance's serve joins it before following its rings)"
             return False
         if self.clip is not None:
             self.clip.connect(store)
@@ -356,7 +356,8 @@ class ShardedDaemon:
         protected = None if any(s is None for s in steps) else min(steps)
         step, _ = self.committed
         if worst == PROTECTED:
-            reason = f"every ring's replica shard follows its mirror ({len(by)} rings)" + \
+            whose = f" of appliance {self.joint_cfg['appliance']}" if self.joint_cfg else ""
+            reason = f"every ring's replica shard follows its mirror ({len(by)} rings{whose})" + \
                 (f"; joint checkpoint of step {step}" if step is not None else "")
         else:
             reason = "; ".join(f"ring {n}: {v.reason}" for n, v in by.items() if v.state != PROTECTED)
