@@ -198,3 +198,18 @@ def test_a_peer_lost_while_following_is_not_protected(job, tmp_path):
     assert ".cc:" not in said[0]["msg"]  # gloo's source location is not the operator's business
     assert not list(root.glob(".partial*"))
     assert not ckptdir.step_dirs(root) or not restore.select(root, verify_data=True).problems
+
+
+def test_appliances_that_do_not_share_the_checkpoint_directory_are_refused(job, tmp_path):
+    """Each appliance's [persist] directory a different one (no shared filesystem): both say which
+    appliance does not see rank 0's directory, NOT PROTECTED, before following anything."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = {g.appliance: serve(appliance_file(job, tmp_path, g.appliance, address, [g.name], tmp_path / g.appliance))
+             for g in job.layout.groups}
+    out = {a: p.communicate(timeout=120)[1] for a, p in procs.items()}
+    for a, p in procs.items():
+        assert p.returncode == 1, out[a][-2000:]
+        assert ("job NOT PROTECTED: [persist] directory: appliance rank(s) [1] do not see the directory of rank 0's"
+                in out[a]), out[a][-2000:]
+        assert not any(r["msg"] == "following 1 rings of one job" for r in logs(out[a]))
+    assert not list((tmp_path / job.layout.appliances[0]).iterdir())  # the probe is gone

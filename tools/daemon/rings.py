@@ -190,9 +190,46 @@ class ShardedDaemon:
         except RuntimeError as e:
             self.group_error = f"{e} (every appliance's serve joins it before following its rings)"
             return False
+        self.group_error = self._disagreement()
+        if self.group_error is not None:
+            return False
         if self.clip is not None:
             self.clip.connect(store)
         return True
+
+    def _disagreement(self) -> str | None:
+        """With [joint], once joined: why the appliances cannot pair their rounds and norms (their job
+        files differ where those pair up, or one does not see rank 0's [persist] directory), or None."""
+        import uuid
+        from pathlib import Path
+
+        import torch.distributed as dist
+
+        rank, world, persist = self.joint_cfg["rank"], self.joint_cfg["world"], self.persist
+        probe = None
+        if persist is not None and rank == 0:  # a file only a shared directory shows the others
+            probe = Path(persist.directory) / f".mirrorckpt-joint-{uuid.uuid4().hex[:12]}"
+            probe.touch()
+        job = self.job
+        mine = {"[job] shards": job.shards.digest() if job.shards is not None else None, "[job] name": job.name,
+                "[training]": job.training, "[control]": self.control is not None,
+                "[persist]": persist.every_iterations or 1 if persist is not None else None}
+        every = [None] * world
+        dist.all_gather_object(every, (mine, probe.name if probe else None))
+        seen = [None] * world
+        shared = every[0][1] is None or persist is None or (Path(persist.directory) / every[0][1]).exists()
+        dist.all_gather_object(seen, shared)
+        if probe is not None:
+            probe.unlink()
+        for key, value in mine.items():
+            if any(other[key] != value for other, _ in every):
+                return (f"the appliances' job files differ in {key} (" +
+                        "; ".join(f"rank {r}: {str(other[key])[:60]}" for r, (other, _) in enumerate(every)) + ")")
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        if blind:
+            return (f"[persist] directory: appliance rank(s) {blind} do not see the directory of rank 0's (every "
+                    "appliance writes its slices into one directory: a shared filesystem)")
+        return None
 
     def _ring(self, rc, pace, pipelined) -> RingDaemon:
         from mirrorckpt.updater.appliance import Appliance
