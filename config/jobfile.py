@@ -8,7 +8,9 @@ A sharded-optimizer job (config.shard_rules) names its layout in ``[job] shards`
 ``config.shards.ShardedLayout`` as JSON) and lists one ``[[ring]]`` per followed ring instead of
 ``[ring]`` and ``[[mirror]]``: each is a ring as ``[ring]`` is, plus ``group`` (the layout's
 group whose replica shard it keeps) or ``weights_only = true`` (an FSDP2 shard group whose
-all-gathers carry the parameters), with its own ``[[ring.mirror]]`` sources.
+all-gathers carry the parameters), with its own ``[[ring.mirror]]`` sources. With ``[joint]``
+the file is one appliance's of several (``appliance``, the layout's name for it, and the address of
+the appliances' process group): its ``[[ring]]`` tables are exactly that appliance's groups.
 """
 
 from __future__ import annotations
@@ -136,6 +138,9 @@ SCHEMA = {
                 "fingerprint_every": (_int(1), False), "tls_cert": (_str(), False), "tls_key": (_str(), False),
                 "tls_ca": (_str(), False)},
     "metrics": {"listen": (_listen, False)},
+    # one appliance of several following a sharded job: its name in the layout, the appliances' group
+    "joint": {"appliance": (_str(), True), "address": (_listen, True), "rank": (_int(0), False),
+              "world": (_int(1), False), "timeout_seconds": (_num(1), False)},
     # control.protection.Limits: when the job counts as protected, and degraded mode's fallbacks
     "protection": {"max_lag_steps": (_int(1), False), "silent_seconds": (_num(0), False),
                    "fallback_interval": (_num(0), False), "fallback_every": (_int(1), False)},
@@ -147,7 +152,7 @@ SCHEMA = {
                 "gre_protocol": (_int(0), False), "gre_header_bytes": (_int(0), False)},
 }
 TOP = {"ring": _table, "job": _table, "training": _table, "persist": _table, "mirror": list, "control": _table,
-       "metrics": _table, "capture": _table, "updater": _table, "protection": _table}
+       "metrics": _table, "joint": _table, "capture": _table, "updater": _table, "protection": _table}
 
 
 @dataclass
@@ -216,6 +221,8 @@ class JobConfig:
     shards_path: str = ""
     initial: str | None = None
     rings: list[RingConfig] = field(default_factory=list)
+    # [joint]: this serve is one appliance of several (appliance, address, rank, world, timeout_seconds)
+    joint: dict = field(default_factory=dict)
 
     @property
     def encap(self) -> EncapSpec:
@@ -305,6 +312,9 @@ def parse_job(raw: dict, name: str = "config", base: Path | None = None) -> JobC
         for k in ("shards", "initial"):
             if k in j:
                 raise ConfigError(f"{name}: [job] {k}: only a sharded job ([[ring]] tables) has one")
+        if "joint" in raw:
+            raise ConfigError(f"{name}: [joint]: only a sharded job ([[ring]] tables) is followed by several "
+                              "appliances")
         cfg = JobConfig(ring=ring, kind=j.get("kind", "ddp"), startup=j.get("startup", True),
                         grad_dtype=j.get("grad_dtype", "float32"), path=name, name=j.get("name") or None,
                         p2p_fill=j.get("p2p_fill", False))
@@ -381,12 +391,54 @@ def _sharded(raw: dict, j: dict, name: str, base: Path | None) -> JobConfig:
         rings.append(rc)
     if not rings:
         raise ConfigError(f"{name}: [[ring]]: no ring listed")
+    joint = _joint(name, raw, layout, spath, rings)
     initial = j.get("initial")
     if initial is not None and base is not None and not Path(initial).is_absolute():
         initial = str(base / initial)
     return JobConfig(ring=rings[0].ring, kind="sharded", grad_dtype=j.get("grad_dtype", "float32"), path=name,
                      name=j.get("name") or None, shards=layout, shards_path=j.get("shards", ""), initial=initial,
-                     rings=rings)
+                     rings=rings, joint=joint)
+
+
+def _joint(name: str, raw: dict, layout: ShardedLayout | None, spath: Path | None, rings: list[RingConfig]) -> dict:
+    """[joint] checked: rank and world from the layout's appliance list (given ones must agree), and
+    the [[ring]]s exactly this appliance's groups."""
+    if "joint" not in raw:
+        return {}
+    where = f"{name}: [joint]"
+    jt = _check(where, "joint", raw["joint"])
+    me = jt["appliance"]
+    if jt["address"].endswith(":0"):
+        raise ConfigError(f"{where} address: {jt['address']!r}: every appliance meets at this port, so it cannot be "
+                          "0 (any)")
+    if layout is None:  # the trainer registers the layout: rank and world are checked against it then
+        for k in ("rank", "world"):
+            if k not in jt:
+                raise ConfigError(f"{where}: missing key {k!r} (without [job] shards the layout, and this "
+                                  "appliance's place in it, comes from the trainer; give rank and world)")
+    else:
+        if me not in layout.appliances:
+            raise ConfigError(f"{where} appliance: {me!r} is not an appliance of {spath.name} (appliances: "
+                              f"{', '.join(layout.appliances)})")
+        for k, v in (("rank", layout.appliances.index(me)), ("world", len(layout.appliances))):
+            if jt.setdefault(k, v) != v:
+                raise ConfigError(f"{where} {k}: {jt[k]}, but {spath.name} makes appliance {me!r} {k} {v}")
+    if jt["rank"] >= jt["world"]:
+        raise ConfigError(f"{where} rank: {jt['rank']} is outside the appliances' group (ranks 0..{jt['world'] - 1})")
+    for i, rc in enumerate(rings):
+        at = f"{name}: [[ring]] #{i + 1}"
+        if rc.weights_only:
+            raise ConfigError(f"{at} weights_only: a weights-only ring is followed by one serve, not with [joint]")
+        owner = layout.group(rc.group).appliance if layout is not None else me
+        if owner != me:
+            raise ConfigError(f"{at} group: {rc.group!r} is followed by appliance {owner!r} in {spath.name}, not by "
+                              f"this serve's [joint] appliance {me!r}")
+    if layout is not None:
+        missing = sorted({g.name for g in layout.groups_of(me)} - {rc.group for rc in rings})
+        if missing:
+            raise ConfigError(f"{name}: [[ring]]: appliance {me!r} follows group(s) {', '.join(missing)} in "
+                              f"{spath.name}, and no [[ring]] here follows them (no other appliance will)")
+    return jt
 
 
 def _check_ring(where: str, rc: RingConfig, layout: ShardedLayout, shards_name: str) -> None:
@@ -517,7 +569,7 @@ def dump_job(cfg: JobConfig) -> str:
 
 def _section_lines(cfg: JobConfig) -> list[str]:
     lines = []
-    for sec in ("training", "persist", "control", "metrics", "protection", "capture", "updater"):
+    for sec in ("training", "persist", "control", "joint", "metrics", "protection", "capture", "updater"):
         d = _drop_none(getattr(cfg, sec))
         if d:
             lines += ["", f"[{sec}]"] + [f"{k} = {_toml_value(v)}" for k, v in d.items()]

@@ -78,10 +78,13 @@ def check_sharded(job, name: str, pipelined: bool) -> list[str]:
         if rc.ring.protocol == "auto" or rc.ring.nccl_version is None:
             errors.append(f"{where}: a sharded job's ring names its protocol (LL, LL128, Simple) and nccl_version")
         errors += check_sources(dataclasses.replace(job, mirrors=rc.mirrors), f"{where} [[ring.mirror]]")
-    missing = sorted({g.name for g in layout.groups} - {rc.group for rc in grad}) if layout is not None else []
+    # with [joint] the other appliances follow the other groups (config.jobfile checked this one's)
+    missing = sorted({g.name for g in layout.groups} - {rc.group for rc in grad}) \
+        if layout is not None and not job.joint else []
     if grad and missing and job.persist:
         errors.append(f"[persist]: a joint checkpoint holds every shard, and no [[ring]] follows group(s) "
-                      f"{', '.join(missing)} (one serve process follows every ring of the job)")
+                      f"{', '.join(missing)} (one serve follows every ring of the job, or each appliance's "
+                      "serve its own with [joint])")
     clip = (job.training or {}).get("clip")
     if clip and grad and not control:  # with a control plane the trainer sends the coefficient it applied
         if layout.scheme != "fsdp2":

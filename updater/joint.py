@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -53,14 +54,36 @@ class JointSaveError(RuntimeError):
     """A joint round failed; nothing was committed."""
 
 
+def said(e: BaseException) -> str:
+    """An error in one line for a log or a verdict, without gloo's source location
+    ("[.../pair.cc:553] Connection closed by peer ...")."""
+    text = str(e).strip()
+    first = re.sub(r"^\[[^\]\s]+:\d+\]\s*", "", text.splitlines()[0]) if text else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 def init_group(address: str, rank: int, world: int, timeout_s: float = 60.0):
     """Join the appliances' gloo process group: rank 0 hosts the TCPStore at ``address`` (host:port)."""
     import torch.distributed as dist
 
-    host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    join_group(address, rank, world, timeout_s)
     return dist.group.WORLD
+
+
+def join_group(address: str, rank: int, world: int, timeout_s: float = 60.0):
+    """``init_group``, returning the group's TCPStore (``shard_clip.StoreNormExchange`` meets there).
+    Raises RuntimeError naming the address when the group is not complete within ``timeout_s``."""
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    try:
+        store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
+        raise RuntimeError(f"the appliances' process group at {address} (rank {rank} of {world}) was not complete "
+                           f"within {timeout_s:g} s: {said(e)}") from None
+    return store
 
 
 def init_local_group():
@@ -239,6 +262,7 @@ class JointPersister:
         self._lock = threading.Lock()
         self._lockfile = None
         self.last_step: int | None = None
+        self.all_ending = False  # the last round said every appliance was ending
         if self.coordinator:
             ident = ckptdir.identity(layout.global_layout().to_dict(), job)
             ckptdir.check_identity(self.root, ident)
@@ -274,9 +298,11 @@ class JointPersister:
 
     # ---- a joint round ------------------------------------------------------------------
 
-    def save_round(self) -> Path | None:
+    def save_round(self, ending: bool = False) -> Path | None:
         """One collective round: the joint checkpoint at the newest step every appliance holds, or
-        None when there is none newer than the last. Raises JointSaveError when the round failed."""
+        None when there is none newer than the last. Raises JointSaveError when the round failed.
+        ``ending``: this appliance holds no newer step to come; ``all_ending`` then says whether
+        every appliance said so (the last round: the appliances stop calling together)."""
         if self.stats.broken is not None:
             raise JointSaveError(f"the appliances' group is broken ({self.stats.broken}); restart to rejoin")
         self.stats.rounds += 1
@@ -285,10 +311,11 @@ class JointPersister:
         try:
             with self._lock:
                 held = self.held()
-            mine = {"held": held, "last": self.last_step,
+            mine = {"held": held, "last": self.last_step, "ending": ending,
                     "partial": f"{ckptdir.PARTIAL}joint-{uuid.uuid4().hex[:8]}" if self.coordinator else None}
             every = [None] * self.world
             self.dist.all_gather_object(every, mine)
+            self.all_ending = all(x["ending"] for x in every)
             last = every[0]["last"]
             common = set(every[0]["held"]).intersection(*(set(x["held"]) for x in every[1:]))
             common = sorted(s for s in common if last is None or s > last)
@@ -326,7 +353,7 @@ class JointPersister:
             if isinstance(e, KeyboardInterrupt):
                 raise
             self.stats.failed += 1
-            self.stats.last_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.stats.last_error = said(e)
             if not isinstance(e, JointSaveError):
                 self.stats.broken = self.stats.last_error
             if self.coordinator and partial is not None:
