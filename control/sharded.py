@@ -28,8 +28,9 @@ REGISTER (``weights_only``): its appliances take full checkpoints by GoCkpt fall
 own cadence and hold the trainer's parameter fingerprints, which the weight snapshots its
 all-gathers give (``updater.weights``) are checked against.
 
-``ShardLink`` is a ``TrainerLink`` on one DP group's shard: the group's DP-rank-0 process talks to
-the control plane that follows the group (``appliances[group]``), registering the group's ring
+``ShardLink`` is a ``TrainerLink`` on one DP group's shard: the group's DP-rank-0 process (a ZeRO
+partition's owner: control.integrations.deepspeed attaches those) talks to the control plane that
+follows the group (``appliances[group]``), registering the group's ring
 (its slices under their global FQNs, local shapes) with the whole sharded layout and the group's
 name (a sharded REGISTER); the other ranks only count steps. GoCkpt parts, fingerprints and
 gradients are the local shards (``to_local()``). The DP all-reduce of the gradients is the
