@@ -3,7 +3,7 @@ with attach_deepspeed to an in-process sharded appliance (one control plane per 
 partition registers its own slices, both fall back (GoCkpt) at one step and the rebuilt replicas
 verify and equal the engine's partitions there; a fresh job restored from the planes at that step
 reports what it restored, has the engine's full parameters back, and trains on bit-exactly like
-the job that was never stopped."""
+the job that was never stopped (a step ZeRO skips for a non-finite norm included)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from mirrorckpt.tools.testbed.tp_dp_job import SECRET
 GROUPS = ["pp0-tp0-sh0", "pp0-tp0-sh1"]
 STEPS, HOLD, PARTS = 7, 1, 2  # the fallbacks start after step 2 (iterations_done 2) and end at 2 + 2
 RESTORED = HOLD + 1 + PARTS
+SKIPPED = 6  # the step of the job's NaN batch (tools/testbed/deepspeed_job.NAN_BATCH), which ZeRO skips
 
 
 def _need_deepspeed():
@@ -99,7 +100,9 @@ def test_both_partitions_fall_back_and_verify_equal_to_the_engine(run):
         assert r["held_for_request"] is True
         assert [(f["start"], f["parts"]) for f in r["fallbacks"]] == [(HOLD + 1, PARTS)]
         # every step ZeRO clipped both param groups' gradients by one factor, which the link found
-        assert all(len(c) == 2 and c[0] == c[1] and 0 < c[0] < 1 for c in r["clip_coefs"]), r["clip_coefs"]
+        coefs = r["clip_coefs"]
+        assert all(len(c) == 2 and c[0] == c[1] and 0 < c[0] < 1 for c in coefs[:SKIPPED - 1] + coefs[SKIPPED:]), coefs
+        assert coefs[SKIPPED - 1] == [] and r["skipped"] == {"link": 1, "engine": 1}  # and the skip was said
     for rank, g in enumerate(GROUPS):
         plane = run["planes"][g]
         st = plane["stats"]
@@ -114,7 +117,7 @@ def test_a_fresh_job_restored_from_the_planes_trains_on_bit_exactly(run):
     for r in run["resumed"]:
         assert r["restored"] == {"source": f"appliance:{GROUPS[r['rank']]}", "iterations_done": RESTORED,
                                  "data": {"next": RESTORED}, "engine_steps": RESTORED}
-        assert r["steps_done"] == STEPS == r["engine_steps"]
+        assert r["steps_done"] == STEPS == r["engine_steps"] and r["skipped"] == {"link": 1, "engine": 1}
     for rank in (0, 1):  # the restored step (full module parameters all-gathered included), then every step on
         for step in range(RESTORED, STEPS + 1):
             _equal(_state(run, "resumed", rank, step), _state(run, "job", rank, step), (rank, step))

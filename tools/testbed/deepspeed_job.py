@@ -6,7 +6,7 @@ to the control planes that follow its two partitions. ``trainer_main`` runs in i
 (``tools.testbed.sharded_rig.run_job``) and writes what it saw as JSON to ``result``.
 
 Every rank is its own data-parallel rank (its own batches, from ``Position``: the data position
-the link reports and a resumed job loads). Each group's owner holds its step ``hold_step`` until
+the link reports and a resumed job loads); batch ``NAN_BATCH`` makes ZeRO skip its step. Each group's owner holds its step ``hold_step`` until
 its plane asked for a fallback, so both partitions' checkpoints start at one step. After every
 step each rank saves its link's state (its partition's slices and their AdamW state, keyed as a
 replica keys them) and the engine's full module parameters (``rank<r>_<step>.pt``).
@@ -33,6 +33,7 @@ from mirrorckpt.tools.testbed.tp_dp_job import SECRET, _write
 DIMS = (8, 16, 4)
 CLIP = 0.05
 MICRO_BATCH = 4
+NAN_BATCH = 5  # its inputs are NaN: ZeRO finds a non-finite norm and skips that step
 
 
 class Position:
@@ -52,7 +53,8 @@ def batch(rank: int, index: int):
     import torch
 
     g = torch.Generator().manual_seed(1_000 * index + rank)
-    return torch.randn(MICRO_BATCH, DIMS[0], generator=g), torch.randn(MICRO_BATCH, DIMS[-1], generator=g)
+    x, y = torch.randn(MICRO_BATCH, DIMS[0], generator=g), torch.randn(MICRO_BATCH, DIMS[-1], generator=g)
+    return (x * float("nan") if index == NAN_BATCH else x), y
 
 
 def build(seed: int):
@@ -121,6 +123,7 @@ def trainer_main(rank: int, world: int, port: int, appliances: dict, out: str, s
         res["clip_coefs"] = coefs
         res["steps_done"] = link.iterations_done
         res["engine_steps"] = engine.global_steps
+        res["skipped"] = {"link": link.stats.skipped_steps, "engine": engine.skipped_steps}
         end_rank(link, res)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         res["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
