@@ -6,8 +6,9 @@ to the control planes that follow its two partitions. ``trainer_main`` runs in i
 (``tools.testbed.sharded_rig.run_job``) and writes what it saw as JSON to ``result``.
 
 Every rank is its own data-parallel rank (its own batches, from ``Position``: the data position
-the link reports and a resumed job loads); batch ``NAN_BATCH`` makes ZeRO skip its step. Each group's owner holds its step ``hold_step`` until
-its plane asked for a fallback, so both partitions' checkpoints start at one step. After every
+the link reports and a resumed job loads); batch ``NAN_BATCH`` makes ZeRO skip its step. Each
+group's owner holds its step ``hold_step`` until its plane asked for a fallback, so both
+partitions' checkpoints start at one step. After every
 step each rank saves its link's state (its partition's slices and their AdamW state, keyed as a
 replica keys them) and the engine's full module parameters (``rank<r>_<step>.pt``).
 
