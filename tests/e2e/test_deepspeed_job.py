@@ -64,12 +64,6 @@ def _state(run, tag: str, rank: int, step: int) -> dict:
     return torch.load(run["tmp"] / tag / f"rank{rank}_{step}.pt")
 
 
-def _equal(got: dict, want: dict, what) -> None:
-    assert set(got) == set(want), what
-    for k in want:
-        assert torch.equal(got[k], want[k]), (what, k)
-
-
 def test_each_partition_registers_its_own_slices(run):
     job = run["job"]
     assert [(r["rank"], r["group"], r["leader"]) for r in job] == [(0, GROUPS[0], True), (1, GROUPS[1], True)]
@@ -91,7 +85,7 @@ def test_the_attached_engine_trains_as_deepspeed_alone_does(run):
         for step in range(1, STEPS + 1):
             want = torch.load(run["tmp"] / "resumed" / f"plain{rank}_{step}.pt")
             got = {k: v for k, v in _state(run, "job", rank, step).items() if k.startswith("module.")}
-            _equal(got, want, (rank, step))
+            rig.assert_tensors_equal(got, want, (rank, step))
 
 
 def test_both_partitions_fall_back_and_verify_equal_to_the_engine(run):
@@ -110,7 +104,7 @@ def test_both_partitions_fall_back_and_verify_equal_to_the_engine(run):
         assert not [e for e in st.events if e[0] == "fallback_unverified"], st.events
         assert plane["steps"] == RESTORED
         want = _state(run, "job", rank, RESTORED)
-        _equal(plane["state"], {k: v for k, v in want.items() if not k.startswith("module.")}, g)
+        rig.assert_tensors_equal(plane["state"], {k: v for k, v in want.items() if not k.startswith("module.")}, g)
 
 
 def test_a_fresh_job_restored_from_the_planes_trains_on_bit_exactly(run):
@@ -120,4 +114,4 @@ def test_a_fresh_job_restored_from_the_planes_trains_on_bit_exactly(run):
         assert r["steps_done"] == STEPS == r["engine_steps"] and r["skipped"] == {"link": 1, "engine": 1}
     for rank in (0, 1):  # the restored step (full module parameters all-gathered included), then every step on
         for step in range(RESTORED, STEPS + 1):
-            _equal(_state(run, "resumed", rank, step), _state(run, "job", rank, step), (rank, step))
+            rig.assert_tensors_equal(_state(run, "resumed", rank, step), _state(run, "job", rank, step), (rank, step))
