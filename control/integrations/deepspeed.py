@@ -136,11 +136,11 @@ class _SliceState(Mapping):
         self._view = view
 
     def __getitem__(self, p):
-        gi, lo, hi = self._view.place[id(p)]
-        st = self._view.base.state.get(self._view.flats[gi])
-        if not st:
+        group_index, start, stop = self._view.place[id(p)]
+        state_of = self._view.base.state.get(self._view.flats[group_index])
+        if not state_of:
             raise KeyError(p)
-        return {k: v[lo:hi] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in st.items()}
+        return {k: v[start:stop] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in state_of.items()}
 
     def __iter__(self):
         view = self._view
@@ -172,16 +172,16 @@ class Partition:
         used = [0] * len(self.flats)
         named, self.place, self.members = [], {}, [[] for _ in self.flats]
         for s in group.shards:
-            gi = member_of[s.fqn]
-            lo, hi = used[gi], used[gi] + s.numel
-            if hi > self.flats[gi].numel():
-                raise AttachError(f"{s.fqn}: slice {lo}..{hi} outside param group {gi}'s fp32 partition of "
-                                  f"{self.flats[gi].numel()} elements")
-            used[gi] = hi
-            p = torch.nn.Parameter(self.flats[gi].detach()[lo:hi])  # shares the partition's storage
+            group_index = member_of[s.fqn]
+            start, stop = used[group_index], used[group_index] + s.numel
+            if stop > self.flats[group_index].numel():
+                raise AttachError(f"{s.fqn}: slice {start}..{stop} outside param group {group_index}'s fp32 "
+                                  f"partition of {self.flats[group_index].numel()} elements")
+            used[group_index] = stop
+            p = torch.nn.Parameter(self.flats[group_index].detach()[start:stop])  # shares the partition's storage
             named.append((s.fqn, p))
-            self.place[id(p)] = (gi, lo, hi)
-            self.members[gi].append(p)
+            self.place[id(p)] = (group_index, start, stop)
+            self.members[group_index].append(p)
         self.params = [p for _, p in named]
         self.module = _Slices(named)
         self.state = _SliceState(self)
@@ -201,8 +201,8 @@ class Partition:
 
     def set_grads(self, grads: dict[int, torch.Tensor]) -> None:
         for p in self.params:
-            gi, lo, hi = self.place[id(p)]
-            p.grad = grads[gi][lo:hi]
+            group_index, start, stop = self.place[id(p)]
+            p.grad = grads[group_index][start:stop]
 
     def clear_grads(self) -> None:
         for p in self.params:
@@ -221,27 +221,27 @@ class Partition:
             raise ValueError(f"restored state has {len(groups)} param groups, the optimizer "
                              f"{len(self.base.param_groups)}")
         state = {}
-        for gi, flat in enumerate(self.flats):
-            held = [(p, ostate[names[id(p)]]) for p in self.members[gi] if names[id(p)] in ostate]
+        for group_index, flat in enumerate(self.flats):
+            held = [(p, ostate[names[id(p)]]) for p in self.members[group_index] if names[id(p)] in ostate]
             if not held:
                 continue
-            st = {}
+            state_of = {}
             for k, v in held[0][1].items():
                 if v.dim():
-                    st[k] = torch.zeros_like(flat)
+                    state_of[k] = torch.zeros_like(flat)
                 else:
                     if any(not torch.equal(other[k], v) for _, other in held):
-                        raise ValueError(f"restored {k!r} differs between the slices of param group {gi}")
-                    st[k] = v.clone()
-            for p, pst in held:
-                _, lo, hi = self.place[id(p)]
-                for k, v in pst.items():
+                        raise ValueError(f"restored {k!r} differs between the slices of param group {group_index}")
+                    state_of[k] = v.clone()
+            for p, saved in held:
+                _, start, stop = self.place[id(p)]
+                for k, v in saved.items():
                     if v.dim():
-                        st[k][lo:hi].copy_(v)
-            state[gi] = st
+                        state_of[k][start:stop].copy_(v)
+            state[group_index] = state_of
         out = []
-        for gi, g in enumerate(groups):
-            g = dict(g, params=[gi])
+        for group_index, g in enumerate(groups):
+            g = dict(g, params=[group_index])
             if "betas" in g:
                 g["betas"] = tuple(g["betas"])
             out.append(g)
@@ -349,14 +349,14 @@ def restore_engine(engine, view: Partition, group: DpGroup, appliances: dict, se
         scheduler.load_state_dict(loads(meta["lr_scheduler"]))
     engine.optimizer.update_lp_params()  # ZeRO's own: bit16 partitions from the fp32 ones, all-gathered
     set_rng_states(rng)
-    dp = meta.get("data_position")
-    if data is not None and dp is not None:
-        data.load_state_dict(dp)
+    position = meta.get("data_position")
+    if data is not None and position is not None:
+        data.load_state_dict(position)
     done = int(meta["iterations_done"])
     engine.global_steps = done
     engine.global_samples = done * engine.train_batch_size()
     engine.micro_steps = done * engine.gradient_accumulation_steps()
-    out = Restored(f"appliance:{group.name}", done, int(meta["step"]), dp, rng)
+    out = Restored(f"appliance:{group.name}", done, int(meta["step"]), position, rng)
     log.info("DeepSpeed: restored step %d of partition %s from %s: %d slices with their optimizer state, the param "
              "groups%s; bit16 parameters all-gathered", done, group.name, appliances[group.name], len(params),
              ", the scheduler" if scheduler is not None else "")
