@@ -51,6 +51,7 @@ $(STAMP): $(ICRC) pyproject.toml setup.py $(wildcard */*.pyx */*.pxi */*/*.pyx *
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	rm -f parser/roce/_fast.c parser/roce/_fast.*.so
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,plot,frameworks]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation 'deepspeed>=0.19,<0.20'
 	@built=$$($(BIN)/python -c 'from mirrorckpt.parser.roce import ICRC_BACKEND; print(ICRC_BACKEND)') && \
 		[ "$$built" = "$$(cat $(ICRC))" ] || { echo "the build links the $$built CRC, not $$(cat $(ICRC))" >&2; exit 1; }
 	touch $(STAMP)

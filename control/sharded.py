@@ -28,8 +28,9 @@ REGISTER (``weights_only``): its appliances take full checkpoints by GoCkpt fall
 own cadence and hold the trainer's parameter fingerprints, which the weight snapshots its
 all-gathers give (``updater.weights``) are checked against.
 
-``ShardLink`` is a ``TrainerLink`` on one DP group's shard: the group's DP-rank-0 process talks to
-the control plane that follows the group (``appliances[group]``), registering the group's ring
+``ShardLink`` is a ``TrainerLink`` on one DP group's shard: the group's DP-rank-0 process (a ZeRO
+partition's owner: control.integrations.deepspeed attaches those) talks to the control plane that
+follows the group (``appliances[group]``), registering the group's ring
 (its slices under their global FQNs, local shapes) with the whole sharded layout and the group's
 name (a sharded REGISTER); the other ranks only count steps. GoCkpt parts, fingerprints and
 gradients are the local shards (``to_local()``). The DP all-reduce of the gradients is the
@@ -302,7 +303,9 @@ class ShardLink(TrainerLink):
                              f"{want[:3]}...")
         self.weights_only = weights_only
         self.shards, self.group = shards, group
-        super().__init__(model, optimizer, appliance=appliance, secret=secret, leader=g.ranks[0], **kw)
+        # ZeRO: every rank is on the one ring, but only partition k's owner (DP rank k) holds its state
+        leader = g.ranks[g.shard_index] if shards.scheme == "zero" else g.ranks[0]
+        super().__init__(model, optimizer, appliance=appliance, secret=secret, leader=leader, **kw)
 
     def _job_layout(self, order: list[int]) -> JobLayout:
         g = self.shards.group(self.group)
@@ -352,10 +355,14 @@ def attach_sharded(model, optimizer, mesh=None, *, appliances: dict[str, tuple[s
     shards = layout if layout is not None else describe(model, mesh, appliances=follows, pp_stage=pp_stage, pp=pp,
                                                         dp_dim=dp_dim, tp_dim=tp_dim, pp_dim=pp_dim)
     check_followable(shards, weights_only)
-    if shards.scheme in ("zero", "megatron"):
-        raise ValueError(f"the {shards.scheme} layout can be followed, but attaching such a job needs that "
-                         "framework's integration (the optimizer's flat partitions as the link's tensors), which "
-                         "this version does not have")
+    if shards.scheme == "zero":
+        raise ValueError("the zero layout is DeepSpeed's: attach the engine with "
+                         "mirrorckpt.control.integrations.deepspeed.attach_deepspeed (it registers the optimizer's "
+                         "flat fp32 partitions as the link's tensors)")
+    if shards.scheme == "megatron":
+        raise ValueError("the megatron layout can be followed, but attaching such a job needs that framework's "
+                         "integration (the optimizer's flat partitions as the link's tensors), which this version "
+                         "does not have")
     g = group_of(shards, dist.get_rank())
     if g.name not in appliances:
         raise ValueError(f"no control-plane address for DP group {g.name} (appliances= names {sorted(appliances)})")
@@ -395,6 +402,30 @@ def restore_sharded(model, optimizer, *, appliances: dict[str, tuple[str, int]],
     g = group_of(shards, dist.get_rank())
     module = unwrap(model)
     named = reducer_params(module)
+    params, ostate, rng, meta = pull_shard(g, appliances, secret, step=step, timeout=timeout, role=role,
+                                           client_options=client_options)
+    by_name = dict(named)
+    params = {n: _as_dtensor(v, by_name[n]) for n, v in params.items()}
+    for n, st in ostate.items():
+        p = by_name.get(n)
+        for k, v in sorted(st.items()):  # every rank's state in one key order, whatever the appliance sent
+            del st[k]
+            st[k] = _as_dtensor(v, p) if p is not None and v.dim() and tuple(v.shape) == tuple(local(p).shape) else v
+    groups = loads(meta["param_groups"])
+    sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
+    load_trainer_state(module, optimizer, scheduler, params, ostate, groups, sched)
+    set_rng_states(rng)
+    dp = meta.get("data_position")
+    if data is not None and dp is not None:
+        data.load_state_dict(dp)
+    return Restored(f"appliance:{g.name}", int(meta["iterations_done"]), int(meta["step"]), dp, rng)
+
+
+def pull_shard(g: DpGroup, appliances: dict[str, tuple[str, int]], secret, *, step: int | None = None,
+               timeout: float = 60.0, role: str = "trainer", client_options: dict | None = None):
+    """RESTORE_REQUEST to the control plane of DP group ``g``: (parameters, optimizer state, RNG
+    states, meta) of its slices, checked against the group's. With ``step`` the plane must send
+    that step; without, every rank checks (collective) that all groups' planes sent the same."""
     host, port = appliances[g.name]
     with ControlClient(host, port, secret, role, **{"backoff_max": 0.5, **(client_options or {})}) as cli:
         if not cli.wait_connected(timeout):
@@ -417,19 +448,4 @@ def restore_sharded(model, optimizer, *, appliances: dict[str, tuple[str, int]],
         if len({s for _, s in steps}) != 1:
             raise ValueError(f"the DP groups' appliances hold different steps {sorted(set(steps))}: no consistent "
                              "sharded state to resume from (load the joint checkpoint instead)")
-    by_name = dict(named)
-    params = {n: _as_dtensor(v, by_name[n]) for n, v in params.items()}
-    for n, st in ostate.items():
-        p = by_name.get(n)
-        for k, v in sorted(st.items()):  # every rank's state in one key order, whatever the appliance sent
-            del st[k]
-            st[k] = _as_dtensor(v, p) if p is not None and v.dim() and tuple(v.shape) == tuple(local(p).shape) else v
-    groups = loads(meta["param_groups"])
-    sched = loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") is not None else None
-    load_trainer_state(module, optimizer, scheduler, params, ostate, groups, sched)
-    set_rng_states(rng)
-    dp = meta.get("data_position")
-    if data is not None and dp is not None:
-        data.load_state_dict(dp)
-    return Restored(f"appliance:{g.name}", int(meta["iterations_done"]), int(meta["step"]), dp, rng)
-
+    return params, ostate, rng, meta

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from mirrorckpt.control.integrations.deepspeed import check_partition, zero_layout
+from mirrorckpt.control.integrations.deepspeed import check_engine, check_partition, zero_layout
 from mirrorckpt.control.link.checks import AttachError
 from torch import nn
 
@@ -30,7 +30,8 @@ def engine(stage: int = 2, rank: int = 0, offsets=None):
                          params_in_partition=[[by_name[n] for n in g] for g in members],
                          first_offset=list(offsets if offsets is not None else first))
     return SimpleNamespace(module=module, optimizer=zo, dp_world_size=2, zero_optimization_stage=lambda: stage,
-                           fp16_enabled=lambda: False)
+                           fp16_enabled=lambda: False, bfloat16_enabled=lambda: False,
+                           gradient_accumulation_steps=lambda: 1)
 
 
 def test_the_layout_agrees_with_deepspeeds_partition_on_every_rank():
@@ -47,3 +48,25 @@ def test_a_partition_the_layout_does_not_model_and_zero_3_are_refused():
         zero_layout(engine(offsets=[0, 2]))
     with pytest.raises(AttachError, match="ZeRO stage 3"):
         zero_layout(engine(stage=3))
+
+
+def test_engine_settings_the_link_does_not_follow_are_refused_by_name():
+    def refused(**change):
+        e = engine()
+        e.optimizer.single_partition_of_fp32_groups, e.optimizer._optimizer_step = [], None
+        for k, v in change.items():
+            setattr(e.optimizer if k in ("cpu_offload", "zenflow") else e, k, v)
+        with pytest.raises(AttachError) as err:
+            check_engine(e)
+        return str(err.value)
+
+    assert "fp16/bf16" in refused(fp16_enabled=lambda: True)
+    assert "fp16/bf16" in refused(bfloat16_enabled=lambda: True)
+    assert "offload_optimizer" in refused(cpu_offload=True)
+    assert "ZenFlow" in refused(zenflow=True)
+    assert "gradient_accumulation_steps=4" in refused(gradient_accumulation_steps=lambda: 4)
+    plain = engine()
+    with pytest.raises(AttachError, match="follows DeepSpeedZeroOptimizer"):
+        check_engine(plain)  # no flat fp32 partitions: not ZeRO-1/2's optimizer
+    plain.optimizer.single_partition_of_fp32_groups, plain.optimizer._optimizer_step = [], None
+    check_engine(plain)

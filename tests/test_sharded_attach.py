@@ -45,10 +45,12 @@ def test_attach_refuses_one_instance_megatron_naming_the_setting():
                        secret=SECRET)
     with pytest.raises(ValueError, match="this job's can: attach it without weights_only"):
         check_followable(shard_rules.hsdp(MLP, 2, 2), weights_only=True)
-    # followable, but no integration reads Megatron's or DeepSpeed's partitions yet: said, not attempted
-    for lay in (shard_rules.megatron(MLP, 4, 2), shard_rules.zero(MLP, 2)):
-        with pytest.raises(ValueError, match="needs that framework's integration"):
-            attach_sharded(*plain_job(), layout=lay, appliances={}, secret=SECRET)
+    # followable, but no integration reads Megatron's partitions yet: said, not attempted; a ZeRO
+    # layout is DeepSpeed's engine's, which its own adapter attaches
+    with pytest.raises(ValueError, match="needs that framework's integration"):
+        attach_sharded(*plain_job(), layout=shard_rules.megatron(MLP, 4, 2), appliances={}, secret=SECRET)
+    with pytest.raises(ValueError, match="attach the engine with mirrorckpt.control.integrations.deepspeed"):
+        attach_sharded(*plain_job(), layout=shard_rules.zero(MLP, 2), appliances={}, secret=SECRET)
     check_followable(shard_rules.hsdp(MLP, 2, 2))  # HSDP passes
 
 

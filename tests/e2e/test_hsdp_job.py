@@ -41,12 +41,6 @@ def _state(run, tag: str, name: str) -> dict:
     return torch.load(run["tmp"] / tag / f"{name}.pt")
 
 
-def _equal(a: dict, b: dict, what) -> None:
-    assert set(a) == set(b), what
-    for k in a:
-        assert torch.equal(a[k], b[k]), (what, k)
-
-
 def test_layout_read_from_fsdp2_and_its_all_reduces_match_it(run):
     job = run["job"]
     assert [r["group"] for r in job] == ["pp0-tp0-sh0", "pp0-tp0-sh1"] * 2  # shard index = mesh column
@@ -88,7 +82,7 @@ def test_restored_rank_by_rank_into_hsdp_and_other_shard_counts(run):
         assert r["restored"] == {"source": f"appliance:pp0-tp0-sh{r['rank'] % 2}", "iterations_done": JOINT}
         assert r["from_disk"]["iterations_done"] == JOINT
     for name in ("state", "disk_hsdp", "fsdp4", "hsdp41"):  # appliance; disk into HSDP 2x2, FSDP 4, HSDP 4x1
-        _equal(_state(run, "resumed", f"{name}_{JOINT}"), want, name)
+        rig.assert_tensors_equal(_state(run, "resumed", f"{name}_{JOINT}"), want, name)
     model = torch.nn.Sequential(torch.nn.Linear(DIMS[0], DIMS[1]), torch.nn.ReLU(), torch.nn.Linear(DIMS[1], DIMS[2]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     assert restore.load_into(model, opt, run["root"]).iterations_done == JOINT
@@ -108,4 +102,4 @@ def test_pure_fsdp_and_plain_attach_are_refused_in_words(run):
 
 def test_job_restored_from_the_appliances_trains_on_bit_exactly(run):
     for s in range(JOINT + 1, STEPS + 1):
-        _equal(_state(run, "resumed", f"state_{s}"), _state(run, "job", f"state_{s}"), s)
+        rig.assert_tensors_equal(_state(run, "resumed", f"state_{s}"), _state(run, "job", f"state_{s}"), s)

@@ -91,6 +91,15 @@ def hold_for_fallback(link, report: dict, timeout: float = 60.0) -> None:
     link.defer_fallbacks = False
 
 
+def assert_tensors_equal(got: dict, want: dict, what) -> None:
+    """The same keys, each tensor bit for bit (``what`` names the comparison in a failure)."""
+    import torch
+
+    assert set(got) == set(want), what
+    for k in want:
+        assert torch.equal(got[k], want[k]), (what, k)
+
+
 def assert_model_and_optimizer_equal(path: Path, want: dict) -> None:
     """The model and optimizer tensors of the checkpoint at ``path`` equal ``want`` (flat key ->
     tensor, any shape of the same elements), bit for bit and key for key."""
