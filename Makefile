@@ -27,10 +27,13 @@ isal:
 		echo "note: the ICRC check runs on zlib's CRC-32 (several times slower); as root, apt-get install libisal-dev"
 
 # The whole suite: its end-to-end and unit tests in two pytest processes at once (tests/run_suite.py);
+# DeepSpeed (its adapter's test) is built against the installed torch, for the tests only.
 # PYTEST_ARGS: a part of it, in one pytest process (CI runs all of it).
 test:
 	@$(MAKE) --no-print-directory system-deps
 	@$(MAKE) --no-print-directory build
+	@$(BIN)/python -c 'import deepspeed' 2>/dev/null || \
+		$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation 'deepspeed>=0.19,<0.20'
 ifeq ($(strip $(PYTEST_ARGS)),)
 	$(BIN)/python tests/run_suite.py
 else
@@ -51,7 +54,6 @@ $(STAMP): $(ICRC) pyproject.toml setup.py $(wildcard */*.pyx */*.pxi */*/*.pyx *
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	rm -f parser/roce/_fast.c parser/roce/_fast.*.so
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,plot,frameworks]'
-	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation 'deepspeed>=0.19,<0.20'
 	@built=$$($(BIN)/python -c 'from mirrorckpt.parser.roce import ICRC_BACKEND; print(ICRC_BACKEND)') && \
 		[ "$$built" = "$$(cat $(ICRC))" ] || { echo "the build links the $$built CRC, not $$(cat $(ICRC))" >&2; exit 1; }
 	touch $(STAMP)
