@@ -53,11 +53,15 @@ def place(model, sends, compiled: bool, batch: int):
     return states, done, per_send
 
 
+def covered(r) -> tuple[bytes, bytes]:
+    """A result's coverage flags and its covered bytes (the rest is never read)."""
+    flags = np.ascontiguousarray(r.covered, bool)
+    return flags.tobytes(), r.data[np.repeat(flags, r.data.size // max(1, r.count))].tobytes()
+
+
 def state(placer, concat, results):
     sm = placer.sm
-    results = [(r.index, r.complete, r.ncovered, r.nconflict, r.pieces, r.last_ts, r.conflicts,
-                r.covered.tolist(), r.data[np.repeat(np.asarray(r.covered, bool), r.data.size // max(1, r.count))
-                                          ].tobytes() if r.count else b"")
+    results = [(r.index, r.complete, r.ncovered, r.nconflict, r.pieces, r.last_ts, list(r.conflicts), covered(r))
                for r in results]
     cursors = {k: [(c.m, c.t, c.end, c.va, c.proto) for c in v] for k, v in sm.cursors.items()}
     tracks = {k: (list(t.t0), list(t.m0), list(t.n), t.t_end, t.m_end, t.base) for k, t in sm.tracks.items()}
@@ -146,7 +150,7 @@ def test_the_state_machine_tables_grow_between_batches():
     later sends of that collective are the compiled pass's again."""
     model = ddp_model("LL")
     sends = valued(by_time(all_sends(model, "flag")), model)
-    for batch in (1, 5, 1000):
+    for batch in (2, 1000):
         same(model, sends, batch)
     assert model.first_of_iteration(ITERATIONS) > 5
 
@@ -169,8 +173,9 @@ def test_a_generated_capture_replays_alike(tmp_path, proto, mirrors):
     for compiled in (False, True):
         RingPlacer.compiled = compiled
         try:
+            # read ahead, as replay does: sends' bytes stay in the capture until placed (LazySend)
             streams = MirrorStreams([(p.name, open_capture(p)) for p in sorted(tmp_path.glob("*.pcap*"))],
-                                    nccl_version=job.ring.nccl_version)
+                                    nccl_version=job.ring.nccl_version, ahead=1)
             js = JobStream(streams, model=NcclJobModel.from_job(job), ranks=job.ring.ranks_by_address())
             results = [(r.index, r.complete, r.pieces, r.sha256()) for r in js if isinstance(r, CollectiveResult)]
         finally:
