@@ -13,6 +13,7 @@ import pytest
 from mirrorckpt.config.jobfile import load_job
 from mirrorckpt.parser.concat import Concatenator
 from mirrorckpt.parser.placement import REDUCED
+from mirrorckpt.parser.roce.placer import RingPlacer
 from mirrorckpt.tools import cmd_replay
 
 DEMO = Path(__file__).parent / "pcaps" / "demo"
@@ -30,11 +31,13 @@ def placements():
         return orig(self, p)
 
     Concatenator.add = record
+    RingPlacer.compiled = False  # every send the per-send way, through Concatenator.add (test_placerun: alike)
     try:
         js = cmd_replay.open_stream(sorted(str(p) for p in DEMO.glob("*.pcapng")), job)
         results = [r for r in js if type(r).__name__ == "CollectiveResult"]
     finally:
         Concatenator.add = orig
+        RingPlacer.compiled = True
     assert results and all(r.complete for r in results)
     return js.model, got
 

@@ -6,6 +6,7 @@ concatenator's ``p2p_fill``, never placed by its size otherwise."""
 from __future__ import annotations
 
 from mirrorckpt.parser.concat import Concatenator
+from mirrorckpt.parser.roce import _placerun
 from mirrorckpt.parser.roce.channels import ChannelResolver
 from mirrorckpt.parser.roce.collectives import NcclJobModel
 from mirrorckpt.parser.roce.nccl import ConnKey, NcclSend
@@ -13,9 +14,14 @@ from mirrorckpt.parser.roce.statemachine import RingStateMachine
 
 
 class RingPlacer:
+    # Batches placed in one compiled pass (``_placerun``), the per-send path only for sends out of
+    # the common case; off: every send the per-send way (tests hold the two equal).
+    compiled = True
+
     def __init__(self, model: NcclJobModel, ranks: dict[bytes, int], channels: dict[ConnKey, int] | None = None):
         self.resolver = ChannelResolver(model, ranks, channels)
         self.sm = RingStateMachine(model, ranks, self.resolver.mapped)
+        self.windows: dict = {}  # (channel, position) -> _placerun.Window: its last send's collective
 
     @property
     def counts(self):
@@ -26,24 +32,31 @@ class RingPlacer:
         return self.sm.mismatches
 
     def add(self, sends: list[NcclSend], concat: Concatenator) -> None:
+        if self.compiled:
+            _placerun.place_batch(self, sends, concat, lambda s: self._one(s, concat))
+        else:
+            for s in sends:
+                self._one(s, concat)
         res = self.resolver
-        mapped = res.mapped
-        for s in sends:
-            # a connection already mapped to its channel goes straight to placement (the resolver
-            # would hand it on as it is)
-            if isinstance(s, NcclSend) and s.connection not in mapped and res.is_ring(s.connection):
-                for r in res.offer(s):
-                    self._place(r, concat)
-                if res.holding((s.stream, s.connection)):
-                    concat.hold_from(s.stream)
-            else:
-                self._place(s, concat)
         if concat.holding:
             due = concat.hold(res.holding_streams())
             if due:
                 for r in res.flush(due):
                     self._place(r, concat)
                 concat.hold(res.holding_streams())
+
+    def _one(self, s: NcclSend, concat: Concatenator) -> None:
+        """One send the per-send way."""
+        res = self.resolver
+        # a connection already mapped to its channel goes straight to placement (the resolver
+        # would hand it on as it is)
+        if isinstance(s, NcclSend) and s.connection not in res.mapped and res.is_ring(s.connection):
+            for r in res.offer(s):
+                self._place(r, concat)
+            if res.holding((s.stream, s.connection)):
+                concat.hold_from(s.stream)
+        else:
+            self._place(s, concat)
 
     def flush(self, concat: Concatenator) -> None:
         for r in self.resolver.flush():

@@ -280,11 +280,15 @@ class RingPlan(ABC):
 
     def message_at(self, rank_pos: int, channel: int, conn_step: int) -> tuple[int, RingStep] | None:
         """(``message_index``, the message) from one lookup: the state machine asks once per send."""
+        return self.steps_at(rank_pos, channel).get(conn_step)
+
+    def steps_at(self, rank_pos: int, channel: int) -> dict[int, tuple[int, RingStep]]:
+        """``message_at``'s table: connection step -> (index, message) (cached: do not modify)."""
         at = self._at.get((rank_pos, channel))
         if at is None:
             at = self._at[(rank_pos, channel)] = {st.conn_step: (k, st)
                                                   for k, st in enumerate(self.messages(rank_pos, channel))}
-        return at.get(conn_step)
+        return at
 
     def conn_steps(self, channel: int, rank_pos: int = 0) -> int:
         """How far the collective advances the step counter of connection rank_pos -> rank_pos+1."""

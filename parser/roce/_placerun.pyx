@@ -1,0 +1,200 @@
+# cython: language_level=3
+"""A batch of NCCL sends placed in one compiled pass (``RingPlacer.add``) for the common case.
+
+A send whose step is known (an LL/LL128 flag or a CTS index), intact, of a connection already
+mapped, inside a collective its connection has tabulated, of the planned size and protocol, and
+its QP's newest: the ring state machine's placement (``RingStateMachine.place``), its QP cursor
+and the concatenator's bookkeeping and copy (``Concatenator.add``) are done here, reading and
+changing the same state the per-send path does. Every other send (the first ones of a connection,
+PSN-proven, lost bytes, out of order, a size the plan does not expect, a step not yet tabulated)
+goes the per-send Python way (``fallback``) in its turn, so the outcome is the same send by send.
+"""
+
+from bisect import bisect_right
+
+import numpy as np
+from mirrorckpt.config.ddp import ALLREDUCE
+from mirrorckpt.config.layout import dtype_size
+from mirrorckpt.parser.placement import REDUCED, Placement
+from mirrorckpt.parser.roce.sends import LazySend, NcclSend
+from mirrorckpt.parser.roce.statemachine import MAX_AHEAD_STEPS, MAX_ANCHORS, _Cursor
+
+cdef long long HALF = 1LL << 31
+cdef long long WRAP = 1LL << 32
+
+
+cdef class Window:
+    """One collective of one connection, as the state machine's tables hold it: steps
+    [t0, t_limit) and messages [m0, m0 + n) are this collective's, and no other's."""
+    cdef readonly object track, spec, proto, steps, messages
+    cdef object result, covered  # the collective's result as last placed into, its flags as bytes
+    cdef readonly long long coll, t0, t_limit, m0, n, esize
+    cdef readonly bint allreduce
+
+    def __init__(self, track, Py_ssize_t i, coll_entry, Py_ssize_t channel, Py_ssize_t pos):
+        spec, proto, plan = coll_entry
+        self.track = track
+        self.coll = track.base + i
+        self.t0 = track.t0[i]
+        self.t_limit = track.t0[i + 1] if i + 1 < len(track.t0) else track.t_end
+        self.m0, self.n = track.m0[i], track.n[i]
+        self.spec, self.proto = spec, proto
+        self.steps = plan.steps_at(pos, channel)
+        self.messages = plan.messages(pos, channel)
+        self.allreduce = spec.kind == ALLREDUCE
+        self.esize = dtype_size(spec.dtype) if self.allreduce else 0
+
+
+cdef Py_ssize_t _last_with_messages(track, Py_ssize_t i):
+    """``i``, or the nearest collective before it that has messages on the connection (-1: none)."""
+    while i >= 0 and track.n[i] == 0:
+        i -= 1
+    return i
+
+
+cdef Window _by_step(sm, track, long long t, Py_ssize_t channel, Py_ssize_t pos):
+    """``RingStateMachine._at_step``'s collective for step ``t``, from its tables as they are
+    (None: not tabulated yet, or dropped: the per-send path decides)."""
+    cdef Py_ssize_t i
+    if t >= track.t_end:
+        return None
+    i = _last_with_messages(track, bisect_right(track.t0, t) - 1)
+    return None if i < 0 else Window(track, i, sm._coll(track.base + i), channel, pos)
+
+
+cdef Window _by_message(sm, track, long long m, Py_ssize_t channel, Py_ssize_t pos):
+    """``RingStateMachine.by_message``'s collective for message ``m`` (None: as ``_by_step``)."""
+    cdef Py_ssize_t i
+    if m >= track.m_end:
+        return None
+    i = _last_with_messages(track, bisect_right(track.m0, m) - 1)
+    if i < 0 or m - track.m0[i] >= track.n[i]:
+        return None
+    return Window(track, i, sm._coll(track.base + i), channel, pos)
+
+
+def place_batch(placer, sends, concat, fallback):
+    """Places ``sends`` in order: the common case here, any other send by ``fallback(send)``."""
+    sm = placer.sm
+    cdef dict mapped = sm.channels, where = sm._where, last_placed = sm.last, cursors = sm.cursors
+    cdef dict tracks = sm.tracks, windows = placer.windows
+    cdef dict streams = concat.streams, span = concat.span, results = concat.open
+    counts = sm.counts
+    cdef Py_ssize_t placed = 0, channel, pos, k, n, start
+    cdef long long t, m, ref, end, ts, coll
+    cdef Window w
+    for s in sends:
+        # A send's fields read from its instance dict (the dataclass keeps them there; its
+        # properties are not read): a send of any other class goes the per-send way.
+        d = s.__dict__ if type(s) is LazySend or type(s) is NcclSend else None
+        conn = d["connection"] if d is not None else None
+        loc = where.get(conn) if conn is not None else None
+        flag, seq = (d["flag"], d["seq"]) if loc is not None else (None, None)
+        if loc is None or d["form"] != "normal" or d["pieces"] or d["holes"] or not d["length_known"] \
+                or (flag is None and seq is None) or mapped.get(conn) != loc[0]:
+            if placed:
+                counts["placed"] += placed
+                placed = 0
+            fallback(s)
+            continue
+        channel, pos = loc
+        stream = d["stream"]
+        key = (stream, conn)
+        last = last_placed.get(key)
+        w = windows.get(loc)
+        track = tracks.get(loc)
+        if track is None or (w is not None and w.track is not track):
+            w = None
+        if flag is not None:
+            ref = last[0] if last is not None else 0
+            t = ref + (((flag - 1) - ref + HALF) % WRAP) - HALF  # RingStateMachine._unwrap_flag
+            if last is not None and t > last[0] + MAX_AHEAD_STEPS:
+                w = None
+            elif track is not None and (w is None or not (w.t0 <= t < w.t_limit) or w.coll < track.base):
+                w = _by_step(sm, track, t, channel, pos)
+            hit = w.steps.get(t - w.t0) if w is not None else None
+            if hit is not None:
+                k, st = hit
+                m = w.m0 + k
+        else:
+            m = seq - 1
+            if track is not None and (w is None or not (w.m0 <= m < w.m0 + w.n) or w.coll < track.base):
+                w = _by_message(sm, track, m, channel, pos)
+            hit = None
+            if w is not None:
+                st = w.messages[m - w.m0]
+                t = w.t0 + st.conn_step
+                hit = st
+        proto = d["protocol"]
+        if hit is None or d["wire_bytes"] != st.wire_bytes or (proto is not None and proto != w.proto):
+            if placed:
+                counts["placed"] += placed
+                placed = 0
+            fallback(s)
+            continue
+        windows[loc] = w
+        # RingStateMachine._advance for a QP's newest send (anything else went the per-send way)
+        psn, qp = d["psn"], d["qp"]
+        got = None
+        if psn is not None and qp is not None:
+            got = cursors.get((stream, qp))
+            end = psn + d["npkts"]
+            if not got or got[len(got) - 1].end >= end:
+                if placed:
+                    counts["placed"] += placed
+                    placed = 0
+                fallback(s)
+                continue
+        if last is None or t >= last[0]:
+            last_placed[key] = (t, m)
+        if got is not None:
+            cursor = _Cursor.__new__(_Cursor)  # its fields set one by one: no __init__ frame
+            cursor.m, cursor.t, cursor.end, cursor.va, cursor.proto = m, t, end, d["va"], w.proto
+            got.append(cursor)
+            if len(got) > MAX_ANCHORS:
+                del got[0]
+        placed += 1
+        # Concatenator.add
+        coll = w.coll
+        if not w.allreduce:
+            concat.add(Placement(coll, w.spec, st, channel, pos, s, t))
+            continue
+        if coll < concat.next_out:
+            continue
+        if coll > concat.frontier:
+            concat.frontier = coll
+        if streams.get(stream, -1) < coll:
+            streams[stream] = coll
+        ts = d["ts_ns"]
+        bounds = span.get(coll)
+        if bounds is None:
+            span[coll] = [ts, ts]
+        elif ts < bounds[0]:
+            bounds[0] = ts
+        elif ts > bounds[1]:
+            bounds[1] = ts
+        n = st.nelem
+        if st.phase != REDUCED or n == 0:
+            continue
+        r = results.get(coll)
+        if r is None:
+            r = concat._result(coll)
+        if r is not w.result:
+            w.result, w.covered = r, r.covered.view(np.uint8)
+        start = st.offset
+        if ts > r.last_ts:
+            r.last_ts = ts
+        src = d.get("_source")  # a LazySend's bytes still in the batch: placed from there
+        if src is not None and src[2] - src[1] >= n * w.esize:
+            added = src[0].place_range(src[4], r.data, w.covered, start, n, w.esize, src[3])
+        elif src is None and s.nbytes >= n * w.esize:
+            added = s.place_agreeing(r.data, w.covered, start, n, w.esize)
+        else:
+            added = None
+        if added is not None and added >= 0:
+            r.ncovered += added
+            r.pieces += 1
+            continue
+        concat._put(r, start, n, s.data[: n * w.esize], s.holes, conn)
+    if placed:
+        counts["placed"] += placed
