@@ -248,3 +248,18 @@ def test_pipelined_and_whole_iteration_replicas_and_checkpoints_are_bit_identica
             for key, v in st.items():
                 assert torch.equal(v, b.optim["state"][k][key]), (n, k, key)
     assert sha1 == sha0 == (truth[-1]["params_sha256"], truth[-1]["optim_sha256"])
+
+
+def test_an_appliance_imports_what_its_first_optimizer_needs_before_any_iteration():
+    """torch's first optimizer imports its compiler stack (seconds): done when the appliance is
+    built, not in the updater's first step (checked in a fresh interpreter, where nothing did it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom mirrorckpt.config.training import OptimizerSpec, TrainingSpec\n"
+            "from mirrorckpt.updater.appliance import Appliance\n"
+            "assert 'torch._dynamo' not in sys.modules\n"
+            "Appliance(None, TrainingSpec(optimizer=OptimizerSpec(name='adamw', lr=0.01)))\n"
+            "assert 'torch._dynamo' in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

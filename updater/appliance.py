@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from mirrorckpt.config.layout import JobLayout
 from mirrorckpt.config.training import PersistSpec, TrainingSpec
 from mirrorckpt.parser.iteration import InitialWeights, ReducedBucket, ReducedIteration
+from mirrorckpt.updater import optim
 from mirrorckpt.updater.persist import Persister
 from mirrorckpt.updater.replica import Replica, ReplicaStale
 
@@ -64,6 +65,8 @@ class Appliance:
         self.summary = Summary()
         self.persister = Persister(persist, on_commit=self._committed) if persist is not None else None
         self._closed = False
+        if isinstance(training, TrainingSpec):  # the imports before the first iteration, not during it
+            optim.warm_up(training.optimizer)
         self._t0 = time.perf_counter()
 
     def _committed(self, path) -> None:

@@ -49,6 +49,12 @@ def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor],
     return cls(torch_groups, **common)
 
 
+def warm_up(spec: OptimizerSpec) -> None:
+    """Builds one optimizer of ``spec`` on a throwaway tensor: torch's first optimizer imports its
+    compiler stack (about 1.7 s here), which would otherwise delay the job's first replica step."""
+    build_optimizer(spec, [torch.zeros(1)])
+
+
 def resolve(path: str):
     """The function an importable path ``package.module:qualified.name`` names."""
     module, _, qual = path.partition(":")
