@@ -86,6 +86,7 @@ def main() -> None:
         step += 1
     link.close()  # mirrorckpt: the last metadata and fingerprint go out
     logging.getLogger("example").info("trained to step %d", step)
+    dist.barrier()  # every rank's last collective done before any tears gloo down (a rank could abort at exit)
     dist.destroy_process_group()
 
 

@@ -96,6 +96,7 @@ def main() -> None:
         log.info("restored step %d from %s", callback.restored.iterations_done, callback.restored.source)
     log.info("trained to step %d", trainer.global_step)
     if torch.distributed.is_initialized():  # Lightning leaves gloo's group up: torn down before exit, where
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()  # its threads could abort a rank (SIGABRT) after training
 
 
