@@ -34,10 +34,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
 from mirrorckpt.config.layout import JobLayout, RingSpec
 from mirrorckpt.config.shards import ShardedLayout
-from mirrorckpt.config.training import PersistSpec, TrainingSpec
+from mirrorckpt.config.training import OptimizerSpec, PersistSpec, TrainingSpec
 from mirrorckpt.control import gockpt
 from mirrorckpt.control import messages as m
 from mirrorckpt.control.drift import DriftCheck
@@ -50,7 +49,7 @@ from mirrorckpt.parser.iteration import InitialWeights, ReducedIteration
 from mirrorckpt.updater import ckptdir
 from mirrorckpt.updater.appliance import Appliance
 from mirrorckpt.updater.dcp_keys import loads
-from mirrorckpt.updater.optim import plateau_state
+from mirrorckpt.updater.optim import plateau_state, warm_up
 from mirrorckpt.updater.replica import Replica, ReplicaStale
 
 log = logging.getLogger("mirrorckpt.control.appliance")
@@ -144,7 +143,8 @@ class AppliancePlane:
         self.server.start()
         # torch imports its compiler stack on the first optimizer built (seconds): do it now, not
         # in the handler of the first registration.
-        threading.Thread(target=_warm_up, name="optimizer-warm-up", daemon=True).start()
+        spec = self.training.optimizer if self.training is not None else OptimizerSpec()
+        threading.Thread(target=warm_up, args=(spec,), name="optimizer-warm-up", daemon=True).start()
         return self
 
     @property
@@ -592,7 +592,3 @@ class AppliancePlane:
             trainer_step = self.trainer_step
         return self.restores.from_disk(trainer_step, msg.body)
 
-
-def _warm_up() -> None:
-    p = torch.zeros(1, requires_grad=True)
-    torch.optim.Adam([p], foreach=False)
