@@ -26,6 +26,7 @@ from mirrorckpt.control import tls
 from mirrorckpt.control.endpoint import ControlClient
 from mirrorckpt.tools.cli import main
 from mirrorckpt.tools.cmd_serve import check_sources
+from mirrorckpt.tools.testbed.harness import free_port
 
 DEMO = common.PCAPS / "demo"
 SECRET = b"serve-preflight-secret-0123456789"
@@ -139,9 +140,7 @@ def test_serve_sets_the_updaters_torch_threads(tmp_path):
 def test_serve_control_plane_is_mutual_tls(tmp_path):
     c = common.make_certs(tmp_path)
     (tmp_path / "secret").write_bytes(SECRET)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = demo_config(tmp_path, f'\n[control]\nlisten = "127.0.0.1:{port}"\nsecret_file = "{tmp_path / "secret"}"\n'
                                 f'tls_cert = "{c["appliance_cert"]}"\ntls_key = "{c["appliance_key"]}"\n'
                                 f'tls_ca = "{c["ca"]}"\n')

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from common import REPO
+from mirrorckpt.tools.testbed.harness import free_port
 
 DOCS = REPO / "docs"
 BIN = Path(sys.executable).parent
@@ -90,14 +91,6 @@ secret_file = "{tmp / 'secret'}"
 listen = "127.0.0.1:{metrics}"
 """)
     return path
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_systemd_unit_and_the_container_recipe_start_the_appliance(tmp_path):

@@ -26,6 +26,7 @@ from mirrorckpt.control import messages as m
 from mirrorckpt.control.channel import Channel, RemoteError, RequestTimeout
 from mirrorckpt.control.endpoint import LOGGER, ControlClient, ControlServer
 from mirrorckpt.control.outbox import QueueFull
+from mirrorckpt.tools.testbed.harness import free_port
 
 SECRET = b"appliance-secret-0123456789abcdef"
 
@@ -424,10 +425,18 @@ def test_client_reconnects_after_server_restart(log):
                                                               (m.STEP_META, 3), (m.STEP_META, 4)]
 
 
-def test_client_queue_policy_while_disconnected(log):
+def test_test_ports_come_from_outside_the_ephemeral_range():
+    """The tests' listening ports: a port that a port-0 bind handed out may be taken by any
+    outgoing connection of the tests beside before it is bound again."""
+    lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and not any(lo <= p <= hi for p in ports)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here
+        s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_client_queue_policy_while_disconnected(log):
+    port = free_port()  # nothing listens here
     cli = ControlClient("127.0.0.1", port, SECRET, max_queue=4, block_timeout=0.05,
                         backoff_initial=0.01, backoff_max=0.05).start()
     try:
@@ -445,9 +454,7 @@ def test_client_queue_policy_while_disconnected(log):
 
 
 def test_oversized_messages_are_refused_at_the_call(log):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # not started: no network. Above the frame limit a message is streamed; only the message
     # limit refuses it.
     cli = ControlClient("127.0.0.1", port, SECRET, max_frame=1 << 20, max_message=2 << 20)

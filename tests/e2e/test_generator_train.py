@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from mirrorckpt.tools.generator.train import (
     run_training,
     sum_in_rank_order,
 )
+from mirrorckpt.tools.testbed.harness import free_port
 from mirrorckpt.updater.fingerprint import state_sha256
 
 HERE = Path(__file__).resolve()
@@ -157,11 +157,6 @@ def worker_main(config_path: str, rank: int, world: int, port: int, out: str) ->
 
 # ---------------------------------------------------------------------------------------------
 # test side
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_ranks(config_path: str, outdir: str) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from mirrorckpt.tools.cli import main
 from mirrorckpt.tools.cmd_status import fetch
 from mirrorckpt.tools.generator.encap import EncapOptions, Encapsulator
 from mirrorckpt.tools.generator.gen import GenConfig, generate
+from mirrorckpt.tools.testbed.harness import free_port
 from mirrorckpt.tools.testbed.mirror_tunnel import TunnelRig
 from mirrorckpt.tools.testbed.netns import FrameSender
 from mirrorckpt.updater import ckptdir, restore
@@ -156,12 +156,6 @@ def test_loss_on_the_underlay_is_reported_from_the_sequence_numbers(job, tmp_pat
     assert f"{health['lost_frames']} lost on the way" in text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("kind, workers", [("vxlan", 1), ("erspan2", 2)])
 def test_serve_follows_a_mirror_on_the_live_underlay(job, tmp_path, kind, workers):
     """`mirrorckpt serve` with the underlay's far end as its live source (AF_PACKET, in the
@@ -170,7 +164,7 @@ def test_serve_follows_a_mirror_on_the_live_underlay(job, tmp_path, kind, worker
     the kernel's fanout program splits the port by the inner flow's UDP source port: an ERSPAN
     packet's outer header has none (by it, every frame would land in worker 0)."""
     cfg = load_job(job["dir"] / "job.toml")
-    listen = f"127.0.0.1:{_free_port()}"
+    listen = f"127.0.0.1:{free_port()}"
     with TunnelRig("ipv4") as rig:
         if kind == "vxlan":
             rig.vxlan()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from mirrorckpt.config.training import OptimizerSpec, PersistSpec, TrainingSpec
 from mirrorckpt.tools.generator.gen import GenConfig, generate
 from mirrorckpt.tools.metrics import Metrics
 from mirrorckpt.tools.serve import Daemon
+from mirrorckpt.tools.testbed.harness import free_port
 from mirrorckpt.updater import restore
 from mirrorckpt.updater.replica import Replica
 
@@ -39,12 +39,6 @@ def job_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def long_job_dir(tmp_path_factory):
     return _generate(tmp_path_factory.mktemp("gen_long"), 40)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(job_dir: Path, tmp: Path, persist_every: int | None = None, workers: int = 1, **extra) -> Path:

@@ -640,10 +640,37 @@ def followed(plane, world: int):
     return frames, follower
 
 
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that nothing listens on, chosen outside the kernel's ephemeral range: a port 0
+    bind hands out ephemeral ports, which every outgoing connection of the tests running beside
+    (gloo pairs, store clients) may take before the caller binds it again (CI saw EADDRINUSE)."""
+    import random
+
+    lo, hi = _ephemeral_range()
+    pool = range(10000, lo) if lo - 10000 >= 2000 else range(hi + 1, 65536)
+    for _ in range(200):
+        port = random.choice(pool)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {pool.start}..{pool.stop - 1}")
 
 
 @contextlib.contextmanager
