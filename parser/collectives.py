@@ -16,6 +16,7 @@ from mirrorckpt.config.ddp import ALLREDUCE, CollSpec
 from mirrorckpt.config.layout import JobLayout, RingSpec
 
 CACHED_COLLECTIVES = 1 << 16  # JobModel's collectives kept made (each is remade on demand)
+CACHED_ITERATIONS = 64  # and its iterations' lists (0-2 always)
 
 
 @dataclass
@@ -70,14 +71,22 @@ class JobModel:
 
     def __post_init__(self):
         self._cache: dict[int, CollSpec | None] = {}
+        self._iterations: dict[int, tuple[CollSpec, ...]] = {}
 
-    def _iteration(self, i: int) -> list[CollSpec]:
-        if self.layout is not None:
-            grads = ddp.iteration(self.layout, i)
-        else:
-            grads = [CollSpec(c.kind, c.count, c.dtype, c.label, c.root, i, c.bucket, c.protocol)
-                     for c in self.per_iteration]
-        return (self.before_iteration_1 if i == 1 else []) + grads
+    def _iteration(self, i: int) -> tuple[CollSpec, ...]:
+        # kept: every new collective a state machine tabulates locates itself through iterations 0-2
+        got = self._iterations.get(i)
+        if got is None:
+            if self.layout is not None:
+                grads = ddp.iteration(self.layout, i)
+            else:
+                grads = [CollSpec(c.kind, c.count, c.dtype, c.label, c.root, i, c.bucket, c.protocol)
+                         for c in self.per_iteration]
+            if len(self._iterations) >= CACHED_ITERATIONS:
+                for k in [k for k in self._iterations if k > 2]:
+                    del self._iterations[k]
+            got = self._iterations[i] = tuple((self.before_iteration_1 if i == 1 else []) + grads)
+        return got
 
     def grads(self, i: int) -> list[CollSpec]:
         """Iteration ``i``'s gradient all-reduces, bucket by bucket."""
