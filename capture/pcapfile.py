@@ -55,6 +55,7 @@ class PcapRecords:
         self.snaplen = int(hdr["snaplen"])
         self.pos = fmt.PCAP_HEADER_SIZE
         self.skipped = 0
+        self.stride_min = _walk.STRIDE_MIN  # what the walk prefetches (CaptureReader.consumer_prefetches)
 
     @property
     def linktypes(self) -> dict[int, int]:
@@ -65,7 +66,7 @@ class PcapRecords:
         start = self.pos
         n, self.pos, status, a, b = _walk.walk_pcap(
             self.buf, start, self.big, 10**9 if self.nanosecond else 10**6, fmt.MAX_CAPLEN,
-            offset, caplen, wirelen, ticks, 0)
+            offset, caplen, wirelen, ticks, 0, self.stride_min)
         if not self.nanosecond:
             ticks[:n] *= np.uint64(1000)
         iface[:n] = 0
@@ -155,6 +156,9 @@ class CaptureReader:
         # Set by a reader whose batches are still read on another thread after the next is asked
         # for: that thread gives their pages back (release_before), the walk does not.
         self.consumer_releases = False
+        # Set by a reader that prefetches each frame it reads (the RoCE decode with its ICRC): the
+        # walk then asks for the records' boundaries only, not for every line (capture/_walk.pyx).
+        self.consumer_prefetches = False
 
     def __enter__(self) -> CaptureReader:
         return self
@@ -240,6 +244,7 @@ class CaptureReader:
             k = self._frames_next
             cols = (np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64),
                     np.empty(k, np.int64), np.empty(k, np.int32))
+            self._walk.stride_min = _walk.BOUNDS_STRIDE_MIN if self.consumer_prefetches else _walk.STRIDE_MIN
             n, self._pending, self._done = self._walk.fill(*cols)
             self.stats.skipped_blocks = self._walk.skipped
             if n:

@@ -69,6 +69,7 @@ class PcapngBlocks:
         self.section_base = 0  # file-wide number of the section's interface 0
         self.sections = 0
         self.skipped = 0
+        self.stride_min = _walk.STRIDE_MIN  # what the walk prefetches (CaptureReader.consumer_prefetches)
 
     @property
     def linktypes(self) -> dict[int, int]:
@@ -83,7 +84,7 @@ class PcapngBlocks:
             spb_snaplen = self.interfaces[self.section_base].snaplen if local else 0
             n, self.pos, status, a, b, skipped = _walk.walk_pcapng(
                 self.buf, self.pos, self.big, self.section_base, local, spb_snaplen,
-                fmt.MAX_CAPLEN, offset, caplen, wirelen, ticks, iface, n)
+                fmt.MAX_CAPLEN, offset, caplen, wirelen, ticks, iface, n, self.stride_min)
             self.skipped += skipped
             try:
                 if status == Status.AT_SHB:

@@ -144,6 +144,30 @@ def test_batches_concatenate_to_read_all(path):
         assert all(b.offset[0] == 0 and b.data.size == int((b.offset + b.caplen).max()) for b in batches)
 
 
+@pytest.mark.parametrize("suffix", ["pcap", "pcapng"])
+def test_a_walk_for_a_reader_that_prefetches_lists_the_same_frames(tmp_path, monkeypatch, suffix):
+    """consumer_prefetches (the RoCE decode prefetches each frame itself) makes the walk ask for the
+    records' boundaries only, from the first record on and for frames of 14 to 1600 bytes; the
+    frames it lists are the same."""
+    from mirrorckpt.capture import _walk
+
+    batch = sample_batch(n=600, seed=3)
+    path = tmp_path / f"x.{suffix}"
+    with (PcapWriter(path) if suffix == "pcap" else PcapngWriter(path)) as w:
+        w.write_batch(batch)
+    asked = []
+    for name in ("walk_pcap", "walk_pcapng"):
+        real = getattr(_walk, name)
+        monkeypatch.setattr(_walk, name, lambda *a, real=real: asked.append(a[-1]) or real(*a))
+    got = {}
+    for prefetches in (False, True):
+        with open_capture(path, batch_frames=50) as r:
+            r.consumer_prefetches = prefetches
+            got[prefetches] = [f for b in r for f in all_frames(b)]
+    assert got[True] == got[False] == all_frames(batch)
+    assert set(asked) == {_walk.STRIDE_MIN, _walk.BOUNDS_STRIDE_MIN} and _walk.BOUNDS_STRIDE_MIN < 1000
+
+
 # ---- writer round trips ----------------------------------------------------------------------
 
 def sample_batch(n=300, seed=1, ts0=1_700_000_000_123_456_789) -> FrameBatch:

@@ -90,6 +90,17 @@ def test_capture_files_are_decoded_ahead_on_threads_of_their_own(monkeypatch):
     assert where and set(where) == {"mirror-decode"}
 
 
+@pytest.mark.parametrize("icrc", [True, False])
+def test_capture_walks_leave_the_frames_to_a_decode_that_prefetches_them(icrc):
+    """The decode prefetches each frame whose ICRC it checks: decoded ahead, the capture's walk
+    then asks for the records' boundaries only (CaptureReader.consumer_prefetches); without the
+    ICRC check it keeps asking for every line."""
+    sources = _sources("ll_r2_noise_faults", 8)
+    ms = MirrorStreams(sources, ahead=1, icrc=icrc)
+    assert sum(len(s) for s in ms)
+    assert [r.consumer_prefetches for _, r in sources] == [icrc] * len(sources)
+
+
 def test_the_decode_thread_walks_at_most_decode_ahead_batches_before_the_packet_path(monkeypatch):
     """Each batch walked early keeps its capture pages mapped: the thread walks the next one only
     once the packet path took one."""

@@ -19,17 +19,40 @@ cdef extern from * nogil:
     #include <stdint.h>
     #ifdef MIRRORCKPT_ISAL
     #include <isa-l/crc.h>
+    /* ISA-L's AVX-512 CRC returns with the upper halves of the vector registers in use (no
+       vzeroupper: isa-l issue 24), and each legacy SSE instruction after it (this module's 16-byte
+       copies) then pays for the mixed state: without the vzeroupper below, the decode of cold 1 KB
+       frames with their ICRC took 0.32 CPU-s/GB, with it 0.13 (0.09: ISA-L over the same bytes
+       alone). vzeroupper needs AVX, which the CPU and the OS must both allow (what
+       __builtin_cpu_supports checks). */
+    #if defined(__x86_64__) || defined(__i386__)
+    static int mck_vzeroupper = 0;
+    static void mck_cpu_init(void) { __builtin_cpu_init(); mck_vzeroupper = __builtin_cpu_supports("avx"); }
+    #else
+    static void mck_cpu_init(void) {}
+    #endif
     /* same pre/post inversion as zlib's crc32, so calls chain the same way */
-    static inline uint32_t mck_crc32(uint32_t c, const uint8_t *p, uint64_t n) { return crc32_gzip_refl(c, p, n); }
+    static inline uint32_t mck_crc32(uint32_t c, const uint8_t *p, uint64_t n) {
+        uint32_t r = crc32_gzip_refl(c, p, n);
+    #if defined(__x86_64__) || defined(__i386__)
+        if (mck_vzeroupper)
+            __asm__ volatile("vzeroupper");
+    #endif
+        return r;
+    }
     #define MCK_CRC_BACKEND "isa-l"
     #else
     #include <zlib.h>
     static inline uint32_t mck_crc32(uint32_t c, const uint8_t *p, uint64_t n) { return (uint32_t)crc32(c, p, (uInt)n); }
+    static void mck_cpu_init(void) {}
     #define MCK_CRC_BACKEND "zlib"
     #endif
     """
     uint32_t mck_crc32(uint32_t crc, const uint8_t *buf, uint64_t n)
+    void mck_cpu_init()
     const char *MCK_CRC_BACKEND
+
+mck_cpu_init()
 
 ICRC_BACKEND = (<bytes>MCK_CRC_BACKEND).decode()  # "isa-l" or "zlib" (the slow fallback)
 
@@ -100,9 +123,12 @@ include "../_walk.pxi"
 cdef uint8_t[256] HAS_RETH, HAS_IMM, HAS_AETH, HAS_DETH
 
 # The ICRC reads every payload byte once, from memory the walk has not touched: every frame is
-# prefetched PREFETCH_AHEAD frames before its turn. Cold LL frames (PMTU 1024, ~1.1 KB), ICRC and LL
-# reading, best of 3 over 200 MB: 721-900 ns a frame prefetching only frames over 2 KB one ahead,
-# 641-690 two ahead (670-782 one ahead); Simple (4 KB frames) the same or a little faster.
+# prefetched PREFETCH_AHEAD frames before its turn, all its lines at once. Decode with ICRC and LL
+# reading of cold 1.1 KB frames (Simple, LL, LL128; 0.4-0.8 GB, best of 5 thread CPU time,
+# interleaved): 0.12-0.13 s/GB Simple and LL128, 0.19 LL, where ISA-L over the same bytes alone
+# takes 0.09; no prefetch 0.16-0.21; four frames ahead, or a steady 2-16 KB ahead of the walk,
+# or 1 KB steps inside the CRC, the same within the noise (+-5 %); prefetcht1/t2 the same,
+# prefetchnta 0.18-0.29.
 DEF PREFETCH_AHEAD = 2
 
 

@@ -94,6 +94,7 @@ class MirrorStreams:
             for p, it in zip(self.paths, self._iters):
                 p.defer_copies()
                 it.consumer_releases = True
+                it.consumer_prefetches = p.icrc  # the decode's ICRC prefetches each frame
             self._decoded = [_Ahead(_decoded(it, p), DECODE_AHEAD, stop, "mirror-decode")
                              for it, p in zip(self._iters, self.paths)]
         ended: set[int] = set()
