@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import queue
+import random
 import socket
 import struct
 import sys
@@ -654,9 +655,7 @@ def _ephemeral_range() -> tuple[int, int]:
 def free_port() -> int:
     """A TCP port that nothing listens on, chosen outside the kernel's ephemeral range: a port 0
     bind hands out ephemeral ports, which every outgoing connection of the tests running beside
-    (gloo pairs, store clients) may take before the caller binds it again (CI saw EADDRINUSE)."""
-    import random
-
+    (gloo pairs, store clients) may take before the caller binds it again."""
     lo, hi = _ephemeral_range()
     pool = range(10000, lo) if lo - 10000 >= 2000 else range(hi + 1, 65536)
     for _ in range(200):
