@@ -125,7 +125,8 @@ def test_the_systemd_unit_and_the_container_recipe_start_the_appliance(tmp_path)
                            env=dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}"))
         assert r.returncode == 0, (health, r.stdout, r.stderr)
         serve.send_signal(getattr(signal, svc["KillSignal"]))
-        assert serve.wait(timeout=int(svc["TimeoutStopSec"])) == 0  # no restart after a stop
+        rc = serve.wait(timeout=int(svc["TimeoutStopSec"]))
+        assert rc == 0, (rc, serve.stderr.read()[-4000:])  # no restart after a stop
     finally:
         if serve.poll() is None:
             serve.kill()
