@@ -196,3 +196,22 @@ def test_replay_lists_the_first_incomplete_allreduces_and_all_with_verbose():
     full = CliRunner().invoke(main, ["replay", "--verbose", cap], catch_exceptions=False)
     assert len([x for x in full.stdout.splitlines() if x.startswith("incomplete: all-reduce ")]) == 20
     assert "more (--verbose" not in full.stdout
+
+
+def test_digests_hashed_side_by_side_are_each_results_own(monkeypatch):
+    """Several hashing threads: each all-reduce's digest is still its own bytes' sha256, whatever
+    order the threads finish in, and the default asks for one thread per two cores past two."""
+    import hashlib
+
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    bufs = [rng.integers(0, 256, int(n), dtype=np.uint8) for n in rng.integers(1, 3 << 20, 24)]
+    d = cmd_replay.Digests(workers=3)
+    assert d.depth == 6
+    futures = [d.submit(b) for b in bufs]
+    d.close()
+    assert [f.result() for f in futures] == [hashlib.sha256(b).hexdigest() for b in bufs]
+    for cores, want in ((1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (64, 4)):
+        monkeypatch.setattr(cmd_replay.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        assert cmd_replay.Digests.default_workers() == want

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -42,16 +43,26 @@ SHOWN = 5  # incomplete all-reduces listed without --verbose (a long capture can
 
 
 class Digests:
-    """The report's sha256 of each complete all-reduce, on a second thread: hashlib lets go of the
-    GIL, so the hash overlaps the packet path instead of adding to it (it was a third of a Simple
-    replay's time). At most ``depth`` buckets wait for it, so a slow hash holds the pipeline
-    back rather than keeping every bucket alive (on Simple it is about as fast as the packet
-    path: with 8 waiting, a 2 GB capture peaked some 15 MB higher, median of 4, than with 2)."""
+    """The report's sha256 of each complete all-reduce, on threads of their own: hashlib lets go of
+    the GIL, so the hashes overlap the packet path instead of adding to it. One core hashes about
+    1.4 GB/s (SHA-NI), and a two-rank Simple capture carries half its bytes again as results, so a
+    single hashing thread bounded a replay near 2.8 GB/s wherever the other stages had cores to
+    spare: all-reduces are hashed side by side, one thread per two cores past the first two
+    (``workers``). At most ``depth`` results per thread wait, so a slow hash holds the pipeline back
+    rather than keeping every bucket alive (on Simple with one thread, 8 waiting peaked a 2 GB
+    capture some 15 MB higher, median of 4, than 2)."""
 
-    def __init__(self, depth: int = 2):
-        self.depth = depth
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+    def __init__(self, depth: int = 2, workers: int | None = None):
+        self.workers = workers or self.default_workers()
+        self.depth = depth * self.workers
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="sha256")
         self.waiting: deque[Future] = deque()
+
+    @staticmethod
+    def default_workers(cap: int = 4) -> int:
+        """One hashing thread, and one more per two cores this process may run on past two."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(cap, 1 + (cores - 2) // 2))
 
     def submit(self, data) -> Future:
         while len(self.waiting) >= self.depth:
