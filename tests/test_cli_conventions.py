@@ -86,3 +86,23 @@ def test_json_errors_are_one_json_object_on_stdout(tmp_path, args):
     doc = json.loads(res.stdout)  # stdout holds exactly the one object
     err = next(x for x in res.stderr.splitlines() if x.startswith("error: "))
     assert doc["error"] and doc["error"] in err, (doc, err)
+
+
+@pytest.mark.parametrize("given", [None, "3"])
+def test_the_command_keeps_numpys_blas_to_one_thread_unless_the_operator_says_otherwise(given):
+    """numpy's OpenBLAS threads spin at start-up for work no command gives them: the command starts
+    with one, and an operator's OPENBLAS_NUM_THREADS stands."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if given:
+        env["OPENBLAS_NUM_THREADS"] = given
+    code = ("import os, mirrorckpt.tools.cli, numpy; "
+            "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    setting, threads = out.split()
+    assert setting == (given or "1")
+    if not given:
+        assert threads == "1"  # the process's own thread only: no BLAS thread started
