@@ -3,8 +3,8 @@
 For each protocol a generated 2-rank, 2-channel job is captured twice, ``short`` and ``long``
 steps of the same job (same seed and model): each capture is replayed in a fresh process
 (``python -m mirrorckpt.tools.cli replay --config job.toml --quiet``), wall clock, best of
-``repeat``. Start-up (imports, job set-up, exit) is the same in both, so the slope
-(bytes_long - bytes_short) / (t_long - t_short) is the per-iteration rate of capture bytes; the
+``repeat``, the sizes' runs interleaved. Start-up (imports, job set-up, exit) is the same in both,
+so the slope (bytes_long - bytes_short) / (t_long - t_short) is the per-iteration rate of capture bytes; the
 same slope of the CPU seconds (every thread) gives the rate per CPU second. The same captures are
 also replayed ``repeat`` times with ``--json``, which adds every all-reduce's sha256: those runs
 check every all-reduce against the generator's truth.json (sha256 per bucket), give the byte
@@ -130,27 +130,30 @@ def slope(nbytes: int, dt: float) -> float | None:
 def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: Path,
             longer: int | None = None) -> dict:
     res: dict = {"protocol": protocol, "model": model, "pmtu": PMTU[protocol], "steps": [short, long]}
+    sizes = (short, long) + ((longer,) if longer else ())
+    dirs = {n: tmp / f"{protocol}_{n}" for n in sizes}
+    truths = {n: build(dirs[n], protocol, n, model) for n in sizes}
+    plain: dict[int, list] = {n: [] for n in sizes}
+    checked: dict[int, list] = {n: [] for n in sizes}
+    # Interleaved, a round of every size at a time: load that drifts over the minutes of a shared
+    # machine then slows short and long runs alike instead of one size's block (the slope divides
+    # a difference of tenths of a second).
+    for _ in range(repeat):
+        for n in sizes:
+            plain[n].append(replay_once(dirs[n], ()))  # as the issue measures: no sha256 of every all-reduce
+            checked[n].append(replay_once(dirs[n]))  # --json: every all-reduce checked
     runs = {}
-    for steps in (short, long) + ((longer,) if longer else ()):
-        d = tmp / f"{protocol}_{steps}"
-        truth = build(d, protocol, steps, model)
-        best, best_json, ok, checked, walls = None, None, True, 0, []
-        for _ in range(repeat):  # as the issue measures: no --json, so no sha256 of every all-reduce
-            r = replay_once(d, ())
-            walls.append(r["seconds"])
-            if best is None or r["seconds"] < best["seconds"]:
-                best = r
-        for _ in range(repeat):  # --json: every all-reduce checked
-            r = replay_once(d)
-            e, n = exact(r["report"], truth)
-            ok, checked = ok and e, checked + n
-            if best_json is None or r["seconds"] < best_json["seconds"]:
-                best_json = r
-        runs[steps] = {"seconds": best["seconds"], "seconds_all": walls, "cpu_seconds": best["cpu_seconds"],
-                       "json_seconds": best_json["seconds"], "bytes": best_json["report"]["capture_bytes"],
-                       "peak_rss_MB": max(best["peak_rss_MB"], best_json["peak_rss_MB"]), "exact": ok,
-                       "allreduces_checked": checked,
-                       "capture_file_bytes": sum(f.stat().st_size for f in d.glob("*.pcap*"))}
+    for n in sizes:
+        best = min(plain[n], key=lambda r: r["seconds"])
+        best_json = min(checked[n], key=lambda r: r["seconds"])
+        verdicts = [exact(r["report"], truths[n]) for r in checked[n]]
+        runs[n] = {"seconds": best["seconds"], "seconds_all": [r["seconds"] for r in plain[n]],
+                   "cpu_seconds": best["cpu_seconds"], "json_seconds": best_json["seconds"],
+                   "json_seconds_all": [r["seconds"] for r in checked[n]],
+                   "bytes": best_json["report"]["capture_bytes"],
+                   "peak_rss_MB": max(r["peak_rss_MB"] for r in plain[n] + checked[n]),
+                   "exact": all(e for e, _ in verdicts), "allreduces_checked": sum(k for _, k in verdicts),
+                   "capture_file_bytes": sum(f.stat().st_size for f in dirs[n].glob("*.pcap*"))}
     a, b = runs[short], runs[long]
     res["runs"] = {str(k): v for k, v in runs.items()}
     nbytes = b["bytes"] - a["bytes"]
@@ -180,7 +183,7 @@ def memory(model: str, steps: tuple[int, int], tmp: Path) -> dict:
 
 
 def run(protocols=("Simple", "LL", "LL128"), model: str = "linear:2000000", short: int = 2, long: int = 22,
-        repeat: int = 3, memory_steps: tuple[int, int] | None = (12, 120), longer: int | None = 62) -> dict:
+        repeat: int = 5, memory_steps: tuple[int, int] | None = (12, 120), longer: int | None = 62) -> dict:
     out: dict = {"memcpy_GBps_before": memcpy_GBps()}
     with tempfile.TemporaryDirectory() as t:
         if memory_steps:
