@@ -184,7 +184,7 @@ def memory(model: str, steps: tuple[int, int], tmp: Path) -> dict:
 
 def run(protocols=("Simple", "LL", "LL128"), model: str = "linear:2000000", short: int = 2, long: int = 22,
         repeat: int = 5, memory_steps: tuple[int, int] | None = (12, 120), longer: int | None = 62) -> dict:
-    out: dict = {"memcpy_GBps_before": memcpy_GBps()}
+    out: dict = {"memcpy_GBps_before": memcpy_GBps(), "repeat": repeat, "interleaved": True}
     with tempfile.TemporaryDirectory() as t:
         if memory_steps:
             out["memory"] = memory(model, memory_steps, Path(t))

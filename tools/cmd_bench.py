@@ -358,11 +358,13 @@ def _render_e2e(name, r) -> list[str]:
              "written to disk before they are replayed, by `capture.writer` in whole 2 MB spans, so the page cache "
              "holds them in large folios, as it does a capture read from disk; one still cached from small writes "
              "maps in small folios, a fault each, and walks slower: 13-28 ms more per 336 MB measured here), "
-             "wall clock, best of 3 each: the slope between them is "
+             f"wall clock, best of {r.get('repeat', 3)} each"
+             f"{', a round of every capture at a time' if r.get('interleaved') else ''}: the slope between them is "
              "the per-iteration rate, start-up cancels; the "
              "same slope of the CPU seconds (every thread of the process) is the rate per CPU second. "
-             "The same captures replayed with `--json` (which adds every all-reduce's sha256, on a thread of its "
-             "own) check every all-reduce against the generator's truth, and have a slope of their own. "
+             "The same captures replayed with `--json` (which adds every all-reduce's sha256, on threads of their "
+             "own: one per two cores past two) check every all-reduce against the generator's truth, and "
+             "have a slope of their own. "
              "The packet path runs on a thread of its own; from capture files a Simple send's final values, and "
              "an LL send's words as the decode thread read them (right after each packet's ICRC), are placed "
              "straight from the capture by the consumer (`nccl.LazySend`), the reduce-scatter half never "
@@ -390,7 +392,7 @@ def _render_e2e(name, r) -> list[str]:
     if longer:
         lines += ["", "A slope whose long run is less than 0.05 s slower than the short one is not taken as a rate "
                   "(`–`, its value in brackets: inside the start-up noise). The same slope to a longer capture of "
-                  "the same job, best of 3:", "",
+                  f"the same job, best of {r.get('repeat', 3)}:", "",
                   "| protocol | capture, short / longer | seconds, short / longer | GB/s of capture (slope) | "
                   "of memcpy |", "|---|---|---|---|---|"]
         for p in longer:
