@@ -1,8 +1,8 @@
 """The compiled placement pass (parser/roce/_placerun) gives exactly what the per-send path gives
 (the state machine's counts, mismatches, step tables and QP cursors; the concatenator's buffers,
 coverage, conflicts and bookkeeping), takes the common case itself, and hands every unusual send
-to the per-send path in its turn: a DDP job's sends by flag, by CTS index and by PSN, in wire
-order, shuffled, two mirror copies, and with lost, resized, damaged and disagreeing sends."""
+to the per-send path in its turn: a DDP job's sends by flag, by CTS index and by PSN (the QP's
+next message), in wire order, shuffled, two mirror copies, and with lost, resized, damaged and disagreeing sends."""
 
 from __future__ import annotations
 
@@ -87,14 +87,14 @@ def test_a_whole_job_in_wire_order(proto, route):
     per_send = same(model, sends)
     done = place(model, sends, True, 37)[1]
     assert done and all(r.complete for r in done)
-    if route == "next":  # PSN-proven: the per-send path's
-        assert len(per_send) == len(sends)
-    else:  # the compiled pass takes all but empty steps and a collective's first send on a connection
-        firsts = {}
-        for s, (i, _, ch, pos, _) in sends:
-            firsts.setdefault((i, ch, pos), s)
-        allowed = {id(s) for s in firsts.values()} | {id(s) for s, _ in sends if s.form == "empty"}
-        assert {id(s) for s in per_send} <= allowed and len(per_send) < len(sends)
+    # The compiled pass takes all but empty steps and a connection's first send (which maps it and
+    # anchors its QP), a collective's first one too (it tabulates the collective as the per-send
+    # path would); PSN-proven sends too (route "next"): each begins where its QP's last one ended.
+    firsts = {}
+    for s, _ in sends:
+        firsts.setdefault((s.stream, s.connection), s)
+    allowed = {id(s) for s in firsts.values()} | {id(s) for s, _ in sends if s.form == "empty"}
+    assert {id(s) for s in per_send} <= allowed
 
 
 @pytest.mark.parametrize("proto,route", [("LL", "flag"), ("Simple", "cts")])
@@ -111,10 +111,11 @@ def test_shuffled_and_two_mirror_copies(proto, route):
     assert len(same(model, unnumbered, batch=11)) < len(mixed) // 2
 
 
-@pytest.mark.parametrize("proto,route", [("LL", "flag"), ("LL128", "flag"), ("Simple", "cts")])
+@pytest.mark.parametrize("proto,route", [("LL", "flag"), ("LL128", "flag"), ("Simple", "cts"), ("Simple", "next")])
 def test_damage_goes_the_per_send_way_with_the_same_outcome(proto, route):
     """Lost sends, a size the plan does not expect, lost bytes, a copy that disagrees, a late copy
-    of an old step, a send out of its QP's order: the verdicts are the per-send path's."""
+    of an old step, a send out of its QP's order: the verdicts are the per-send path's (PSN-proven
+    sends after a lost one: a gap in the QP's PSNs, counted by the per-send path)."""
     model = ddp_model(proto)
     sends = valued(by_time(all_sends(model, route)), model)
     copies = valued(by_time(all_sends(model, route, stream=1)), model)

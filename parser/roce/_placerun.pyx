@@ -1,13 +1,15 @@
 # cython: language_level=3
 """A batch of NCCL sends placed in one compiled pass (``RingPlacer.add``) for the common case.
 
-A send whose step is known (an LL/LL128 flag or a CTS index), intact, of a connection already
-mapped, inside a collective its connection has tabulated, of the planned size and protocol, and
-its QP's newest: the ring state machine's placement (``RingStateMachine.place``), its QP cursor
-and the concatenator's bookkeeping and copy (``Concatenator.add``) are done here, reading and
-changing the same state the per-send path does. Every other send (the first ones of a connection,
-PSN-proven, lost bytes, out of order, a size the plan does not expect, a step not yet tabulated)
-goes the per-send Python way (``fallback``) in its turn, so the outcome is the same send by send.
+A send whose step is known (an LL/LL128 flag, a CTS index, or, proven by PSNs, the message after
+the newest one placed on its QP: it begins at the PSN where that one ended), intact, of a connection
+already mapped, of the planned size and protocol, and its QP's newest: the ring state machine's
+placement (``RingStateMachine.place``, tabulating the connection's next collectives as it does), its
+QP cursor and the concatenator's bookkeeping and copy (``Concatenator.add``) are done here, reading
+and changing the same state the per-send path does. Every other send (the first ones of a
+connection, lost bytes, out of order, a PSN-proven one after a gap, a size the plan does not
+expect, a step past the job's sequence) goes the per-send Python way (``fallback``) in its turn, so
+the outcome is the same send by send.
 """
 
 from bisect import bisect_right
@@ -16,9 +18,11 @@ import numpy as np
 from mirrorckpt.config.ddp import ALLREDUCE
 from mirrorckpt.config.layout import dtype_size
 from mirrorckpt.parser.placement import REDUCED, Placement
+from mirrorckpt.parser.roce import nccl_versions, schedule
 from mirrorckpt.parser.roce.sends import LazySend, NcclSend
 from mirrorckpt.parser.roce.statemachine import MAX_AHEAD_STEPS, MAX_ANCHORS, _Cursor
 
+cdef long long NCCL_STEPS = nccl_versions.NCCL_STEPS
 cdef long long HALF = 1LL << 31
 cdef long long WRAP = 1LL << 32
 
@@ -29,9 +33,10 @@ cdef class Window:
     cdef readonly object track, spec, proto, steps, messages
     cdef object result, covered  # the collective's result as last placed into, its flags as bytes
     cdef readonly long long coll, t0, t_limit, m0, n, esize
+    cdef readonly long long slot_bytes  # a receive slot of its protocol (0: no release known)
     cdef readonly bint allreduce
 
-    def __init__(self, track, Py_ssize_t i, coll_entry, Py_ssize_t channel, Py_ssize_t pos):
+    def __init__(self, track, Py_ssize_t i, coll_entry, Py_ssize_t channel, Py_ssize_t pos, version):
         spec, proto, plan = coll_entry
         self.track = track
         self.coll = track.base + i
@@ -43,6 +48,8 @@ cdef class Window:
         self.messages = plan.messages(pos, channel)
         self.allreduce = spec.kind == ALLREDUCE
         self.esize = dtype_size(spec.dtype) if self.allreduce else 0
+        # RingStateMachine._slot_agrees: step t lands at slot t mod NCCL_STEPS of this many bytes
+        self.slot_bytes = schedule.recv_slot(1, proto, spec.kind, version).offset if version else 0
 
 
 cdef Py_ssize_t _last_with_messages(track, Py_ssize_t i):
@@ -54,23 +61,25 @@ cdef Py_ssize_t _last_with_messages(track, Py_ssize_t i):
 
 cdef Window _by_step(sm, track, long long t, Py_ssize_t channel, Py_ssize_t pos):
     """``RingStateMachine._at_step``'s collective for step ``t``, from its tables as they are
-    (None: not tabulated yet, or dropped: the per-send path decides)."""
+    (None: past the job's sequence, or dropped: the per-send path decides). A step past the
+    tables tabulates more collectives, as ``_at_step`` does: a collective's first send is placed
+    here too."""
     cdef Py_ssize_t i
-    if t >= track.t_end:
+    if t >= track.t_end and not sm._extend(track, t=t):
         return None
     i = _last_with_messages(track, bisect_right(track.t0, t) - 1)
-    return None if i < 0 else Window(track, i, sm._coll(track.base + i), channel, pos)
+    return None if i < 0 else Window(track, i, sm._coll(track.base + i), channel, pos, sm.model.ring.nccl_version)
 
 
 cdef Window _by_message(sm, track, long long m, Py_ssize_t channel, Py_ssize_t pos):
     """``RingStateMachine.by_message``'s collective for message ``m`` (None: as ``_by_step``)."""
     cdef Py_ssize_t i
-    if m >= track.m_end:
+    if m >= track.m_end and not sm._extend(track, m=m):
         return None
     i = _last_with_messages(track, bisect_right(track.m0, m) - 1)
     if i < 0 or m - track.m0[i] >= track.n[i]:
         return None
-    return Window(track, i, sm._coll(track.base + i), channel, pos)
+    return Window(track, i, sm._coll(track.base + i), channel, pos, sm.model.ring.nccl_version)
 
 
 def place_batch(placer, sends, concat, fallback):
@@ -91,7 +100,7 @@ def place_batch(placer, sends, concat, fallback):
         loc = where.get(conn) if conn is not None else None
         flag, seq = (d["flag"], d["seq"]) if loc is not None else (None, None)
         if loc is None or d["form"] != "normal" or d["pieces"] or d["holes"] or not d["length_known"] \
-                or (flag is None and seq is None) or mapped.get(conn) != loc[0]:
+                or mapped.get(conn) != loc[0]:
             if placed:
                 counts["placed"] += placed
                 placed = 0
@@ -117,14 +126,30 @@ def place_batch(placer, sends, concat, fallback):
                 k, st = hit
                 m = w.m0 + k
         else:
-            m = seq - 1
-            if track is not None and (w is None or not (w.m0 <= m < w.m0 + w.n) or w.coll < track.base):
-                w = _by_message(sm, track, m, channel, pos)
             hit = None
-            if w is not None:
+            if seq is not None:
+                m = seq - 1
+            else:
+                # RingStateMachine._next_on_qp without a gap: the send begins where the newest send
+                # placed on its QP ended (its anchor), so it is the QP's next message
+                m = -1
+                psn, qp = d["psn"], d["qp"]
+                anchors = cursors.get((stream, qp)) if psn is not None and qp is not None else None
+                if anchors:
+                    cur = anchors[len(anchors) - 1]
+                    if cur.end == psn:
+                        nq = d["nqps"]
+                        m = cur.m + (1 if d["cut"] or nq == 1 else nq)
+            if m >= 0 and track is not None and (w is None or not (w.m0 <= m < w.m0 + w.n) or w.coll < track.base):
+                w = _by_message(sm, track, m, channel, pos)
+            if m >= 0 and w is not None:
                 st = w.messages[m - w.m0]
                 t = w.t0 + st.conn_step
                 hit = st
+                va = d["va"]
+                if seq is None and w.slot_bytes and cur.va is not None and va is not None and cur.proto == w.proto \
+                        and va - cur.va != (t % NCCL_STEPS - cur.t % NCCL_STEPS) * w.slot_bytes:
+                    hit = None  # RingStateMachine._slot_agrees: not where step t lands
         proto = d["protocol"]
         if hit is None or d["wire_bytes"] != st.wire_bytes or (proto is not None and proto != w.proto):
             if placed:
