@@ -25,8 +25,9 @@ DEFAULT_BATCH_FRAMES = 65536
 BATCH_BYTES = 32 << 20  # a batch also ends after this many bytes of file (jumbo frames: bounded memory).
 # Each batch end leaves a message per QP begun in it, copied twice (held, then whole); 32 MB against
 # 16, best of 5 interleaved, 3.2 GB Simple replay: packet path thread 0.57 -> 0.45 CPU-s, all
-# threads 2.33 -> 2.00, wall 1.44 -> 1.26 s, peak RSS 243 -> 315 MB; 2 GB LL: 2.34 -> 2.18 CPU-s,
-# wall 1.51 -> 1.48 s, peak RSS 268 -> 427 MB (its LL words are kept per batch as well).
+# threads 2.33 -> 2.00, wall 1.44 -> 1.26 s, peak RSS 243 -> 315 MB. 2 GB LL, two runs of best of 3/4:
+# CPU 2.34 -> 2.18 and 2.55 -> 2.47 s, wall 1.51 -> 1.48 and 1.49 -> 1.55 s (no change beyond the
+# noise), peak RSS 268 -> 427 MB (its LL words are kept per batch as well).
 
 
 @dataclass
