@@ -22,12 +22,11 @@ from mirrorckpt.capture.batch import CaptureError, FrameBatch
 from mirrorckpt.capture.pcapng import PcapngBlocks
 
 DEFAULT_BATCH_FRAMES = 65536
-BATCH_BYTES = 32 << 20  # a batch also ends after this many bytes of file (jumbo frames: bounded memory).
-# Each batch end leaves a message per QP begun in it, copied twice (held, then whole); 32 MB against
-# 16, best of 5 interleaved, 3.2 GB Simple replay: packet path thread 0.57 -> 0.45 CPU-s, all
-# threads 2.33 -> 2.00, wall 1.44 -> 1.26 s, peak RSS 243 -> 315 MB. 2 GB LL, two runs of best of 3/4:
-# CPU 2.34 -> 2.18 and 2.55 -> 2.47 s, wall 1.51 -> 1.48 and 1.49 -> 1.55 s (no change beyond the
-# noise), peak RSS 268 -> 427 MB (its LL words are kept per batch as well).
+BATCH_BYTES = 16 << 20  # a batch also ends after this many bytes of file (jumbo frames: bounded memory).
+# Each batch end leaves a message per QP begun in it, copied twice (held, then whole), and 32 MB
+# halves that, but as the slope from a 2-step capture (best of 5, the sizes interleaved) 32 MB
+# against 16 ran Simple no faster (0.288 vs 0.282 s/GB; CPU 0.42 vs 0.44) and LL 13 % slower
+# (0.52 vs 0.45 s/GB), at 95 and 140 MB more peak RSS.
 
 
 @dataclass
