@@ -4,8 +4,8 @@ For each protocol a generated 2-rank, 2-channel job is captured twice, ``short``
 steps of the same job (same seed and model): each capture is replayed in a fresh process
 (``python -m mirrorckpt.tools.cli replay --config job.toml --quiet``), wall clock, best of
 ``repeat``, the sizes' runs interleaved. Start-up (imports, job set-up, exit) is the same in both,
-so the slope (bytes_long - bytes_short) / (t_long - t_short) is the per-iteration rate of capture bytes; the
-same slope of the CPU seconds (every thread) gives the rate per CPU second. The same captures are
+so the slope (bytes_long - bytes_short) / (t_long - t_short) is the per-iteration rate of capture
+bytes; the same slope of the CPU seconds (every thread) gives the rate per CPU second. The same captures are
 also replayed ``repeat`` times with ``--json``, which adds every all-reduce's sha256: those runs
 check every all-reduce against the generator's truth.json (sha256 per bucket), give the byte
 counts, and have a slope of their own. The peak RSS of each run is recorded. A ``longer`` capture

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shlex
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -92,10 +95,6 @@ def test_json_errors_are_one_json_object_on_stdout(tmp_path, args):
 def test_the_command_keeps_numpys_blas_to_one_thread_unless_the_operator_says_otherwise(given):
     """numpy's OpenBLAS threads spin at start-up for work no command gives them: the command starts
     with one, and an operator's OPENBLAS_NUM_THREADS stands."""
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     if given:
         env["OPENBLAS_NUM_THREADS"] = given

@@ -5,9 +5,11 @@ the job file or the command line names; incomplete all-reduces are summarised.""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from common import FLOWCHECK, PCAPS
@@ -201,10 +203,6 @@ def test_replay_lists_the_first_incomplete_allreduces_and_all_with_verbose():
 def test_digests_hashed_side_by_side_are_each_results_own(monkeypatch):
     """Several hashing threads: each all-reduce's digest is still its own bytes' sha256, whatever
     order the threads finish in, and the default asks for one thread per two cores past two."""
-    import hashlib
-
-    import numpy as np
-
     rng = np.random.default_rng(5)
     bufs = [rng.integers(0, 256, int(n), dtype=np.uint8) for n in rng.integers(1, 3 << 20, 24)]
     d = cmd_replay.Digests(workers=3)

@@ -2,7 +2,8 @@
 (the state machine's counts, mismatches, step tables and QP cursors; the concatenator's buffers,
 coverage, conflicts and bookkeeping), takes the common case itself, and hands every unusual send
 to the per-send path in its turn: a DDP job's sends by flag, by CTS index and by PSN (the QP's
-next message), in wire order, shuffled, two mirror copies, and with lost, resized, damaged and disagreeing sends."""
+next message), in wire order, shuffled, two mirror copies, and with lost, resized, damaged and
+disagreeing sends."""
 
 from __future__ import annotations
 
