@@ -171,6 +171,25 @@ def test_simulation_without_failures_is_the_schedule():
     assert gp.simulate(t, 1e12, 95, np.random.default_rng(0)) == pytest.approx(95 + 9 * 2)
 
 
+class _Draws:
+    """An rng whose exponential draws are given."""
+
+    def __init__(self, *xs):
+        self.xs = list(xs)
+
+    def exponential(self, mean):
+        return self.xs.pop(0)
+
+
+def test_simulation_takes_measured_restarts_in_order():
+    t = gp.Timeline(tau=10, C=0, W=0, R=1)
+    # a failure at 5 s (back to 0), then none: restart, then 20 s of work
+    assert gp.simulate(t, 1.0, 20, _Draws(5.0, 1e6)) == pytest.approx(5 + 1 + 20)
+    assert gp.simulate(t, 1.0, 20, _Draws(5.0, 1e6), restarts=(3.0,)) == pytest.approx(5 + 3 + 20)
+    # the second failure comes 2 s into the first restart: the first measured restart is the one that completes
+    assert gp.simulate(t, 1.0, 20, _Draws(5.0, 2.0, 1e6), restarts=(3.0, 9.0)) == pytest.approx(5 + 2 + 3 + 20)
+
+
 def test_gockpt_stall_and_best_k():
     S, G, B, T = 98e9, 14e9, 10e9, 2.0  # 9.8 s of copying, 2 s steps
     for k in range(1, 20):

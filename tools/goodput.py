@@ -89,13 +89,15 @@ def waste_first_order(t: Timeline, mtbf: float) -> dict:
     return parts
 
 
-def simulate(t: Timeline, mtbf: float, work: float, rng: np.random.Generator) -> float:
+def simulate(t: Timeline, mtbf: float, work: float, rng: np.random.Generator, restarts=()) -> float:
     """Wall time to finish ``work`` seconds of compute on the timeline, failures drawn from ``rng``
     (exponential, mean ``mtbf``); a failure during a stall, a pending write or a restart counts too.
-    The run ends with its last segment's compute (no checkpoint after it)."""
+    The run ends with its last segment's compute (no checkpoint after it). ``restarts``: the
+    durations of the first restarts that complete, in order (a run's measured ones); later
+    restarts take ``t.R``."""
     nseg = math.ceil(work / t.tau - 1e-9)
     wall, fail = 0.0, rng.exponential(mtbf)
-    seg = safe = 0  # segments done; segments in the newest restorable checkpoint
+    seg = safe = done = 0  # segments done; segments in the newest restorable checkpoint; restarts
     pending = deque()  # (segments, wall time it becomes restorable), oldest first
     while seg < nseg:
         last = seg + 1 == nseg
@@ -113,10 +115,12 @@ def simulate(t: Timeline, mtbf: float, work: float, rng: np.random.Generator) ->
             safe = pending.popleft()[0]
         seg = safe
         pending.clear()
-        while True:  # the restart must run R seconds without a failure
+        r = restarts[done] if done < len(restarts) else t.R
+        while True:  # the restart must run r seconds without a failure
             fail = wall + rng.exponential(mtbf)
-            if fail >= wall + t.R:
-                wall += t.R
+            if fail >= wall + r:
+                wall += r
+                done += 1
                 break
             wall = fail
     return wall

@@ -1,7 +1,8 @@
 """Failure injection on a real 2-rank CPU DDP job (a small version of `mirrorckpt bench --section
 goodput`): killed at exponential random times, restarted from each strategy's latest checkpoint.
-The wall time to a fixed step count agrees with the goodput model fed the run's measured costs
-and failure draws, and the mirror loses at most one iteration per failure plus its restart."""
+The wall time to a fixed step count agrees with the goodput model fed the run's measured costs,
+failure draws and restart times, and the mirror loses at most one iteration per failure plus its
+restart."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ def test_measured_wall_time_matches_the_model_and_the_mirror_loses_at_most_one_s
     r = bench_goodput.run(steps=STEPS, every=EVERY, mtbf_s=MTBF, seed=SEED, dims=(64, 256, 256, 16),
                           device_s=0.05, workdir=tmp_path)
     tol = r["tolerance"]
-    assert tol <= 0.25
+    assert tol <= 0.05
     for name, x in r["strategies"].items():
         m, p, u = x["measured"], x["predicted"], x["model_inputs"]
         assert m["failures"] >= 3, (name, m["failure_log"])
         assert m["steps_run"] >= STEPS
-        assert abs(m["wall_s"] / p["same_draws_wall_s"] - 1) <= tol, \
-            (name, m["wall_s"], p["same_draws_wall_s"], u, m["failure_log"])
+        c = p["conditioned"]
+        assert abs(c["error"]) <= tol, (name, m["wall_s"], c, p["same_draws_wall_s"], u, m["failure_log"])
         assert u["restart_s"] > 0 and u["step_s"] > 0
 
     sync, mirror = r["strategies"]["sync"], r["strategies"]["mirror"]
