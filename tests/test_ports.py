@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from mirrorckpt.tools import cmd_status
 from mirrorckpt.tools.daemon.ports import SILENT_STEPS, PortMonitor
 from mirrorckpt.tools.daemon.worker import COUNTERS
 from mirrorckpt.tools.metrics import Metrics
+from prometheus_client import generate_latest
 
 
 def monitor(nports: int) -> tuple[PortMonitor, list[list[int]]]:
@@ -31,3 +33,20 @@ def test_a_source_that_ended_is_not_a_silent_mirror_and_a_failed_one_is_said():
     assert len(said) == 2, said
     assert said[0] == "capture on port 1 (src1) failed: pcap: truncated block at byte 4096"
     assert said[1].startswith(f"no RoCE on port 2 (src2) for 0 s while the trainer took {SILENT_STEPS} steps"), said
+
+
+def test_foreign_frames_are_counted_by_class_and_status_names_them():
+    ports, shared = monitor(1)
+    capture(shared, 0, 876, 850)
+    ports.sync()
+    # the worker's running counts, most common first (its top few only)
+    ports.seen(0, {"roce:RC_RDMA_WRITE_ONLY": 800, "ethertype_0x86dd": 20, "arp": 4})
+    ports.seen(0, {"roce:RC_RDMA_WRITE_ONLY": 850, "ethertype_0x86dd": 20, "lldp": 1})
+    ports.seen(0, {"roce:RC_RDMA_WRITE_ONLY": 850, "ethertype_0x86dd": 20, "arp": 6})  # arp back in the top
+    m = cmd_status.parse(generate_latest(ports.metrics.registry).decode())
+    assert m["mirrorckpt_other_frames_total"] == {
+        (("class", "ethertype_0x86dd"), ("port", "0")): 20, (("class", "arp"), ("port", "0")): 6,
+        (("class", "lldp"), ("port", "0")): 1}
+    text = cmd_status.render(m)
+    assert "port 0: 876 frames (850 RoCE; other: ethertype_0x86dd 20, arp 6, lldp 1)," in text, text
+    assert ports.sees(0) == "876 frames (roce:RC_RDMA_WRITE_ONLY 850, ethertype_0x86dd 20, arp 6, lldp 1)"

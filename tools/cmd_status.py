@@ -15,10 +15,14 @@ from mirrorckpt.tools.cliutil import Number, fail
 
 def fetch(url: str, timeout: float = 5.0) -> dict:
     """Metric samples as {name: {labels tuple: value}} from a Prometheus text endpoint."""
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return parse(r.read().decode())
+
+
+def parse(text: str) -> dict:
+    """Prometheus text as {name: {labels tuple: value}}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        text = r.read().decode()
     out: dict = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -84,7 +88,10 @@ def render(m: dict) -> str:
                  if dict(k).get("port") == p}
         icrc = by("mirrorckpt_icrc_failures_total", "port").get(p, 0)
         roce = by("mirrorckpt_roce_packets_total", "port").get(p, 0)
-        lines.append(f"port {p}: {fr:.0f} frames ({roce:.0f} RoCE), {by_ / 1e6:.1f} MB, dropped "
+        other = sorted(((v, dict(k).get("class")) for k, v in m.get("mirrorckpt_other_frames_total", {}).items()
+                        if dict(k).get("port") == p and v), reverse=True)
+        named = "; other: " + ", ".join(f"{c} {v:.0f}" for v, c in other[:4]) if other else ""
+        lines.append(f"port {p}: {fr:.0f} frames ({roce:.0f} RoCE{named}), {by_ / 1e6:.1f} MB, dropped "
                      f"{drops.get('capture', 0):.0f} (capture) {drops.get('kernel', 0):.0f} (kernel), {icrc:.0f} ICRC "
                      "failures")
         lost = {dict(k).get("session"): v for k, v in m.get("mirrorckpt_mirror_lost_frames_total", {}).items()

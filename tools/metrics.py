@@ -19,6 +19,10 @@ class Metrics:
         self.icrc = Counter("mirrorckpt_icrc_failures", "RoCE packets whose ICRC failed", port, registry=r)
         self.roce = Counter("mirrorckpt_roce_packets", "RoCEv2 packets decoded per mirror port (0 while the port "
                             "carries none: a silent mirror)", port, registry=r)
+        self.other = Counter("mirrorckpt_other_frames", "Frames per mirror port that are not RoCEv2, by class "
+                             "(arp, tcp, udp_other, ethertype_0x86dd, ...): foreign traffic on the mirror, never "
+                             "followed; the port's most common classes, counted every few seconds", port + ["class"],
+                             registry=r)
         # protection (control.protection): the verdict first, then the steps it compares
         self.protection = Gauge("mirrorckpt_protection", "1 for the current verdict: protected, lagging, "
                                 "not protected (its reason: mirrorckpt_protection_reason)", ["verdict"], registry=r)

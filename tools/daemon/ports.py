@@ -65,7 +65,11 @@ class PortMonitor:
 
     # -- from the workers ----------------------------------------------------------------------
     def seen(self, port: int, classes: dict) -> None:
-        self.classes[port] = classes
+        old = self.classes.get(port, {})
+        for k, n in classes.items():  # running counts: a class can leave the top few and come back
+            if not k.startswith("roce:") and n > old.get(k, 0):
+                self.metrics.other.labels(self.labels[port], k).inc(n - old.get(k, 0))
+        self.classes[port] = old | classes
 
     def ended(self, port: int, damage: str | None) -> None:
         self.damage[port] = damage
@@ -141,7 +145,7 @@ class PortMonitor:
         frames = self.counters.get(port, {}).get("frames", 0)
         if not frames:
             return "no frames at all"
-        top = ", ".join(f"{k} {v}" for k, v in list(self.classes.get(port, {}).items())[:5])
+        top = ", ".join(f"{k} {v}" for k, v in sorted(self.classes.get(port, {}).items(), key=lambda kv: -kv[1])[:5])
         return f"{frames} frames" + (f" ({top})" if top else "")
 
     def silent(self, seconds: float, trainer_step: int | None = None) -> list[str]:
