@@ -18,10 +18,13 @@ SCALARS = ("connection", "qp", "protocol", "holes", "wire_bytes", "size", "va", 
            "length_known", "stream", "psn", "npkts", "pmtu", "qp_index", "nqps", "cut", "pieces", "lone_piece")
 
 
-def sends(batch, size: int, runs: bool, version: str | None = "2.18"):
+def sends(batch, size: int, runs: bool, version: str | None = "2.18", defer: bool = False):
     """Sends of the packet path over ``batch`` cut every ``size`` frames, with runs (the lane) or
-    one message object each; and how many batches the lane took."""
+    one message object each; and how many batches the lane took. ``defer``: copies left in the
+    batches (as from capture files: ``defer_copies``)."""
     pp = PacketPath(icrc=False, nccl_version=version, messages=not runs)
+    if defer:
+        pp.defer_copies()
     taken = []
     orig = pp.nccl.take_runs
 
@@ -38,8 +41,8 @@ def sends(batch, size: int, runs: bool, version: str | None = "2.18"):
     return out, pp.nccl, sum(taken)
 
 
-def same(batch, size: int, version: str | None = "2.18") -> int:
-    lane, dl, n = sends(batch, size, True, version)
+def same(batch, size: int, version: str | None = "2.18", defer: bool = False) -> int:
+    lane, dl, n = sends(batch, size, True, version, defer)
     each, de, _ = sends(batch, size, False, version)
     assert len(lane) == len(each)
     for a, b in zip(lane, each):
@@ -88,6 +91,33 @@ def test_generated_same_and_taken(tmp_path, proto, pmtu, version, qps):
         assert n > 0  # lossless, whole messages on one QP or in turn on several: the lane takes batches
     for what in ("loss", "swap"):
         same(damaged(b, 9, what), 300, version)
+
+
+@pytest.mark.parametrize("proto,pmtu", [("LL128", 4096), ("LL128", 1024), ("Simple", 4096), ("LL", 1024)])
+def test_deferred_runs_read_where_they_lie_give_the_same_sends(tmp_path, monkeypatch, proto, pmtu):
+    """With copies left in the batches, a run that may be LL128 is not copied whole: each of its
+    sends is read from its packets (``protocols.ll128_intact_pieces``, groups cut by a packet's end
+    put together first at PMTU 1024), and the sends are the per-message path's, intact and damaged."""
+    from mirrorckpt.parser.roce import protocols
+    from mirrorckpt.tools.generator.gen import GenConfig, generate
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    generate(GenConfig(ranks=2, channels=2, protocol=proto, model="linear:200000", steps=3, seed=4,
+                       mirrors="0:egress", wire=WireOptions(pmtu=pmtu), send_truth=False), tmp_path)
+    b = read_all(next(tmp_path.glob("*.pcap*")))
+    read = []
+    orig = protocols.ll128_intact_pieces
+    monkeypatch.setattr(protocols, "ll128_intact_pieces", lambda *a: read.append(orig(*a)) or read[-1])
+    assert same(b, 500, "2.18", defer=True) > 0
+    if proto == "LL128":
+        assert read and all(r is not None for r in read)  # sends read so, each intact LL128
+    for what in ("loss", "swap", "dup"):
+        same(damaged(b, 9, what), 300, "2.18", defer=True)
+
+
+@pytest.mark.parametrize("size", [700, 10**9])
+def test_deferred_real_capture_same(real, size):
+    same(real, size, None, defer=True)
 
 
 @pytest.mark.parametrize("mirrors", ["0:egress", "0:both"])

@@ -386,3 +386,27 @@ def test_gather_ll_copies_each_message_and_reads_it_as_ll_intact_would():
         _place.gather_ll(src, src_off, length, np.array(msg_rows, np.int64), bad, buf, out_off, out, flags,
                          *P.LL_INTACT_ARGS)
     assert not buf.any()
+
+
+@pytest.mark.parametrize("mtu", [256, 1000, 1024, 3000, 4096])
+def test_ll128_read_from_its_packets_is_the_whole_messages_reading(mtu):
+    """``ll128_intact_pieces``: a message cut into packets at any MTU (groups cut by a packet's end
+    too), scattered in a batch, reads as ``ll128_intact`` of the whole message; one flag off: None."""
+    rng = np.random.default_rng(mtu)
+    for ng in (1, 2, 7, 40):
+        data = rng.integers(0, 256, ng * P.LL128_GROUP_DATA, dtype=np.uint8)
+        wire = P.ll128_encode(data, 5 + ng)
+        src, offs, lens = bytearray(), [], []
+        for a in range(0, wire.size, mtu):
+            src += bytes(int(rng.integers(0, 64)))  # other frames' bytes between the packets
+            offs.append(len(src))
+            lens.append(min(mtu, wire.size - a))
+            src += wire[a:a + mtu].tobytes()
+        src = np.frombuffer(bytes(src), np.uint8).copy()
+        got = P.ll128_intact_pieces(src, np.array(offs), np.array(lens))
+        assert got is not None and got[1] == 5 + ng and np.array_equal(got[0], data)
+        byte = int(rng.integers(0, wire.size // 128)) * 128 + 120  # a line's flag, its lowest byte
+        k = byte // mtu
+        src[offs[k] + byte - k * mtu] ^= 1
+        assert P.ll128_intact_pieces(src, np.array(offs), np.array(lens)) is None
+        assert P.ll128_intact_pieces(src, np.array(offs[:1]), np.array([lens[0] - 8])) is None  # not whole

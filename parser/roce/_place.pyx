@@ -67,33 +67,93 @@ def gather_ll(const uint8_t[::1] src, const int64_t[::1] src_off, const int64_t[
     return nm
 
 
+cdef inline bint _ll128_groups(const uint8_t *wire, Py_ssize_t ng, uint8_t *out, uint64_t *flag, int line,
+                               int flag_off, int group, const int64_t[:, ::1] runs, int group_data) noexcept nogil:
+    """``ng`` groups of LL128 lines: every line's flag equal to ``flag[0]`` (0: the first line's,
+    which must be positive as an int64), each group's data by ``runs`` to ``out``. False, with
+    ``out`` partly written, when a flag differs."""
+    cdef Py_ssize_t i, g, k, nl = ng * (group // line), nr = runs.shape[0]
+    cdef uint64_t f
+    cdef const uint8_t *w
+    cdef uint8_t *o
+    if ng <= 0:
+        return True
+    if flag[0] == 0:
+        memcpy(&f, wire + flag_off, 8)
+        if <int64_t>f <= 0:
+            return False
+        flag[0] = f
+    for i in range(nl):
+        memcpy(&f, wire + i * line + flag_off, 8)
+        if f != flag[0]:
+            return False
+    for g in range(ng):
+        w = wire + g * group
+        o = out + g * group_data
+        for k in range(nr):
+            memcpy(o + runs[k, 1], w + runs[k, 0], runs[k, 2])
+    return True
+
+
 def ll128_intact(const uint8_t[::1] wire, uint8_t[::1] out, int line, int flag_off, int group,
                  const int64_t[:, ::1] runs, int group_data):
     """LL128: when every ``line``-byte line carries the same u64 flag at ``flag_off``, positive as
     an int64, copies each ``group``-byte group's data by ``runs`` (wire offset, data offset,
     length) to ``group_data`` bytes of ``out`` and returns the flag; else 0."""
-    cdef Py_ssize_t ng, nl, i, g, k, nr = runs.shape[0]
-    cdef uint64_t flag, f
-    cdef const uint8_t *w
-    cdef uint8_t *o
-    cdef bint ok = True
+    cdef uint64_t flag = 0
+    cdef bint ok
     if wire.shape[0] == 0 or wire.shape[0] % group or out.shape[0] < wire.shape[0] // group * group_data:
         return 0
-    ng = wire.shape[0] // group
-    nl = wire.shape[0] // line
-    memcpy(&flag, &wire[flag_off], 8)
-    if <int64_t>flag <= 0:
+    with nogil:
+        ok = _ll128_groups(&wire[0], wire.shape[0] // group, &out[0], &flag, line, flag_off, group, runs,
+                           group_data)
+    return flag if ok else 0
+
+
+def gather_ll128(const uint8_t[::1] src, const int64_t[::1] src_off, const int64_t[::1] length, uint8_t[::1] out,
+                 uint8_t[::1] scratch, int line, int flag_off, int group, const int64_t[:, ::1] runs,
+                 int group_data):
+    """``ll128_intact`` of a message still in its packets (packet r: ``length[r]`` bytes at
+    src[src_off[r]:], the packets end to end): whole groups are read where they lie, a group cut
+    by a packet's end is put together in ``scratch`` (whole groups) first. One pass over the
+    wire bytes, none copied whole."""
+    cdef Py_ssize_t nr = src_off.shape[0], r, ng, og = 0, fill = 0, cap
+    cdef int64_t total = 0, rem, m
+    cdef uint64_t flag = 0
+    cdef const uint8_t *p
+    cdef bint ok = True
+    if length.shape[0] != nr:
+        raise ValueError("gather_ll128: offsets and lengths differ in number")
+    for r in range(nr):
+        if length[r] < 0 or src_off[r] < 0 or src_off[r] + length[r] > src.shape[0]:
+            raise ValueError(f"gather_ll128: packet {r} lies outside the source")
+        total += length[r]
+    cap = scratch.shape[0] // group * group
+    if total == 0 or total % group or out.shape[0] < total // group * group_data or cap == 0:
         return 0
     with nogil:
-        for i in range(nl):
-            memcpy(&f, &wire[i * line + flag_off], 8)
-            if f != flag:
-                ok = False
+        for r in range(nr):
+            p = &src[src_off[r]]
+            rem = length[r]
+            while rem > 0 and ok:
+                if fill == 0 and rem >= group:  # whole groups where they lie
+                    ng = rem // group
+                    ok = _ll128_groups(p, ng, &out[og * group_data], &flag, line, flag_off, group, runs, group_data)
+                    og += ng
+                    p += ng * group
+                    rem -= ng * group
+                    continue
+                m = min(rem, cap - fill)
+                memcpy(&scratch[fill], p, m)
+                fill += m
+                p += m
+                rem -= m
+                if fill % group == 0:  # the groups put together
+                    ng = fill // group
+                    ok = _ll128_groups(&scratch[0], ng, &out[og * group_data], &flag, line, flag_off, group, runs,
+                                       group_data)
+                    og += ng
+                    fill = 0
+            if not ok:
                 break
-        if ok:
-            for g in range(ng):
-                w = &wire[g * group]
-                o = &out[g * group_data]
-                for k in range(nr):
-                    memcpy(o + runs[k, 1], w + runs[k, 0], runs[k, 2])
-    return flag if ok else 0
+    return flag if ok and fill == 0 else 0

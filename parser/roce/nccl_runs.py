@@ -60,7 +60,8 @@ class RunLane:
     def take_runs(self, runs: list[MessageRun]) -> list | None:
         if self.protocol not in (None, protocols.SIMPLE):  # pinned LL or LL128: every send is read
             for r in runs:
-                r.fill()
+                if not (r.read_pending and self.protocol == protocols.LL128):  # those read where they lie
+                    r.fill()
         plan = self._plain(runs)
         return None if plan is None else self._apply(runs, plan)
 
@@ -148,13 +149,21 @@ class RunLane:
                 # LL words still in the batch (ll_pending): gathered if and when they are read
                 fast = (protocols.LL, None if r.ll_pending is not None else r.ll_user[o:o + n], flag)
             else:
-                if r.pending is not None and r.ll_pending is None and b > a:
+                if r.pending is not None and r.ll_pending is None and not r.read_pending and b > a:
                     # still in the batch, none of its messages opens like LL or LL128: Simple, and
                     # its bytes are the send's (LazySend reads them when they are wanted)
                     fast = (protocols.SIMPLE, None, None)
+                elif r.read_pending and self.protocol in (None, protocols.LL128) and b > a \
+                        and (p := r._pieces(r.pending, m)) is not None:
+                    # read where it lies, as decode_intact reads it: not LL (no new message of the
+                    # run opens like LL, the reassembler looked), LL128 if every line is intact,
+                    # else Simple (left in the batch) or, pinned LL128, the careful way
+                    got = protocols.ll128_intact_pieces(p[0], p[1], p[3])
+                    fast = (protocols.LL128, *got) if got is not None else \
+                        (protocols.SIMPLE, None, None) if self.protocol is None else None
                 else:
-                    if r.ll_pending is not None and b > a:
-                        r.fill_range(m)  # a message of an LL run read from the decode's LL words
+                    if (r.ll_pending is not None or r.read_pending) and b > a:
+                        r.fill_range(m)  # an LL run's message read from its wire bytes, or one to read
                     fast = protocols.decode_intact(r.buf[a:b], self.protocol) if b > a else None
             if fast is None:  # lines to read the careful way, or an empty step: as the per-message path
                 msg = r.message(m)

@@ -18,7 +18,8 @@ Payloads are copied once into the message buffer when their message is decided w
 batch; only packets still waiting at the end of a batch are copied into a per-QP holding slab.
 With ``defer`` (batches that stay valid, read on another thread) a run of messages that cannot be
 LL or LL128 is not copied at all: its payload stays in the batch until its sends are read
-(``MessageRun.pending``, ``nccl.LazySend``). Nor is a run of LL messages whose packets the decode
+(``MessageRun.pending``, ``nccl.LazySend``). Nor is one that may be LL128: the decoder reads each
+of its sends from the packets (``read_pending``, ``protocols.ll128_intact_pieces``). Nor is a run of LL messages whose packets the decode
 already read as LL (``roce.decode(ll=True)``: each packet's flag and data words, read while its
 ICRC had it in cache): a message whose packets all carry one flag is that flag's LL message, its
 words still in the batch's word buffer (``MessageRun.ll_pending``); the others are read from their
@@ -147,6 +148,9 @@ class MessageRun:
     # their LL words, gathered into ``ll_user`` (ll_off/ll_n) only when read (``nccl.LazySend``
     # places them straight from the batch's words, and never copies the reduce-scatter half)
     ll_pending: tuple | None = None
+    # ``pending`` holds messages that may be LL128 (or earlier ones, copied at once, that may be LL
+    # or LL128): the decoder reads each of them, none is taken for Simple unread
+    read_pending: bool = False
     pend_from: int = 0  # the first message in the pending pieces (those before were copied at once)
     _prow: list | None = None  # per pending message, its first piece (MessageRun._pieces)
 
@@ -688,13 +692,15 @@ class Reassembler:
         n = k1 - k0
         ll_flag, ll_off, ll_n, user = np.zeros(n, np.uint32), np.zeros(n, np.int64), np.zeros(n, np.int64), None
         pending = ll_pending = None
+        read_pending = False
         if kx < len(heads) and not _looks_ll(data, src[heads[kx:] - r0], plen[heads[kx:] - r0]):
-            # No new message opens like LL (Simple, LL128): no LL reading to keep, a plain copy.
-            # Deferred (see ``defer``) only when none could be LL128 either: the decoder then knows
-            # them Simple without reading them (MessageRun.pending).
-            if self.defer and self._plain(data, src, plen, heads - r0, sizes, kx, buf, base) and \
-                    opcodes.HAS_IMMDT[tab["opcode"][g.end_row[k0:k1] - 1]].all():  # no CTS post: read at once
+            # No new message opens like LL (Simple, LL128): no LL reading to keep. Deferred (see
+            # ``defer``) unless a CTS post is among them (read at once); when none could be LL128
+            # either, the decoder knows them Simple without reading them (MessageRun.pending), else
+            # it reads each where it lies (``read_pending``: LL128 decoded from the batch).
+            if self.defer and opcodes.HAS_IMMDT[tab["opcode"][g.end_row[k0:k1] - 1]].all():
                 pending = (data, src[rx:], dst[rx:], plen[rx:])
+                read_pending = not self._plain(data, src, plen, heads - r0, sizes, kx, buf, base)
             else:
                 buf = grown(self._buffers, buf, int(base[-1]))
                 copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
@@ -720,7 +726,7 @@ class Reassembler:
         run = MessageRun(qp.key, st.sport, tab["psn"][heads], g.npk[k0:k1], base, tab["va"][heads], tab["rkey"][heads],
                          sizes, np.where(opcodes.HAS_IMMDT[tab["opcode"][last]], imm, -1),
                          np.minimum.reduceat(tab["ts"][rows], heads - r0), buf, user, ll_off, ll_n, ll_flag, pending,
-                         ll_pending, kx)
+                         ll_pending, read_pending, kx)
         st.messages += int(n)
         qp.cursor = int(run.psn[-1] + run.npkts[-1])
         return [run] if self.runs else run.messages()
