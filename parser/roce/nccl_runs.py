@@ -149,9 +149,10 @@ class RunLane:
                 # LL words still in the batch (ll_pending): gathered if and when they are read
                 fast = (protocols.LL, None if r.ll_pending is not None else r.ll_user[o:o + n], flag)
             else:
-                if r.pending is not None and r.ll_pending is None and not r.read_pending and b > a:
-                    # still in the batch, none of its messages opens like LL or LL128: Simple, and
-                    # its bytes are the send's (LazySend reads them when they are wanted)
+                if r.pending is not None and r.ll_pending is None and b > a \
+                        and (not r.read_pending or self.protocol == protocols.SIMPLE):
+                    # still in the batch, none of its messages opens like LL or LL128 (or pinned
+                    # Simple): Simple, and its bytes are the send's (LazySend reads them when wanted)
                     fast = (protocols.SIMPLE, None, None)
                 elif r.read_pending and self.protocol in (None, protocols.LL128) and b > a \
                         and (p := r._pieces(r.pending, m)) is not None:

@@ -19,11 +19,11 @@ batch; only packets still waiting at the end of a batch are copied into a per-QP
 With ``defer`` (batches that stay valid, read on another thread) a run of messages that cannot be
 LL or LL128 is not copied at all: its payload stays in the batch until its sends are read
 (``MessageRun.pending``, ``nccl.LazySend``). Nor is one that may be LL128: the decoder reads each
-of its sends from the packets (``read_pending``, ``protocols.ll128_intact_pieces``). Nor is a run of LL messages whose packets the decode
-already read as LL (``roce.decode(ll=True)``: each packet's flag and data words, read while its
-ICRC had it in cache): a message whose packets all carry one flag is that flag's LL message, its
-words still in the batch's word buffer (``MessageRun.ll_pending``); the others are read from their
-wire bytes as before.
+of its sends from the packets (``read_pending``, ``protocols.ll128_intact_pieces``). Nor is a run
+of LL messages whose packets the decode already read as LL (``roce.decode(ll=True)``: each
+packet's flag and data words, read while its ICRC had it in cache): a message whose packets all
+carry one flag is that flag's LL message, its words still in the batch's word buffer
+(``MessageRun.ll_pending``); the others are read from their wire bytes as before.
 """
 
 from __future__ import annotations

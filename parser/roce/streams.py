@@ -32,10 +32,11 @@ decode read them, is copied from its batch when the caller reads it (``nccl.Lazy
 ``MessageRun.pending``, ``MessageRun.ll_pending``): the concatenator reads the final values only,
 so the reduce-scatter half of a ring all-reduce is never copied, and what is copied is copied on
 the caller's thread. An LL128 send is read from its batch on the packet path (its flags checked
-and its data taken out in one pass), never copied whole first. The caller then gives the capture's pages back, up to the parts of
-the list it takes (``CaptureReader.release_before``): the walk's own release would run ahead of
-the copies, and a page read after it stays mapped. A live source's batches are ring slots, given
-back after the next: there the copy stays on the packet path.
+and its data taken out in one pass), never copied whole first. The caller then gives the
+capture's pages back, up to the parts of the list it takes (``CaptureReader.release_before``):
+the walk's own release would run ahead of the copies, and a page read after it stays mapped. A
+live source's batches are ring slots, given back after the next: there the copy stays on the
+packet path.
 
 Those sources are also walked and decoded (frame walk, header decode, ICRC and, while each
 payload is in cache, its LL reading: compiled, without the GIL) on a thread per source,
