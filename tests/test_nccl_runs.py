@@ -18,11 +18,12 @@ SCALARS = ("connection", "qp", "protocol", "holes", "wire_bytes", "size", "va", 
            "length_known", "stream", "psn", "npkts", "pmtu", "qp_index", "nqps", "cut", "pieces", "lone_piece")
 
 
-def sends(batch, size: int, runs: bool, version: str | None = "2.18", defer: bool = False):
+def sends(batch, size: int, runs: bool, version: str | None = "2.18", defer: bool = False,
+          protocol: str | None = None):
     """Sends of the packet path over ``batch`` cut every ``size`` frames, with runs (the lane) or
     one message object each; and how many batches the lane took. ``defer``: copies left in the
     batches (as from capture files: ``defer_copies``)."""
-    pp = PacketPath(icrc=False, nccl_version=version, messages=not runs)
+    pp = PacketPath(icrc=False, nccl_version=version, protocol=protocol, messages=not runs)
     if defer:
         pp.defer_copies()
     taken = []
@@ -41,9 +42,9 @@ def sends(batch, size: int, runs: bool, version: str | None = "2.18", defer: boo
     return out, pp.nccl, sum(taken)
 
 
-def same(batch, size: int, version: str | None = "2.18", defer: bool = False) -> int:
-    lane, dl, n = sends(batch, size, True, version, defer)
-    each, de, _ = sends(batch, size, False, version)
+def same(batch, size: int, version: str | None = "2.18", defer: bool = False, protocol: str | None = None) -> int:
+    lane, dl, n = sends(batch, size, True, version, defer, protocol)
+    each, de, _ = sends(batch, size, False, version, protocol=protocol)
     assert len(lane) == len(each)
     for a, b in zip(lane, each):
         for f in SCALARS:
@@ -113,6 +114,8 @@ def test_deferred_runs_read_where_they_lie_give_the_same_sends(tmp_path, monkeyp
         assert read and all(r is not None for r in read)  # sends read so, each intact LL128
     for what in ("loss", "swap", "dup"):
         same(damaged(b, 9, what), 300, "2.18", defer=True)
+    same(b, 500, "2.18", defer=True, protocol=proto)  # pinned as the job file pins it
+    same(damaged(b, 9, "loss"), 300, "2.18", defer=True, protocol=proto)
 
 
 @pytest.mark.parametrize("size", [700, 10**9])
