@@ -248,6 +248,9 @@ def ll128_intact(wire: np.ndarray) -> tuple[np.ndarray, int] | None:
     return (out, f) if f else None
 
 
+_LL128_SCRATCH = 16 * LL128_GROUP_WIRE  # groups cut by packet ends, put together in the core's cache
+
+
 def ll128_intact_pieces(src: np.ndarray, src_off: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, int] | None:
     """``ll128_intact`` of a message still in its packets (``length[r]`` bytes at
     src[src_off[r]:], end to end), read where they lie: (user bytes, flag), or None."""
@@ -258,9 +261,6 @@ def ll128_intact_pieces(src: np.ndarray, src_off: np.ndarray, length: np.ndarray
                             out, scratch, LL128_LINE_BYTES, LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_RUNS,
                             LL128_GROUP_DATA)
     return (out, f) if f else None
-
-
-_LL128_SCRATCH = 16 * LL128_GROUP_WIRE  # groups cut by packet ends, put together in the core's cache
 
 
 def decode_intact(wire: np.ndarray, proto: str | None) -> tuple[str, np.ndarray, int | None] | None:
