@@ -18,13 +18,15 @@ cdef extern from *:
 # depend on the lengths before them, so without a hint every record costs a memory latency. The
 # file is read in order: behind records under ``stride_min`` bytes every cache line of the next
 # AHEAD bytes is requested (2048 measured best on 1 KB frames); behind longer ones only the lines
-# where the next AHEAD_BLOCKS records of the same length would start and end, so that the walk does
-# not pull the whole file through the cache (4 KB frames: the walk of a cached 661 MB capture took
-# 0.02 s with every line, 0.009 s so). STRIDE_MIN: for a reader of the frames that asks for none
-# itself; BOUNDS_STRIDE_MIN: for one that does (the RoCE decode, which prefetches each frame it
-# checks the ICRC of): 1.1 KB frames, walk and decode with ICRC, cold, best of 8 thread CPU time:
-# 0.233/0.272/0.241 CPU-s/GB (Simple/LL/LL128) at 2048, 0.222/0.260/0.218 at 256 (the walk alone
-# 0.10 -> 0.08).
+# where the next AHEAD_BLOCKS records would start and end if they had the length of the ones
+# before (one record of another length, an ACK between data frames, moves the predictions by the
+# difference; two in a row start new ones), so that the walk does not pull the whole file through
+# the cache (4 KB frames: the walk of a cached 661 MB capture took 0.02 s with every line, 0.009 s
+# so). STRIDE_MIN: for a reader of the frames that asks for none itself; BOUNDS_STRIDE_MIN: for
+# one that does (the RoCE decode, which prefetches each frame it checks the ICRC of). A generated
+# 1.1 GB LL capture (1.1 KB frames, one ACK-sized record in 20), cold: the walk 105-129 ns a frame
+# with every line (the file's bytes at memory speed) or with predictions that stayed in step with
+# the first record instead of the records, 44-47 ns so; 9 ns with the records in L2.
 cdef enum:
     AHEAD = 2048
     AHEAD_BLOCKS = 16
@@ -33,22 +35,41 @@ STRIDE_MIN = 2048
 BOUNDS_STRIDE_MIN = 256
 
 
-cdef inline Py_ssize_t _prefetch(const uint8_t *buf, Py_ssize_t pf, Py_ssize_t pos, int64_t step,
-                                 Py_ssize_t end, int64_t stride_min) noexcept nogil:
-    """Prefetches ahead of ``pos`` (``step``: the length of the record before it, 0 at the first);
-    returns how far it has asked."""
-    if pf < pos:
-        pf = pos
+cdef struct Ahead:
+    Py_ssize_t pf  # the next place to ask for: a line, or where a record is predicted to start
+    int64_t dom    # the record length predicted for the records ahead (0: none yet)
+    int64_t odd    # the length of the record before, when it was not ``dom`` (else 0)
+
+
+cdef inline void _prefetch(const uint8_t *buf, Ahead *a, Py_ssize_t pos, int64_t step,
+                           Py_ssize_t end, int64_t stride_min) noexcept nogil:
+    """Prefetches ahead of ``pos`` (``step``: the length of the record before it, 0 at the first)."""
     if step < stride_min or step <= 0:
-        while pf < pos + AHEAD and pf < end:
-            __builtin_prefetch(&buf[pf])
-            pf += 64
-    else:  # pos >= step: a record of that length lies before it
-        while pf < pos + AHEAD_BLOCKS * step and pf < end:
-            __builtin_prefetch(&buf[pf])
-            __builtin_prefetch(&buf[pf - 4])
-            pf += step
-    return pf
+        if a.pf < pos:
+            a.pf = pos
+        while a.pf < pos + AHEAD and a.pf < end:
+            __builtin_prefetch(&buf[a.pf])
+            a.pf += 64
+        a.dom = 0
+        return
+    if step != a.dom:
+        if step == a.odd or a.dom == 0 or a.pf <= pos:
+            # a new length, twice in a row (or nothing predicted): predicted from here on
+            a.dom = step
+            a.pf = pos
+        else:
+            # one record of another length (an ACK between the data): the records predicted after
+            # it start that much further (or nearer)
+            a.pf += step - a.dom
+            if a.pf < pos:
+                a.pf = pos
+        a.odd = step
+    else:
+        a.odd = 0
+    while a.pf < pos + AHEAD_BLOCKS * a.dom and a.pf < end:  # pos >= step: a record lies before it
+        __builtin_prefetch(&buf[a.pf])
+        __builtin_prefetch(&buf[a.pf - 4])
+        a.pf += a.dom
 
 
 cpdef enum Status:
@@ -90,7 +111,8 @@ def walk_pcap(const uint8_t[::1] buf, Py_ssize_t pos, bint big, uint64_t frac_pe
     cdef Py_ssize_t end = buf.shape[0], cap = offset.shape[0]
     cdef const uint8_t *p
     cdef int64_t incl, a = 0, b = 0
-    cdef Py_ssize_t pf = pos
+    cdef Ahead ah
+    ah.pf, ah.dom, ah.odd = pos, 0, 0
     cdef int64_t step = 0
     cdef Status status = END
     with nogil:
@@ -101,7 +123,7 @@ def walk_pcap(const uint8_t[::1] buf, Py_ssize_t pos, bint big, uint64_t frac_pe
             if n == cap:
                 status = FULL
                 break
-            pf = _prefetch(&buf[0], pf, pos, step, end, stride_min)
+            _prefetch(&buf[0], &ah, pos, step, end, stride_min)
             if end - pos < 16:
                 status = CUT_HEADER
                 a = end - pos
@@ -144,7 +166,8 @@ def walk_pcapng(const uint8_t[::1] buf, Py_ssize_t pos, bint big, int32_t iface_
     cdef const uint8_t *p
     cdef uint32_t btype, local
     cdef int64_t blen, need, room, incl, orig, a = 0, b = 0, skipped = 0
-    cdef Py_ssize_t pf = pos
+    cdef Ahead ah
+    ah.pf, ah.dom, ah.odd = pos, 0, 0
     cdef int64_t step = 0
     cdef Status status = END
     with nogil:
@@ -159,7 +182,7 @@ def walk_pcapng(const uint8_t[::1] buf, Py_ssize_t pos, bint big, int32_t iface_
                 status = CUT_HEADER
                 a = end - pos
                 break
-            pf = _prefetch(&buf[0], pf, pos, step, end, stride_min)
+            _prefetch(&buf[0], &ah, pos, step, end, stride_min)
             p = &buf[pos]
             btype = rd32(p, big)
             if btype == 0x0A0D0D0A:
