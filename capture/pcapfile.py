@@ -208,11 +208,15 @@ class CaptureReader:
         self._handed = hi
         return self._batch(self._buf[lo:hi], offset - lo, cols)
 
-    def release_before(self, batch: FrameBatch) -> None:
+    def release_before(self, batch: FrameBatch, keep_from: int | None = None) -> None:
         """With ``consumer_releases``: every frame handed on before ``batch`` (one of this reader's,
-        or a part of one) is done with, and its pages go."""
+        or a part of one) is done with, and its pages go, but those from address ``keep_from`` on
+        (bytes of an earlier batch still to be read: packets a reassembler held)."""
         if self._buf is not None and len(batch):
-            self._release(batch.data.ctypes.data + int(batch.offset[0]) - self._buf.ctypes.data)
+            upto = batch.data.ctypes.data + int(batch.offset[0])
+            if keep_from is not None:
+                upto = min(upto, keep_from)
+            self._release(upto - self._buf.ctypes.data)
 
     def _release(self, upto: int) -> None:
         """Drops the mapped pages before ``upto`` from the resident set: the batches there are done

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from common import FLOWCHECK, flowcheck_captures
+from mirrorckpt.capture.batch import FrameBatch
 from mirrorckpt.capture.pcapfile import read_all
 from mirrorckpt.parser.roce import nccl
 from mirrorckpt.parser.roce.packet_path import PacketPath
@@ -18,11 +19,21 @@ SCALARS = ("connection", "qp", "protocol", "holes", "wire_bytes", "size", "va", 
            "length_known", "stream", "psn", "npkts", "pmtu", "qp_index", "nqps", "cut", "pieces", "lone_piece")
 
 
+def views(parts):
+    """Batches as a capture file's reader hands them on: each a slice of one buffer holding its own
+    frames' bytes only, its offsets from the slice's start (the reassembler then names payloads by
+    their place in that buffer, and leaves held packets where they lie)."""
+    for b in parts:
+        lo, hi = int(b.offset.min()), int((b.offset + b.caplen).max())
+        yield FrameBatch(b.data[lo:hi], b.offset - lo, b.caplen, b.wirelen, b.ts_ns, b.iface, b.source,
+                         b.first_index, b.linktypes)
+
+
 def sends(batch, size: int, runs: bool, version: str | None = "2.18", defer: bool = False,
-          protocol: str | None = None):
+          protocol: str | None = None, sliced: bool = False):
     """Sends of the packet path over ``batch`` cut every ``size`` frames, with runs (the lane) or
     one message object each; and how many batches the lane took. ``defer``: copies left in the
-    batches (as from capture files: ``defer_copies``)."""
+    batches (as from capture files: ``defer_copies``); ``sliced``: the batches as ``views``."""
     pp = PacketPath(icrc=False, nccl_version=version, protocol=protocol, messages=not runs)
     if defer:
         pp.defer_copies()
@@ -36,14 +47,15 @@ def sends(batch, size: int, runs: bool, version: str | None = "2.18", defer: boo
 
     pp.nccl.take_runs = counting
     out = []
-    for b in batches(batch, size):
+    for b in (views if sliced else iter)(batches(batch, size)):
         out += pp.feed(b)[1]
     out += pp.flush()[1]
     return out, pp.nccl, sum(taken)
 
 
-def same(batch, size: int, version: str | None = "2.18", defer: bool = False, protocol: str | None = None) -> int:
-    lane, dl, n = sends(batch, size, True, version, defer, protocol)
+def same(batch, size: int, version: str | None = "2.18", defer: bool = False, protocol: str | None = None,
+         sliced: bool = False) -> int:
+    lane, dl, n = sends(batch, size, True, version, defer, protocol, sliced)
     each, de, _ = sends(batch, size, False, version, protocol=protocol)
     assert len(lane) == len(each)
     for a, b in zip(lane, each):
@@ -116,11 +128,18 @@ def test_deferred_runs_read_where_they_lie_give_the_same_sends(tmp_path, monkeyp
         same(damaged(b, 9, what), 300, "2.18", defer=True)
     same(b, 500, "2.18", defer=True, protocol=proto)  # pinned as the job file pins it
     same(damaged(b, 9, "loss"), 300, "2.18", defer=True, protocol=proto)
+    # batches as a capture file's reader cuts them: messages begun in the batch before read where
+    # they lie, in the intact and the damaged wire alike
+    assert same(b, 500, "2.18", defer=True, sliced=True) > 0
+    for what in ("loss", "swap", "dup"):
+        same(damaged(b, 9, what), 300, "2.18", defer=True, sliced=True)
+    same(damaged(b, 9, "loss"), 300, "2.18", defer=True, protocol=proto, sliced=True)
 
 
 @pytest.mark.parametrize("size", [700, 10**9])
 def test_deferred_real_capture_same(real, size):
     same(real, size, None, defer=True)
+    same(real, size, None, defer=True, sliced=True)
 
 
 @pytest.mark.parametrize("mirrors", ["0:egress", "0:both"])

@@ -630,6 +630,33 @@ def test_a_batch_s_pages_are_handed_back_before_the_next_batch_is_walked(tmp_pat
     assert all(w >= h for w, h in zip(walks[1:], handed)), (walks, handed)
 
 
+def test_release_before_keeps_the_pages_of_bytes_still_to_be_read(tmp_path, monkeypatch):
+    """``release_before(batch, keep_from)`` gives back the pages before ``batch`` but none from
+    ``keep_from`` on (an earlier batch's bytes a reader of the sends still needs); a later call
+    without it gives those back too."""
+    import mmap
+
+    import mirrorckpt.capture.pcapfile as pf
+
+    monkeypatch.setattr(pf, "BATCH_BYTES", 100_000)
+    monkeypatch.setattr(pf, "RELEASE_BYTES", 4096)
+    path = tmp_path / "big.pcapng"
+    with PcapngWriter(path) as w:
+        for i in range(200):
+            w.write(bytes([i % 251]) * 4000, 1_000 + i)
+    r = open_capture(path, batch_frames=25)
+    r.consumer_releases = True
+    batches = [next(r) for _ in range(4)]
+    start = [b.data.ctypes.data + int(b.offset[0]) - r._buf.ctypes.data for b in batches]
+    keep = r._buf.ctypes.data + start[1] + 5000  # a byte inside the second batch
+    r.release_before(batches[3], keep)
+    assert r._released == (start[1] + 5000) // mmap.PAGESIZE * mmap.PAGESIZE
+    r.release_before(batches[3])
+    assert r._released == start[3] // mmap.PAGESIZE * mmap.PAGESIZE
+    r.release_before(batches[2], keep)  # nothing handed back is taken back
+    assert r._released == start[3] // mmap.PAGESIZE * mmap.PAGESIZE
+
+
 def test_reader_asks_for_huge_pages_and_a_refusal_is_harmless():
     """A capture read from disk is cached in 2 MB folios where the kernel can (pcapfile._huge_pages):
     later walks of it map a folio per fault. A kernel or file system that refuses changes nothing."""

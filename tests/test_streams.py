@@ -132,8 +132,8 @@ def test_the_decode_thread_walks_at_most_decode_ahead_batches_before_the_packet_
             most[0] = max(most[0], walked[0] - taken[0])
             return b
 
-        def release_before(self, batch):
-            self.reader.release_before(batch)
+        def release_before(self, batch, keep_from=None):
+            self.reader.release_before(batch, keep_from)
 
     monkeypatch.setattr(streams._Ahead, "next", next_)
     ms = MirrorStreams([(name, Counted(r)) for name, r in _sources("ll_r2_noise_faults", 8)[:1]], ahead=1)
@@ -235,27 +235,75 @@ def test_reading_ahead_leaves_simple_payload_copies_to_the_reader_of_the_sends(n
     assert all(main for main, _, ll in filled if ll or name == "simple")
 
 
-def test_a_deferred_run_begun_in_held_packets_takes_a_buffer_for_those_only(simple_job, monkeypatch):
-    """Batches cut messages: a run's first messages begun in the batch before are copied at once,
-    into a buffer of their size, not one of the whole run (most of a Simple replay's memory when it
-    was); the run's other sends read the same bytes."""
+def test_a_deferred_run_begun_in_held_packets_copies_none_of_them(simple_job, monkeypatch):
+    """Batches cut messages. From a capture file (batches that are views of its mapping, which stays
+    valid) the packets held for the next batch stay where they lie, and a run whose first messages
+    began in them is read from there like the rest of it: no buffer is taken and nothing is copied
+    for it until a send is read (once, they were copied into a slab and again into the run's
+    buffer); the replay is the same."""
     from mirrorckpt.parser.roce import reassembly
 
     want = _walk(simple_job, 0, 1024)[0]
-    heads = []
-    real = reassembly.Reassembler._bulk
+    held_runs, copied = [], []
+    real_bulk, real_hold = reassembly.Reassembler._bulk, reassembly.Reassembler._hold
 
-    def bulk(self, *a):
-        out = real(self, *a)
-        for r in out if self.runs else []:
-            if r.pending is not None and r.buf is not None:
-                heads.append((len(r.buf), int(r.base[-1])))
+    def bulk(self, qp, tab, src_is_new, data, g, k0, k1, *a):
+        out = real_bulk(self, qp, tab, src_is_new, data, g, k0, k1, *a)
+        if self.runs and not src_is_new[g.heads[k0]]:  # its first message began in a held packet
+            held_runs.extend((r.pending is not None, r.buf is None, r.pend_from) for r in out)
         return out
 
+    def hold(self, tab, src_is_new, data, slab):
+        got = real_hold(self, tab, src_is_new, data, slab)
+        if len(tab["psn"]):
+            copied.append(got[1] is not data and got[1] is not slab)
+        return got
+
     monkeypatch.setattr(reassembly.Reassembler, "_bulk", bulk)
+    monkeypatch.setattr(reassembly.Reassembler, "_hold", hold)
     assert _walk(simple_job, 1, 1024)[0] == want
-    assert heads and all(n < whole for n, whole in heads)
-    assert sum(n for n, _ in heads) < sum(whole for _, whole in heads) // 4
+    deferred = [r for r in held_runs if r[0]]
+    assert deferred and all(no_buf and first == 0 for _, no_buf, first in deferred)
+    assert copied and not any(copied)
+
+
+def test_a_deferred_send_is_never_read_from_pages_already_handed_back(simple_job, monkeypatch):
+    """The caller gives a capture's pages back up to the part a list of sends came from, but not
+    the pages of packets held from before it that those sends still read (PacketPath.holds_from):
+    read again after MADV_DONTNEED they would be mapped anew and stay resident for the rest of the
+    replay (peak memory that grew with the capture's length)."""
+    from mirrorckpt.capture import pcapfile
+    from mirrorckpt.parser.roce import reassembly
+
+    readers, below = [], []
+    real_init = pcapfile.CaptureReader.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        readers.append(self)
+
+    def check(src, offsets) -> None:
+        for r in readers:
+            if r._buf is src and len(offsets):
+                below.append(r._released - int(offsets.min()))  # > 0: read from a page handed back
+
+    real_copy, real_gather = reassembly.copy_ranges, reassembly._merge.place_agreeing_gather
+
+    def copy(src, src_off, *a):
+        check(src, src_off)
+        return real_copy(src, src_off, *a)
+
+    def gather(dst, covered, start, src, src_off, msg_off, length, n, es, first=0, last=-1):
+        check(src, src_off[first:last if last >= 0 else len(src_off)])
+        return real_gather(dst, covered, start, src, src_off, msg_off, length, n, es, first, last)
+
+    monkeypatch.setattr(pcapfile.CaptureReader, "__init__", init)
+    monkeypatch.setattr(pcapfile, "RELEASE_BYTES", 4096)  # pages handed back at every list
+    monkeypatch.setattr(reassembly, "copy_ranges", copy)
+    monkeypatch.setattr(reassembly._merge, "place_agreeing_gather", gather)
+    want = _walk(simple_job, 0, 1024)[0]
+    assert _walk(simple_job, 1, 1024)[0] == want
+    assert below and max(below) <= 0 and any(r._released for r in readers)
 
 
 @pytest.mark.parametrize("protocol", ["Simple", "LL"])

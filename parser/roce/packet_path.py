@@ -77,6 +77,12 @@ class PacketPath:
         sends = self.nccl.feed(msgs) + self.nccl.flush()
         return (msgs if not self.reassembler.runs else []), sends
 
+    @property
+    def holds_from(self) -> int | None:
+        """With deferred copies: the address of the first byte before the last batch fed that its
+        sends may still read (packets held from an earlier batch); None when there is none."""
+        return self.reassembler.holds_from
+
     def defer_copies(self) -> None:
         """From now on a Simple send's payload is copied from its batch into its run's buffer only
         when its bytes are read (``nccl.LazySend``): the batches must stay valid after the next."""

@@ -16,7 +16,10 @@ places every byte, and a lost or duplicated packet only ever damages its own byt
 
 Payloads are copied once into the message buffer when their message is decided within the same
 batch; only packets still waiting at the end of a batch are copied into a per-QP holding slab.
-With ``defer`` (batches that stay valid, read on another thread) a run of messages that cannot be
+With ``defer`` (batches that stay valid, read on another thread) held packets are not copied
+either: batches that are slices of one buffer (a capture file's mapping) name payloads by their
+place in it, so a message begun in the batch before is read from there like the rest (the
+caller gives those pages back only after: ``holds_from``). And a run of messages that cannot be
 LL or LL128 is not copied at all: its payload stays in the batch until its sends are read
 (``MessageRun.pending``, ``nccl.LazySend``). Nor is one that may be LL128: the decoder reads each
 of its sends from the packets (``read_pending``, ``protocols.ll128_intact_pieces``). Nor is a run
@@ -28,7 +31,7 @@ carry one flag is that flag's LL message, its words still in the batch's word bu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -323,6 +326,18 @@ class _Qp:
 _FLAG_BYTES = np.concatenate([np.arange(4) + _LL_ARGS[2], np.arange(4) + _LL_ARGS[4]])  # an LL line's two flags
 
 
+def _root(data: np.ndarray) -> tuple[np.ndarray, int]:
+    """The buffer ``data`` is a view of (a capture file's mapping, whose batches are its slices) and
+    where ``data`` begins in it; ``data`` itself and 0 when it is no such view."""
+    base = data.base
+    if isinstance(base, np.ndarray) and base.dtype == np.uint8 and base.ndim == 1 and base.flags.c_contiguous \
+            and data.flags.c_contiguous and data.dtype == np.uint8 and data.ndim == 1:
+        shift = data.ctypes.data - base.ctypes.data
+        if 0 <= shift and shift + len(data) <= len(base):
+            return base, shift
+    return data, 0
+
+
 def _looks_ll(data, first: np.ndarray, length: np.ndarray) -> bool:
     """Whether a message whose first packet lies at ``first`` (``length`` bytes) in ``data`` opens
     with an LL line: its two flag words equal and not zero."""
@@ -381,6 +396,10 @@ class Reassembler:
         # Leave a run's plain copy from the batch to whoever reads it (MessageRun.pending): only for
         # batches that stay valid after the next (a capture file's mapping), read on another thread
         self.defer = defer
+        # With ``defer``, the address of the first byte of a batch buffer that the runs of the last
+        # ``feed`` may still read outside that batch (packets held before it); None: none.
+        self.holds_from: int | None = None
+        self._shift = 0
         self.qps: dict[QpKey, _Qp] = {}
 
     def feed(self, pk: RocePackets, data: np.ndarray) -> list:
@@ -389,6 +408,21 @@ class Reassembler:
         sel = np.nonzero(opcodes.IS_WRITE[pk.opcode] & pk.icrc_ok)[0]
         if not len(sel):
             return []
+        self._shift = 0
+        self.holds_from = None
+        if self.defer:
+            # A batch that is a view of a larger buffer that stays valid (a capture file's mapping):
+            # payloads are named by their place in that buffer, so that packets held for the next
+            # batch stay where they lie (``_hold``) and a message begun in them is read from there
+            # like any other (``_bulk``), not copied first.
+            root, self._shift = _root(data)
+            if root is not data:
+                pk = replace(pk, pay_off=pk.pay_off + self._shift)
+                data = root
+                # the runs made now may read packets held before, where they lie: not given back yet
+                lows = [int(q.pend["src_off"].min()) for q in self.qps.values()
+                        if q.slab is root and q.pend and len(q.pend["src_off"])]
+                self.holds_from = root.ctypes.data + min(lows) if lows else None
         out = []
         for rows, key in self._groups(pk, sel):
             qp = self.qps.get(key)
@@ -562,7 +596,7 @@ class Reassembler:
             st.pmtu = qp.pmtu
         out: list[RdmaMessage] = []
         # the decode's LL flags of the batch's rows (table row npend + i is rows[i]) and its words
-        ll = (b.llf, rows, npend, b.llu) if self.defer and b.llu is not None else None
+        ll = (b.llf, rows, npend, b.llu, self._shift) if self.defer and b.llu is not None else None
         if k:
             heads, npks = heads[:k], npks[:k]
             hd = tab["dlen"][heads]
@@ -672,10 +706,16 @@ class Reassembler:
         # Messages up to the last held packet (an earlier batch's, in the slab; held packets come
         # first in a table) are copied from both places; the rest, read from this batch only, are
         # copied and, while in cache, read as LL (a pass over cold bytes less for LL; a line or two
-        # read for the other protocols).
+        # read for the other protocols). Where the slab is the batch's own buffer (``feed``, from a
+        # capture file) and none opens like LL, no message is copied at once.
         old = np.flatnonzero(~new)
         kx = int(np.searchsorted(heads - r0, old[-1] + 1)) if len(old) else 0  # first message of new rows only
         rx = int(heads[kx] - r0) if kx < len(heads) else r1 - r0  # its first row
+        opens_ll = None  # whether a message from kx on opens like LL (asked once)
+        if rx and self.defer and qp.slab is data:
+            opens_ll = _looks_ll(data, src[heads - r0], plen[heads - r0])
+            if not opens_ll:
+                kx = rx = 0  # the held packets lie in the batch's buffer too (``feed``): none copied at once
         # A run whose copy is left to the readers of its sends (``defer``) gets a buffer for the
         # messages copied at once, its whole buffer only if one of the others is read
         # (MessageRun._own_buf): most runs of a batch begin in held packets, and whole buffers
@@ -693,7 +733,9 @@ class Reassembler:
         ll_flag, ll_off, ll_n, user = np.zeros(n, np.uint32), np.zeros(n, np.int64), np.zeros(n, np.int64), None
         pending = ll_pending = None
         read_pending = False
-        if kx < len(heads) and not _looks_ll(data, src[heads[kx:] - r0], plen[heads[kx:] - r0]):
+        if opens_ll is None or kx:
+            opens_ll = kx < len(heads) and _looks_ll(data, src[heads[kx:] - r0], plen[heads[kx:] - r0])
+        if kx < len(heads) and not opens_ll:
             # No new message opens like LL (Simple, LL128): no LL reading to keep. Deferred (see
             # ``defer``) unless a CTS post is among them (read at once); when none could be LL128
             # either, the decoder knows them Simple without reading them (MessageRun.pending), else
@@ -714,7 +756,7 @@ class Reassembler:
                 # The new messages as the decode read their packets: LL words and wire bytes both
                 # stay in the batch until a send is read (MessageRun.ll_pending, pending)
                 ll_flag[kx:] = flags
-                ll_pending = (ll[3], src[rx:] // 2, (dst[rx:] - dst[rx]) // 2, plen[rx:] // 2)
+                ll_pending = (ll[3], (src[rx:] - ll[4]) >> 1, (dst[rx:] - dst[rx]) >> 1, plen[rx:] >> 1)
                 pending = (data, src[rx:], dst[rx:], plen[rx:])
             else:
                 buf = grown(self._buffers, buf, int(base[-1]))
@@ -741,7 +783,7 @@ class Reassembler:
         read from its wire bytes later."""
         if ll is None or not opcodes.HAS_IMMDT[opcode[closing]].all():
             return None
-        llf, rows, npend, _ = ll
+        llf, rows, npend = ll[:3]
         if a < npend:
             return None  # held rows: read in an earlier batch
         f = llf[rows[a - npend:b - npend]]
@@ -859,11 +901,16 @@ class Reassembler:
             st.incomplete += 1
         return msg
 
-    @staticmethod
-    def _hold(tab: dict, src_is_new: np.ndarray, data, slab: np.ndarray):
-        """Copies the payloads of rows still waiting into a fresh slab (one copy per held packet)."""
+    def _hold(self, tab: dict, src_is_new: np.ndarray, data, slab: np.ndarray):
+        """Copies the payloads of rows still waiting into a fresh slab (one copy per held packet);
+        with ``defer`` (batches that stay valid) rows that all lie in one buffer stay there, and it
+        is their slab."""
         if not len(tab["psn"]):
             return {}, np.zeros(0, np.uint8)
+        if self.defer:
+            where = [data if new else slab for new in (True, False) if (src_is_new == new).any()]
+            if len(where) == 1 or where[0] is where[1]:
+                return dict(tab), where[0]
         plen = tab["plen"]
         new_off = np.zeros(len(plen), np.int64)
         if len(plen) > 1:

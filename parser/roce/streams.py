@@ -33,8 +33,10 @@ decode read them, is copied from its batch when the caller reads it (``nccl.Lazy
 so the reduce-scatter half of a ring all-reduce is never copied, and what is copied is copied on
 the caller's thread. An LL128 send is read from its batch on the packet path (its flags checked
 and its data taken out in one pass), never copied whole first. The caller then gives the
-capture's pages back, up to the parts of the list it takes (``CaptureReader.release_before``):
-the walk's own release would run ahead of the copies, and a page read after it stays mapped. A
+capture's pages back, up to the parts of the list it takes (``CaptureReader.release_before``)
+and not past packets held from an earlier part that the list's sends read where they lie
+(``PacketPath.holds_from``): the walk's own release would run ahead of the copies, and a page
+read after it stays mapped. A
 live source's batches are ring slots, given back after the next: there the copy stays on the
 packet path.
 
@@ -76,7 +78,9 @@ class MirrorStreams:
         self.stats = [StreamStats(name, mirror=p.counters.mirror) for (name, _), p in zip(sources, self.paths)]
         self._iters = [iter(b) for _, b in sources]
         self.ahead = ahead
-        self._fed: dict[int, FrameBatch] = {}  # per stream, the last part fed since the last list
+        # per stream, the last part fed since the last list, and the first byte its sends may read
+        # before it (PacketPath.holds_from)
+        self._fed: dict[int, tuple[FrameBatch, int | None]] = {}
         self._decoded: list[_Ahead] = []  # per stream, its batches decoded ahead (see _read_ahead)
 
     def __iter__(self) -> Iterator[list[NcclSend]]:
@@ -117,8 +121,8 @@ class MirrorStreams:
                     return
                 self.ended = set(now)
                 if defer:  # the lists before this one are done with, and their batches' pages
-                    for k, part in fed.items():
-                        self._iters[k].release_before(part)
+                    for k, (part, keep) in fed.items():
+                        self._iters[k].release_before(part, keep)
                 yield sends
         finally:
             stop.set()  # the caller stopped early (an error, a closed generator): let the threads end
@@ -148,7 +152,7 @@ class MirrorStreams:
             st.frames += len(part)
             st.bytes += part.nbytes
             _, sends = self.paths[k].feed(part, pk)
-            self._fed[k] = part
+            self._fed[k] = (part, self.paths[k].holds_from)
             if sends:
                 yield sends
             nb = rest if rest is not None else self._next(k)
