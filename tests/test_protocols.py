@@ -225,6 +225,43 @@ def test_place_agreeing_copies_compares_and_refuses_without_writing():
         _merge.place_agreeing(dst, covered.view(np.uint8), 8, src, 4, 4)
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_one_covered_element_anywhere_in_long_uncovered_runs_is_compared(gather):
+    """The flags are scanned 64, then eight, then one at a time, and a send none of whose elements
+    is covered yet is copied whole without a second scan: a single covered element at any place
+    around those steps is still found, compared (a disagreement refused, nothing written) and
+    kept, and every other element copied."""
+    from mirrorckpt.parser import _merge
+
+    rng = np.random.default_rng(7)
+    n, es = 700, 4
+    src = rng.integers(0, 256, n * es, dtype=np.uint8)
+    pieces = np.array([0, 333, 1024, 2048, n * es])  # a message in packets, for the gather
+    lengths = np.diff(pieces)
+
+    def place(dst, covered, data):
+        if not gather:
+            return _merge.place_agreeing(dst, covered.view(np.uint8), 0, data, n, es)
+        return _merge.place_agreeing_gather(dst, covered.view(np.uint8), 0, data, pieces[:-1].copy(),
+                                            pieces[:-1].copy(), lengths, n, es)
+
+    for at in (0, 1, 7, 8, 63, 64, 65, 127, 128, 500, n - 65, n - 64, n - 9, n - 1):
+        dst = rng.integers(0, 256, n * es, dtype=np.uint8)
+        covered = np.zeros(n, bool)
+        covered[at] = True
+        dst[at * es:(at + 1) * es] = src[at * es:(at + 1) * es]
+        got_dst, got_cov = dst.copy(), covered.copy()
+        assert place(got_dst, got_cov, src) == n - 1
+        assert np.array_equal(got_dst, src) and got_cov.all()
+        bad = src.copy()
+        bad[at * es] ^= 1
+        got_dst, got_cov = dst.copy(), covered.copy()
+        assert place(got_dst, got_cov, bad) == -1
+        assert np.array_equal(got_dst, dst) and np.array_equal(got_cov, covered)
+    got_dst, got_cov = np.zeros(n * es, np.uint8), np.zeros(n, bool)  # none covered: all of it, once
+    assert place(got_dst, got_cov, src) == n and np.array_equal(got_dst, src) and got_cov.all()
+
+
 @pytest.mark.parametrize("es", [1, 2, 4, 8])
 def test_place_agreeing_long_runs_match_numpy(es):
     """Covered runs of every length around the kernel's eight-flag steps, at every alignment:
