@@ -236,3 +236,59 @@ def test_only_ll_runs_take_a_buffer_for_their_ll_reading(tmp_path, proto):
                 for x in runs for k in range(len(x))]
         assert all(a == b for a, b in read) and sum(a for a, _ in read) > 10
         assert any(x.ll_user is None for x in runs)  # runs whose messages open with no LL line
+
+
+def test_the_compiled_opening_checks_are_the_column_ones():
+    """``_looks_ll`` and ``_may_be_ll128`` (asked for every run a batch places, compiled) say what
+    the numpy column expressions they replaced say, on lines that are LL, LL128, Simple and
+    damaged, short first packets and messages not of whole groups included."""
+    from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES
+    from mirrorckpt.parser.roce import reassembly as ra
+
+    f1, f2 = ra._LL_ARGS[2], ra._LL_ARGS[4]
+    flag_bytes = np.concatenate([np.arange(4) + f1, np.arange(4) + f2])
+    ll128_at = LL128_FLAG_OFFSET + np.concatenate([np.arange(8), LL128_LINE_BYTES + np.arange(8)])
+
+    def looks_ll(data, first, length):
+        first = first[length >= ra.LL_LINE_BYTES]
+        if not len(first):
+            return False
+        w = np.ascontiguousarray(data[first[:, None] + flag_bytes]).view(np.uint32)
+        return bool(np.any((w[:, 0] != 0) & (w[:, 0] == w[:, 1])))
+
+    def may_be_ll128(data, first, length, dlen):
+        whole = (dlen > 0) & (dlen % LL128_GROUP_WIRE == 0)
+        if not whole.any():
+            return False
+        if (length[whole] < 2 * LL128_LINE_BYTES).any():
+            return True
+        f = np.ascontiguousarray(data[first[whole][:, None] + ll128_at]).view(np.int64)
+        return bool(((f[:, 0] > 0) & (f[:, 0] == f[:, 1])).any())
+
+    rng = np.random.default_rng(5)
+    seen = {True: 0, False: 0}
+    for trial in range(400):
+        data = rng.integers(0, 256, 4096, dtype=np.uint8)
+        k = int(rng.integers(0, 6))
+        first = rng.integers(0, 4096 - 2 * LL128_LINE_BYTES, k).astype(np.int64)
+        length = rng.choice([8, 16, 100, 2 * LL128_LINE_BYTES - 1, 2 * LL128_LINE_BYTES, 1024], k).astype(np.int64)
+        dlen = rng.choice([0, LL128_GROUP_WIRE, 3 * LL128_GROUP_WIRE, 1000, 4096], k).astype(np.int64)
+        for a in first.tolist():  # some open like LL, some like LL128, some with one flag off
+            kind = rng.integers(0, 4)
+            if kind == 1:
+                v = rng.integers(0, 3, dtype=np.uint32).astype(np.uint32).tobytes()  # 0 is no flag
+                data[a + f1:a + f1 + 4] = np.frombuffer(v, np.uint8)
+                data[a + f2:a + f2 + 4] = np.frombuffer(v, np.uint8)
+            elif kind == 2:
+                v = np.int64(rng.integers(-2, 3)).tobytes()
+                data[a + LL128_FLAG_OFFSET:a + LL128_FLAG_OFFSET + 8] = np.frombuffer(v, np.uint8)
+                b = a + LL128_LINE_BYTES + LL128_FLAG_OFFSET
+                data[b:b + 8] = np.frombuffer(v, np.uint8)
+        got = ra._looks_ll(data, first, length)
+        assert got == looks_ll(data, first, length)
+        seen[got] += 1
+        assert ra._may_be_ll128(data, first, length, dlen) == may_be_ll128(data, first, length, dlen)
+        assert ra._looks_ll(data, first[::-1], length[::-1]) == looks_ll(data, first[::-1], length[::-1])
+    assert seen[True] > 20 and seen[False] > 20
+    with pytest.raises(IndexError):
+        ra._looks_ll(np.zeros(10, np.uint8), np.array([5], np.int64), np.array([16], np.int64))

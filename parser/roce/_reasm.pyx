@@ -184,3 +184,60 @@ def line_table(const int64_t[::1] rows, const int64_t[::1] psn24, const int64_t[
     if not ok:
         return False, -1
     return True, full
+
+
+cdef inline uint64_t _le(const uint8_t *p, int k) noexcept nogil:
+    """``k`` bytes at ``p``, little-endian."""
+    cdef uint64_t v = 0
+    cdef int i
+    for i in range(k - 1, -1, -1):
+        v = (v << 8) | p[i]
+    return v
+
+
+def opens_like_ll(const uint8_t[::1] data, const int64_t[:] first, const int64_t[:] length, int64_t line,
+                  int64_t f1, int64_t f2):
+    """Whether a message whose first packet lies at ``first`` (``length`` bytes) in ``data`` opens
+    with an LL line (``line`` bytes, 32-bit flags at ``f1`` and ``f2``): its two flags equal and
+    not zero. One pass, no index arrays: it is asked for every run a batch places."""
+    cdef Py_ssize_t k, n = first.shape[0]
+    cdef int64_t a
+    cdef uint64_t x
+    if length.shape[0] != n:
+        raise ValueError("opens_like_ll: first and length differ in length")
+    for k in range(n):
+        if length[k] < line:
+            continue
+        a = first[k]
+        if a < 0 or a + f1 + 4 > data.shape[0] or a + f2 + 4 > data.shape[0]:
+            raise IndexError("opens_like_ll: a packet outside the data")
+        x = _le(&data[a + f1], 4)
+        if x != 0 and x == _le(&data[a + f2], 4):
+            return True
+    return False
+
+
+def may_open_ll128(const uint8_t[::1] data, const int64_t[:] first, const int64_t[:] length,
+                   const int64_t[:] dlen, int64_t group, int64_t line, int64_t flag_at):
+    """Whether a message of ``dlen`` bytes whose first packet lies at ``first`` (``length`` bytes)
+    could read as intact LL128: whole groups of ``group`` bytes and its first two lines'
+    (``line`` bytes, a 64-bit flag at ``flag_at``) flags equal and positive as an int64; True
+    when a message of whole groups has its first two lines beyond its first packet."""
+    cdef Py_ssize_t k, n = first.shape[0]
+    cdef int64_t a, x
+    cdef bint short = False, found = False
+    if length.shape[0] != n or dlen.shape[0] != n:
+        raise ValueError("may_open_ll128: first, length and dlen differ in length")
+    for k in range(n):
+        if dlen[k] <= 0 or dlen[k] % group:
+            continue
+        if length[k] < 2 * line:
+            short = True
+            continue
+        a = first[k]
+        if a < 0 or a + line + flag_at + 8 > data.shape[0]:
+            raise IndexError("may_open_ll128: a packet outside the data")
+        x = <int64_t> _le(&data[a + flag_at], 8)
+        if x > 0 and x == <int64_t> _le(&data[a + line + flag_at], 8):
+            found = True
+    return short or found

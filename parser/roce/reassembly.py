@@ -323,7 +323,6 @@ class _Qp:
     slab: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
 
 
-_FLAG_BYTES = np.concatenate([np.arange(4) + _LL_ARGS[2], np.arange(4) + _LL_ARGS[4]])  # an LL line's two flags
 
 
 def _root(data: np.ndarray) -> tuple[np.ndarray, int]:
@@ -341,11 +340,7 @@ def _root(data: np.ndarray) -> tuple[np.ndarray, int]:
 def _looks_ll(data, first: np.ndarray, length: np.ndarray) -> bool:
     """Whether a message whose first packet lies at ``first`` (``length`` bytes) in ``data`` opens
     with an LL line: its two flag words equal and not zero."""
-    first = first[length >= LL_LINE_BYTES]
-    if not len(first):
-        return False
-    w = np.ascontiguousarray(data[first[:, None] + _FLAG_BYTES]).view(np.uint32)
-    return bool(np.any((w[:, 0] != 0) & (w[:, 0] == w[:, 1])))
+    return _reasm.opens_like_ll(data, first, length, LL_LINE_BYTES, _LL_ARGS[2], _LL_ARGS[4])
 
 
 def _may_be_ll128(data, first: np.ndarray, length: np.ndarray, dlen: np.ndarray) -> bool:
@@ -353,14 +348,7 @@ def _may_be_ll128(data, first: np.ndarray, length: np.ndarray, dlen: np.ndarray)
     in ``data`` could read as intact LL128 (``protocols.ll128_intact``): whole groups, and its first
     two lines' flags equal and positive as an int64 (Simple data in whole groups passes the first
     line's test half of the time)."""
-    whole = (dlen > 0) & (dlen % LL128_GROUP_WIRE == 0)
-    if not whole.any():
-        return False
-    if (length[whole] < 2 * LL128_LINE_BYTES).any():
-        return True  # its first two lines are not in the first packet: not told here
-    at = first[whole][:, None] + (LL128_FLAG_OFFSET + np.concatenate([np.arange(8), LL128_LINE_BYTES + np.arange(8)]))
-    f = np.ascontiguousarray(data[at]).view(np.int64)
-    return bool(((f[:, 0] > 0) & (f[:, 0] == f[:, 1])).any())
+    return _reasm.may_open_ll128(data, first, length, dlen, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL128_FLAG_OFFSET)
 
 
 # A message with missing packets is given up once its QP has opened this many messages past it,
