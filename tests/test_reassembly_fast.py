@@ -267,7 +267,7 @@ def test_the_compiled_opening_checks_are_the_column_ones():
 
     rng = np.random.default_rng(5)
     seen = {True: 0, False: 0}
-    for trial in range(400):
+    for _ in range(400):
         data = rng.integers(0, 256, 4096, dtype=np.uint8)
         k = int(rng.integers(0, 6))
         first = rng.integers(0, 4096 - 2 * LL128_LINE_BYTES, k).astype(np.int64)
