@@ -323,8 +323,6 @@ class _Qp:
     slab: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
 
 
-
-
 def _root(data: np.ndarray) -> tuple[np.ndarray, int]:
     """The buffer ``data`` is a view of (a capture file's mapping, whose batches are its slices) and
     where ``data`` begins in it; ``data`` itself and 0 when it is no such view."""

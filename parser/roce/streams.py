@@ -36,9 +36,8 @@ and its data taken out in one pass), never copied whole first. The caller then g
 capture's pages back, up to the parts of the list it takes (``CaptureReader.release_before``)
 and not past packets held from an earlier part that the list's sends read where they lie
 (``PacketPath.holds_from``): the walk's own release would run ahead of the copies, and a page
-read after it stays mapped. A
-live source's batches are ring slots, given back after the next: there the copy stays on the
-packet path.
+read after it stays mapped. A live source's batches are ring slots, given back after the next:
+there the copy stays on the packet path.
 
 Those sources are also walked and decoded (frame walk, header decode, ICRC and, while each
 payload is in cache, its LL reading: compiled, without the GIL) on a thread per source,
@@ -152,7 +151,10 @@ class MirrorStreams:
             st.frames += len(part)
             st.bytes += part.nbytes
             _, sends = self.paths[k].feed(part, pk)
-            self._fed[k] = (part, self.paths[k].holds_from)
+            keep, was = self.paths[k].holds_from, self._fed.get(k)
+            if was is not None and was[1] is not None:  # fed twice before a list: the earlier holds too
+                keep = was[1] if keep is None else min(keep, was[1])
+            self._fed[k] = (part, keep)
             if sends:
                 yield sends
             nb = rest if rest is not None else self._next(k)
