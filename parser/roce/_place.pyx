@@ -115,9 +115,9 @@ def gather_ll128(const uint8_t[::1] src, const int64_t[::1] src_off, const int64
                  int group_data):
     """``ll128_intact`` of a message still in its packets (packet r: ``length[r]`` bytes at
     src[src_off[r]:], the packets end to end): whole groups are read where they lie, a group cut
-    by a packet's end is put together in ``scratch`` (whole groups) first. One pass over the
+    by a packet's end is put together in ``scratch`` (a group at least) first. One pass over the
     wire bytes, none copied whole."""
-    cdef Py_ssize_t nr = src_off.shape[0], r, ng, og = 0, fill = 0, cap
+    cdef Py_ssize_t nr = src_off.shape[0], r, ng, og = 0, fill = 0
     cdef int64_t total = 0, rem, m
     cdef uint64_t flag = 0
     cdef const uint8_t *p
@@ -128,8 +128,7 @@ def gather_ll128(const uint8_t[::1] src, const int64_t[::1] src_off, const int64
         if length[r] < 0 or src_off[r] < 0 or src_off[r] + length[r] > src.shape[0]:
             raise ValueError(f"gather_ll128: packet {r} lies outside the source")
         total += length[r]
-    cap = scratch.shape[0] // group * group
-    if total == 0 or total % group or out.shape[0] < total // group * group_data or cap == 0:
+    if total == 0 or total % group or out.shape[0] < total // group * group_data or scratch.shape[0] < group:
         return 0
     with nogil:
         for r in range(nr):
@@ -143,16 +142,15 @@ def gather_ll128(const uint8_t[::1] src, const int64_t[::1] src_off, const int64
                     p += ng * group
                     rem -= ng * group
                     continue
-                m = min(rem, cap - fill)
+                m = min(rem, group - fill)  # the cut group only: the groups after it are whole again
                 memcpy(&scratch[fill], p, m)
                 fill += m
                 p += m
                 rem -= m
-                if fill % group == 0:  # the groups put together
-                    ng = fill // group
-                    ok = _ll128_groups(&scratch[0], ng, &out[og * group_data], &flag, line, flag_off, group, runs,
+                if fill == group:  # the group put together
+                    ok = _ll128_groups(&scratch[0], 1, &out[og * group_data], &flag, line, flag_off, group, runs,
                                        group_data)
-                    og += ng
+                    og += 1
                     fill = 0
             if not ok:
                 break

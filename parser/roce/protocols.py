@@ -248,7 +248,6 @@ def ll128_intact(wire: np.ndarray) -> tuple[np.ndarray, int] | None:
     return (out, f) if f else None
 
 
-_LL128_SCRATCH = 16 * LL128_GROUP_WIRE  # groups cut by packet ends, put together in the core's cache
 
 
 def ll128_intact_pieces(src: np.ndarray, src_off: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, int] | None:
@@ -256,7 +255,7 @@ def ll128_intact_pieces(src: np.ndarray, src_off: np.ndarray, length: np.ndarray
     src[src_off[r]:], end to end), read where they lie: (user bytes, flag), or None."""
     total = int(length.sum())
     out = np.empty(total // LL128_GROUP_WIRE * LL128_GROUP_DATA, np.uint8)
-    scratch = np.empty(_LL128_SCRATCH, np.uint8)
+    scratch = np.empty(LL128_GROUP_WIRE, np.uint8)  # a group cut by a packet's end, put together
     f = _place.gather_ll128(src, np.ascontiguousarray(src_off, np.int64), np.ascontiguousarray(length, np.int64),
                             out, scratch, LL128_LINE_BYTES, LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_RUNS,
                             LL128_GROUP_DATA)
