@@ -64,6 +64,24 @@ class Header:
         return read_uint(data, base + self.fields[name].offset, self.fields[name].size,
                          self.fields[name].order, self.fields[name].signed)
 
+    def read_fields(self, data: np.ndarray, base: np.ndarray, names) -> dict[str, np.ndarray]:
+        """``read`` of each of ``names``, the headers gathered once as records where every field
+        is a C integer (else field by field)."""
+        rec = self._records()
+        if rec is None or len(data) < self.size or not data.flags.c_contiguous:
+            return {n: self.read(data, base, n) for n in names}
+        got = np.ndarray((len(data) - self.size + 1,), rec, buffer=data, strides=(1,))[np.asarray(base, np.int64)]
+        return {n: got[n].astype(np.int64 if self.fields[n].signed else np.uint64) for n in names}
+
+    def _records(self) -> np.dtype | None:
+        """The header as a record dtype, made once; None when a field is no C integer."""
+        if not hasattr(self, "_rec"):
+            fs = self.fields.values()
+            self._rec = None if any(f.size not in _NP_UINT for f in fs) else np.dtype({
+                "names": [f.name for f in fs], "offsets": [f.offset for f in fs], "itemsize": self.size,
+                "formats": [(">" if f.order == "big" else "<") + ("i" if f.signed else "u") + str(f.size) for f in fs]})
+        return self._rec
+
     def read_bytes(self, data: np.ndarray, base: np.ndarray, name: str) -> np.ndarray:
         """Field ``name`` as an (N, size) uint8 matrix (addresses)."""
         f = self.fields[name]

@@ -176,6 +176,9 @@ def test_put_is_the_inverse_of_header_read(hdr):
     for name, f in hdr.fields.items():
         got = hdr.read_bytes(buf, base, name) if f.size > 8 else hdr.read(buf, base, name)
         assert np.array_equal(got, want[name] if f.size > 8 else want[name].astype(got.dtype)), name
+    ints = [name for name, f in hdr.fields.items() if f.size <= 8]
+    for name, got in hdr.read_fields(buf, base, ints).items():  # gathered at once: the same values and types
+        assert got.dtype == hdr.read(buf, base, name).dtype and np.array_equal(got, want[name].astype(got.dtype)), name
     one = hdr.pack(**{k: (v[0].tobytes() if hdr[k].size > 8 else int(v[0])) for k, v in want.items()})
     assert one == buf[base[0]:base[0] + hdr.size].tobytes()
 

@@ -33,7 +33,7 @@ import numpy as np
 from mirrorckpt.config.layout import address_text
 from mirrorckpt.parser.errors import VersionMismatch
 from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128_LINE_BYTES, LL_LINE_BYTES
-from mirrorckpt.parser.roce import nccl_versions, protocols
+from mirrorckpt.parser.roce import _cts, nccl_versions, protocols
 from mirrorckpt.parser.roce.nccl_runs import RunLane, cts_fits, cts_plausible, cts_sized
 from mirrorckpt.parser.roce.reassembly import MessageRun, QpKey, RdmaMessage
 from mirrorckpt.parser.roce.sends import ConnKey, Cts, LazySend, NcclSend  # noqa: F401 (LazySend: importable here)
@@ -523,21 +523,13 @@ class NcclDecoder(RunLane):
         """Keeps a CTS post (``Cts``'s fields, made a ``Cts`` only if taken) until a send to its
         address takes it (``_match_cts``). An egress-only mirror shows a connection's posts and its
         data in different streams (they go opposite ways), so most posts are never taken: the
-        newest are kept per address and a bounded number of addresses, the oldest going first."""
-        idx, addr = post[0], post[1]
-        if not conn.nccl:
-            self._proven(conn, "CTS posts")
-        conn.cts[idx] = post
-        conn.tags.add(post[5])
-        q = conn.by_addr.get(addr)
-        if q is None:
-            q = conn.by_addr[addr] = []
-            if len(conn.by_addr) > CTS_ADDRS_KEPT:
-                for i in conn.by_addr.pop(next(iter(conn.by_addr))):
-                    conn.cts.pop(i, None)
-        q.append(idx)
-        if len(q) > CTS_KEPT_PER_ADDR:
-            conn.cts.pop(q.pop(0), None)
+        newest are kept per address and a bounded number of addresses, the oldest going first
+        (``_cts.post``; the run lane posts a batch's with ``_cts.post_all``)."""
+        _cts.post(self, conn, post, CTS_ADDRS_KEPT, CTS_KEPT_PER_ADDR)
+
+    def _post_all(self, conns: dict, posts: list) -> None:
+        """``_post`` of each of ``posts`` in turn, on the connection of its rkey (``conns``)."""
+        _cts.post_all(self, conns, posts, CTS_ADDRS_KEPT, CTS_KEPT_PER_ADDR)
 
     def _match_cts(self, c: _Conn, va: int | None) -> Cts | None:
         if va is None:

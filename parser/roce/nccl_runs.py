@@ -82,7 +82,7 @@ class RunLane:
                 if not cts_fits(h, dl).all():
                     return None
                 r.fill()
-                fields = {f: h.read(r.buf, r.base[k], f) for f in _CTS_FIELDS}
+                fields = h.read_fields(r.buf, r.base[k], _CTS_FIELDS)
                 if not cts_plausible(h, fields, dl).all():
                     return None
                 for rk in set(fields["rkey"].tolist()):  # the posts' connections, by the buffers they offer
@@ -118,8 +118,8 @@ class RunLane:
         for k, fields, conns, *_ in plan:  # CTS posts first, in arrival order
             if fields is None:
                 continue
-            for post in zip(*[fields[f].tolist() for f in _CTS_FIELDS]):
-                self._post(conns[post[3]], post)  # post[3]: its rkey
+            # each on the connection of its rkey (post[3])
+            self._post_all(conns, list(zip(*[fields[f].tolist() for f in _CTS_FIELDS])))
             self.cts_posts += len(k)
         # The sends, by time and QP number (stable: arrival order breaks ties), as feed sorts them.
         which = [(i, p[3]) for i, p in enumerate(plan) if len(p[3])]
@@ -139,12 +139,16 @@ class RunLane:
                  for f in ("psn", "npkts", "va", "ll_flag", "ll_off", "ll_n")]
         a_s = col(lambda r, d: r.base[d])[order].tolist()
         b_s = col(lambda r, d: r.base[d + 1])[order].tolist()
-        per_run = {i: (runs[i], *plan[i][4:]) for i, _ in which}
+        # per run: it, its connection, its QP's MTU, its QP's place among the connection's QPs, and how many
+        per_run = [None] * len(plan)
+        for i, _ in which:
+            r, c, _, (qi, nq) = runs[i], *plan[i][4:]
+            per_run[i] = (r, c, self.pmtu.get(r.qp, 0), qi if nq > 1 else 0, nq)
         want_ll = self.protocol in (None, protocols.LL)
-        stream, pmtu, out = self.stream, self.pmtu, []
+        stream, out = self.stream, []
         for m, i, size, psn, npkts, va, flag, o, n, a, b, t in zip(rows.tolist(), src, sizes, *heads, a_s, b_s,
                                                                    ts[order].tolist()):
-            r, c, _, (qi, nq) = per_run[i]
+            r, c, pm, qi, nq = per_run[i]
             if flag and want_ll:
                 # LL words still in the batch (ll_pending): gathered if and when they are read
                 fast = (protocols.LL, None if r.ll_pending is not None else r.ll_user[o:o + n], flag)
@@ -173,11 +177,11 @@ class RunLane:
                 continue
             proto, user, flag = fast
             c.protocol = proto
-            cts = self._match_cts(c, va)
+            cts = self._match_cts(c, va) if c.by_addr.get(va) else None  # a post left for its address
             lazy = user is None  # still in the batch (Simple bytes, LL words): copied if and when it is read
             s = (LazySend if lazy else NcclSend)(c.key, r.qp, proto, user, [], b - a, size, va, "normal", flag,
-                                                 cts.idx if cts else None, cts, t, True, stream, psn, npkts,
-                                                 pmtu.get(r.qp, 0), qi if nq > 1 else 0, nq)
+                                                 cts.idx if cts else None, cts, t, True, stream, psn, npkts, pm, qi,
+                                                 nq)
             if lazy:
                 s._source = (r, o, o + n, True, m) if proto == protocols.LL else (r, a, b, False, m)
             out.append(s)
