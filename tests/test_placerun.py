@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from mirrorckpt.parser.concat import CollectiveResult, Concatenator
+from mirrorckpt.parser.roce import _placerun
 from mirrorckpt.parser.roce.placer import RingPlacer
 from test_statemachine import ITERATIONS, all_sends, by_time, channel_map, ddp_model
 
@@ -157,31 +158,52 @@ def test_the_state_machine_tables_grow_between_batches():
     assert model.first_of_iteration(ITERATIONS) > 5
 
 
-@pytest.mark.parametrize("proto,mirrors", [("LL", "0:egress,1:egress"), ("LL128", "0:egress,1:egress"),
-                                           ("Simple", "0:both")])
-def test_a_generated_capture_replays_alike(tmp_path, proto, mirrors):
-    """From capture files (sends whose bytes still lie in the batch), both ways: the same results."""
+@pytest.mark.parametrize("proto,mirrors,faults", [
+    ("LL", "0:egress,1:egress", None), ("LL128", "0:egress,1:egress", None), ("Simple", "0:both", None),
+    ("LL", "0:egress,1:egress", dict(loss=0.0005, reorder=0.0005, duplicate=0.0005, seed=5)),
+    ("Simple", "0:both", dict(loss=0.0001, reorder=0.0001, seed=7))])
+def test_a_generated_capture_replays_alike(tmp_path, monkeypatch, proto, mirrors, faults):
+    """From capture files (sends whose bytes still lie in the batch): per send, compiled, and
+    compiled from the run lane's columns (``SendBlock``), the same results, intact and with
+    packets lost, reordered and duplicated."""
     from mirrorckpt.capture.pcapfile import open_capture
     from mirrorckpt.config.jobfile import load_job
     from mirrorckpt.parser.roce.collectives import NcclJobModel
     from mirrorckpt.parser.roce.jobstream import JobStream
+    from mirrorckpt.parser.roce.sends import SendBlock
     from mirrorckpt.parser.roce.streams import MirrorStreams
+    from mirrorckpt.tools.generator.faults import FaultOptions
     from mirrorckpt.tools.generator.gen import GenConfig, generate
 
-    generate(GenConfig(ranks=2, channels=2, protocol=proto, model="linear:200000", steps=3, seed=3,
-                       mirrors=mirrors, send_truth=False), tmp_path)
+    generate(GenConfig(ranks=2, channels=2, protocol=proto, model="linear:" + ("2000000" if faults else "200000"),
+                       steps=3, seed=3,
+                       mirrors=mirrors, send_truth=False, faults=FaultOptions(**(faults or {}))), tmp_path)
     job = load_job(tmp_path / "job.toml")
-    got = {}
-    for compiled in (False, True):
+    got, rows = {}, []
+    batch = _placerun.place_batch
+
+    def counting(placer, units, *a):  # the rows that come as columns
+        rows.extend(len(u) for u in units if type(u) is SendBlock)
+        return batch(placer, units, *a)
+
+    monkeypatch.setattr(_placerun, "place_batch", counting)
+    for compiled, blocks in ((False, False), (True, False), (True, True)):
         RingPlacer.compiled = compiled
         try:
             # read ahead, as replay does: sends' bytes stay in the capture until placed (LazySend)
             streams = MirrorStreams([(p.name, open_capture(p)) for p in sorted(tmp_path.glob("*.pcap*"))],
-                                    nccl_version=job.ring.nccl_version, ahead=1)
+                                    nccl_version=job.ring.nccl_version, ahead=1, blocks=blocks)
             js = JobStream(streams, model=NcclJobModel.from_job(job), ranks=job.ring.ranks_by_address())
-            results = [(r.index, r.complete, r.pieces, r.sha256()) for r in js if isinstance(r, CollectiveResult)]
+            results = [(r.index, r.complete, r.pieces, r.sha256(), tuple(r.holes)) for r in js
+                       if isinstance(r, CollectiveResult)]
         finally:
             RingPlacer.compiled = True
-        got[compiled] = results, js.report().placement
-    assert got[False] == got[True]
-    assert got[True][0] and all(r[1] for r in got[True][0]) and set(got[True][1]) == {"placed"}
+        got[(compiled, blocks)] = results, js.report().placement
+    assert got[(False, False)] == got[(True, False)] == got[(True, True)]
+    assert got[(True, True)][0]
+    if proto != "LL128" and (faults is None or proto == "LL"):
+        # LL words and Simple bytes left in the batch come as columns (the Simple capture with
+        # faults has one in each of its few batches: the batches go the per-message way)
+        assert sum(rows) > 0, rows
+    if faults is None:
+        assert all(r[1] for r in got[(True, True)][0]) and set(got[(True, True)][1]) == {"placed"}

@@ -138,7 +138,7 @@ def open_stream(captures, job=None, dtype=None, nccl_version=None, icrc=True, tr
     # the decoders' state while it runs, so without one it stays on this thread.
     streams = MirrorStreams([(c, open_capture(c)) for c in captures], icrc=icrc, nccl_version=nccl_version,
                             ahead=READ_AHEAD if job is not None else 0,
-                            encapsulation=job.encap if job is not None else None)
+                            encapsulation=job.encap if job is not None else None, blocks=True)
     kw = dict(model=NcclJobModel.from_job(job), ranks=job.ring.ranks_by_address()) if job is not None else {}
     p2p_fill = p2p_fill or (job is not None and job.p2p_fill)
     return JobStream(streams, dtype=dtype, nccl_version=nccl_version, p2p_fill=p2p_fill, **kw)

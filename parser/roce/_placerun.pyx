@@ -19,10 +19,11 @@ from mirrorckpt.config.ddp import ALLREDUCE
 from mirrorckpt.config.layout import dtype_size
 from mirrorckpt.parser.placement import REDUCED, Placement
 from mirrorckpt.parser.roce import nccl_versions, schedule
-from mirrorckpt.parser.roce.sends import LazySend, NcclSend
+from mirrorckpt.parser.roce.sends import LazySend, NcclSend, SendBlock
 from mirrorckpt.parser.roce.statemachine import MAX_AHEAD_STEPS, MAX_ANCHORS, _Cursor
 
 cdef long long NCCL_STEPS = nccl_versions.NCCL_STEPS
+_LL, _SIMPLE = nccl_versions.LL, nccl_versions.SIMPLE
 cdef long long HALF = 1LL << 31
 cdef long long WRAP = 1LL << 32
 
@@ -82,144 +83,172 @@ cdef Window _by_message(sm, track, long long m, Py_ssize_t channel, Py_ssize_t p
     return Window(track, i, sm._coll(track.base + i), channel, pos, sm.model.ring.nccl_version)
 
 
+cdef class _Pass:
+    """One ``place_batch``'s view of the state machine's and the concatenator's tables."""
+    cdef object sm, concat, counts, fallback
+    cdef dict mapped, where, last_placed, cursors, tracks, windows, streams, span, results
+    cdef Py_ssize_t placed
+
+    def __init__(self, placer, concat, fallback):
+        sm = self.sm = placer.sm
+        self.concat, self.fallback, self.counts = concat, fallback, sm.counts
+        self.mapped, self.where, self.last_placed, self.cursors = sm.channels, sm._where, sm.last, sm.cursors
+        self.tracks, self.windows = sm.tracks, placer.windows
+        self.streams, self.span, self.results = concat.streams, concat.span, concat.open
+        self.placed = 0
+
+    cdef void other_way(self, s) except *:
+        """``s`` the per-send way, in its turn (the sends placed before it counted first)."""
+        if self.placed:
+            self.counts["placed"] += self.placed
+            self.placed = 0
+        self.fallback(s)
+
+
 def place_batch(placer, sends, concat, fallback):
-    """Places ``sends`` in order: the common case here, any other send by ``fallback(send)``."""
-    sm = placer.sm
-    cdef dict mapped = sm.channels, where = sm._where, last_placed = sm.last, cursors = sm.cursors
-    cdef dict tracks = sm.tracks, windows = placer.windows
-    cdef dict streams = concat.streams, span = concat.span, results = concat.open
-    counts = sm.counts
-    cdef Py_ssize_t placed = 0, channel, pos, k, n, start
-    cdef long long t, m, ref, end, ts, coll
-    cdef Window w
+    """Places ``sends`` in order: the common case here, any other send by ``fallback(send)``. A
+    ``SendBlock`` is placed from its columns, a send made of a row only where it goes the other way."""
+    cdef _Pass x = _Pass(placer, concat, fallback)
+    cdef Py_ssize_t i, n
+    cdef const long long[::1] flag, seq, psn, npkts, wire, ts, lo, hi, run, m
     for s in sends:
+        if type(s) is SendBlock:
+            n = len(s)
+            flag, seq, psn, npkts, wire, ts = s.flag, s.seq, s.psn, s.npkts, s.wire, s.ts
+            lo, hi, run, m = s.lo, s.hi, s.run, s.m
+            vas, conns, qps, nqs, runs = s.va.tolist(), s.conns, s.qps, s.nqs, s.runs
+            stream = s.stream
+            for i in range(n):
+                j = run[i]
+                if not _place(x, None, s, i, conns[j], flag[i] if flag[i] else None, seq[i] if seq[i] >= 0 else None,
+                              stream, psn[i], qps[j], nqs[j], False, vas[i], _LL if flag[i] else _SIMPLE,
+                              wire[i], npkts[i], ts[i], (runs[j], lo[i], hi[i], flag[i] != 0, m[i])):
+                    x.other_way(s.send(i))
+            continue
         # A send's fields read from its instance dict (the dataclass keeps them there; its
         # properties are not read): a send of any other class goes the per-send way.
         d = s.__dict__ if type(s) is LazySend or type(s) is NcclSend else None
-        conn = d["connection"] if d is not None else None
-        loc = where.get(conn) if conn is not None else None
-        flag, seq = (d["flag"], d["seq"]) if loc is not None else (None, None)
-        if loc is None or d["form"] != "normal" or d["pieces"] or d["holes"] or not d["length_known"] \
-                or mapped.get(conn) != loc[0]:
-            if placed:
-                counts["placed"] += placed
-                placed = 0
-            fallback(s)
-            continue
-        channel, pos = loc
-        stream = d["stream"]
-        key = (stream, conn)
-        last = last_placed.get(key)
-        w = windows.get(loc)
-        track = tracks.get(loc)
-        if track is None or (w is not None and w.track is not track):
+        if d is None or d["form"] != "normal" or d["pieces"] or d["holes"] or not d["length_known"] \
+                or not _place(x, s, None, 0, d["connection"], d["flag"], d["seq"], d["stream"], d["psn"], d["qp"],
+                              d["nqps"], d["cut"], d["va"], d["protocol"], d["wire_bytes"], d["npkts"], d["ts_ns"],
+                              d.get("_source")):
+            x.other_way(s)
+    if x.placed:
+        x.counts["placed"] += x.placed
+
+
+cdef bint _place(_Pass x, s, block, Py_ssize_t row, conn, flag, seq, stream, psn, qp, long long nqps, bint cut, va,
+                 proto, long long wire_bytes, long long npkts, long long ts, src) except -1:
+    """Places one send (``s``, or row ``row`` of ``block``) from its fields, as the per-send path
+    would; False, with nothing placed, when it must go the per-send way."""
+    cdef Py_ssize_t channel, pos, k, n, start
+    cdef long long t, m, ref, end, coll
+    cdef Window w
+    loc = x.where.get(conn)
+    if loc is None or x.mapped.get(conn) != loc[0]:
+        return False
+    channel, pos = loc
+    key = (stream, conn)
+    last = x.last_placed.get(key)
+    w = x.windows.get(loc)
+    track = x.tracks.get(loc)
+    sm = x.sm
+    if track is None or (w is not None and w.track is not track):
+        w = None
+    if flag is not None:
+        ref = last[0] if last is not None else 0
+        t = ref + ((((<long long>flag) - 1) - ref + HALF) % WRAP) - HALF  # RingStateMachine._unwrap_flag
+        if last is not None and t > last[0] + MAX_AHEAD_STEPS:
             w = None
-        if flag is not None:
-            ref = last[0] if last is not None else 0
-            t = ref + (((flag - 1) - ref + HALF) % WRAP) - HALF  # RingStateMachine._unwrap_flag
-            if last is not None and t > last[0] + MAX_AHEAD_STEPS:
-                w = None
-            elif track is not None and (w is None or not (w.t0 <= t < w.t_limit) or w.coll < track.base):
-                w = _by_step(sm, track, t, channel, pos)
-            hit = w.steps.get(t - w.t0) if w is not None else None
-            if hit is not None:
-                k, st = hit
-                m = w.m0 + k
+        elif track is not None and (w is None or not (w.t0 <= t < w.t_limit) or w.coll < track.base):
+            w = _by_step(sm, track, t, channel, pos)
+        hit = w.steps.get(t - w.t0) if w is not None else None
+        if hit is not None:
+            k, st = hit
+            m = w.m0 + k
+    else:
+        hit = None
+        if seq is not None:
+            m = seq - 1
         else:
-            hit = None
-            if seq is not None:
-                m = seq - 1
-            else:
-                # RingStateMachine._next_on_qp without a gap: the send begins where the newest send
-                # placed on its QP ended (its anchor), so it is the QP's next message
-                m = -1
-                psn, qp = d["psn"], d["qp"]
-                anchors = cursors.get((stream, qp)) if psn is not None and qp is not None else None
-                if anchors:
-                    cur = anchors[len(anchors) - 1]
-                    if cur.end == psn:
-                        nq = d["nqps"]
-                        m = cur.m + (1 if d["cut"] or nq == 1 else nq)
-            if m >= 0 and track is not None and (w is None or not (w.m0 <= m < w.m0 + w.n) or w.coll < track.base):
-                w = _by_message(sm, track, m, channel, pos)
-            if m >= 0 and w is not None:
-                st = w.messages[m - w.m0]
-                t = w.t0 + st.conn_step
-                hit = st
-                va = d["va"]
-                if seq is None and w.slot_bytes and cur.va is not None and va is not None and cur.proto == w.proto \
-                        and va - cur.va != (t % NCCL_STEPS - cur.t % NCCL_STEPS) * w.slot_bytes:
-                    hit = None  # RingStateMachine._slot_agrees: not where step t lands
-        proto = d["protocol"]
-        if hit is None or d["wire_bytes"] != st.wire_bytes or (proto is not None and proto != w.proto):
-            if placed:
-                counts["placed"] += placed
-                placed = 0
-            fallback(s)
-            continue
-        windows[loc] = w
-        # RingStateMachine._advance for a QP's newest send (anything else went the per-send way)
-        psn, qp = d["psn"], d["qp"]
-        got = None
-        if psn is not None and qp is not None:
-            got = cursors.get((stream, qp))
-            end = psn + d["npkts"]
-            if not got or got[len(got) - 1].end >= end:
-                if placed:
-                    counts["placed"] += placed
-                    placed = 0
-                fallback(s)
-                continue
-        if last is None or t >= last[0]:
-            last_placed[key] = (t, m)
-        if got is not None:
-            cursor = _Cursor.__new__(_Cursor)  # its fields set one by one: no __init__ frame
-            cursor.m, cursor.t, cursor.end, cursor.va, cursor.proto = m, t, end, d["va"], w.proto
-            got.append(cursor)
-            if len(got) > MAX_ANCHORS:
-                del got[0]
-        placed += 1
-        # Concatenator.add
-        coll = w.coll
-        if not w.allreduce:
-            concat.add(Placement(coll, w.spec, st, channel, pos, s, t))
-            continue
-        if coll < concat.next_out:
-            continue
-        if coll > concat.frontier:
-            concat.frontier = coll
-        if streams.get(stream, -1) < coll:
-            streams[stream] = coll
-        ts = d["ts_ns"]
-        bounds = span.get(coll)
-        if bounds is None:
-            span[coll] = [ts, ts]
-        elif ts < bounds[0]:
-            bounds[0] = ts
-        elif ts > bounds[1]:
-            bounds[1] = ts
-        n = st.nelem
-        if st.phase != REDUCED or n == 0:
-            continue
-        r = results.get(coll)
-        if r is None:
-            r = concat._result(coll)
-        if r is not w.result:
-            w.result, w.covered = r, r.covered.view(np.uint8)
-        start = st.offset
-        if ts > r.last_ts:
-            r.last_ts = ts
-        src = d.get("_source")  # a LazySend's bytes still in the batch: placed from there
-        if src is not None and src[2] - src[1] >= n * w.esize:
-            added = src[0].place_range(src[4], r.data, w.covered, start, n, w.esize, src[3])
-        elif src is None and s.nbytes >= n * w.esize:
-            added = s.place_agreeing(r.data, w.covered, start, n, w.esize)
-        else:
-            added = None
-        if added is not None and added >= 0:
-            r.ncovered += added
-            r.pieces += 1
-            continue
-        concat._put(r, start, n, s.data[: n * w.esize], s.holes, conn)
-    if placed:
-        counts["placed"] += placed
+            # RingStateMachine._next_on_qp without a gap: the send begins where the newest send
+            # placed on its QP ended (its anchor), so it is the QP's next message
+            m = -1
+            anchors = x.cursors.get((stream, qp)) if psn is not None and qp is not None else None
+            if anchors:
+                cur = anchors[len(anchors) - 1]
+                if cur.end == psn:
+                    m = cur.m + (1 if cut or nqps == 1 else nqps)
+        if m >= 0 and track is not None and (w is None or not (w.m0 <= m < w.m0 + w.n) or w.coll < track.base):
+            w = _by_message(sm, track, m, channel, pos)
+        if m >= 0 and w is not None:
+            st = w.messages[m - w.m0]
+            t = w.t0 + st.conn_step
+            hit = st
+            if seq is None and w.slot_bytes and cur.va is not None and va is not None and cur.proto == w.proto \
+                    and va - cur.va != (t % NCCL_STEPS - cur.t % NCCL_STEPS) * w.slot_bytes:
+                hit = None  # RingStateMachine._slot_agrees: not where step t lands
+    if hit is None or wire_bytes != st.wire_bytes or (proto is not None and proto != w.proto):
+        return False
+    x.windows[loc] = w
+    # RingStateMachine._advance for a QP's newest send (anything else went the per-send way)
+    got = None
+    if psn is not None and qp is not None:
+        got = x.cursors.get((stream, qp))
+        end = psn + npkts
+        if not got or got[len(got) - 1].end >= end:
+            return False
+    if last is None or t >= last[0]:
+        x.last_placed[key] = (t, m)
+    if got is not None:
+        cursor = _Cursor.__new__(_Cursor)  # its fields set one by one: no __init__ frame
+        cursor.m, cursor.t, cursor.end, cursor.va, cursor.proto = m, t, end, va, w.proto
+        got.append(cursor)
+        if len(got) > MAX_ANCHORS:
+            del got[0]
+    x.placed += 1
+    # Concatenator.add
+    concat = x.concat
+    coll = w.coll
+    if not w.allreduce:
+        concat.add(Placement(coll, w.spec, st, channel, pos, s if s is not None else block.send(row), t))
+        return True
+    if coll < concat.next_out:
+        return True
+    if coll > concat.frontier:
+        concat.frontier = coll
+    if x.streams.get(stream, -1) < coll:
+        x.streams[stream] = coll
+    bounds = x.span.get(coll)
+    if bounds is None:
+        x.span[coll] = [ts, ts]
+    elif ts < bounds[0]:
+        bounds[0] = ts
+    elif ts > bounds[1]:
+        bounds[1] = ts
+    n = st.nelem
+    if st.phase != REDUCED or n == 0:
+        return True
+    r = x.results.get(coll)
+    if r is None:
+        r = concat._result(coll)
+    if r is not w.result:
+        w.result, w.covered = r, r.covered.view(np.uint8)
+    start = st.offset
+    if ts > r.last_ts:
+        r.last_ts = ts
+    # a lazy send's bytes still in the batch: placed from there
+    if src is not None and src[2] - src[1] >= n * w.esize:
+        added = src[0].place_range(src[4], r.data, w.covered, start, n, w.esize, src[3])
+    elif src is None and s.nbytes >= n * w.esize:
+        added = s.place_agreeing(r.data, w.covered, start, n, w.esize)
+    else:
+        added = None
+    if added is not None and added >= 0:
+        r.ncovered += added
+        r.pieces += 1
+        return True
+    if s is None:
+        s = block.send(row)
+    concat._put(r, start, n, s.data[: n * w.esize], s.holes, conn)
+    return True

@@ -11,6 +11,7 @@ from mirrorckpt.parser.pipeline import CollectiveAssembler, Item, JobReport
 from mirrorckpt.parser.roce.collectives import NcclJobModel
 from mirrorckpt.parser.roce.nccl import ConnKey, NcclSend
 from mirrorckpt.parser.roce.placer import RingPlacer
+from mirrorckpt.parser.roce.sends import flat
 from mirrorckpt.parser.streams import WireIdle
 
 
@@ -54,7 +55,7 @@ class JobStream:
                     yield from self.assembler.items(self.assembler.settle())
                 continue
             if self.assembler is None:
-                pending += sends
+                pending += flat(sends)
                 if len(pending) < self.infer_after:
                     continue
                 self._setup(pending)

@@ -36,7 +36,7 @@ from mirrorckpt.parser.headers import LL128_FLAG_OFFSET, LL128_GROUP_WIRE, LL128
 from mirrorckpt.parser.roce import _cts, nccl_versions, protocols
 from mirrorckpt.parser.roce.nccl_runs import RunLane, cts_fits, cts_plausible, cts_sized
 from mirrorckpt.parser.roce.reassembly import MessageRun, QpKey, RdmaMessage
-from mirrorckpt.parser.roce.sends import ConnKey, Cts, LazySend, NcclSend  # noqa: F401 (LazySend: importable here)
+from mirrorckpt.parser.roce.sends import ConnKey, Cts, LazySend, NcclSend, SendBlock  # noqa: F401 (LazySend: importable here)
 
 nv_piece = nccl_versions.qp_piece_bytes
 # Messages of a cut connection held open for their missing pieces; past it the oldest goes out with holes
@@ -117,6 +117,9 @@ class NcclDecoder(RunLane):
         """``version``: the NCCL release if stated (the wire must agree); None: read from the wire
         (CTS layout, immediate byte order: ``family``)."""
         self.stream = stream
+        # The run lane's lazy sends as ``SendBlock``s (columns), not one ``LazySend`` each: for a
+        # reader that places them with ``RingPlacer`` (``sends.flat`` makes them objects)
+        self.blocks = False
         self.version = nccl_versions.version(version) if version else None
         self.cts_header = nccl_versions.cts_header(self.version) if self.version else None
         self.imm_order = nccl_versions.imm_byte_order(self.version) if self.version else None
@@ -177,8 +180,16 @@ class NcclDecoder(RunLane):
         """The sends of connections that have shown NCCL; a connection's sends before it does are
         held (copies, at most UNPROVEN_KEPT) and go out ahead of the send that proves it. A WRITE is
         no NCCL send by itself: RDMA applications write too."""
+        if any(type(s) is SendBlock for s in sends):
+            # a block whose connections have all shown NCCL, with nothing held, goes as it is
+            sends = [x for s in sends for x in (
+                (s,) if type(s) is not SendBlock or all(self.conns[k].nccl and not self.conns[k].unproven
+                                                          for k in set(s.conns)) else s.sends())]
         out = []
         for s in sends:
+            if type(s) is SendBlock:
+                out.append(s)
+                continue
             conn = self.conns[s.connection]
             if not conn.nccl:
                 why = _proof(s)

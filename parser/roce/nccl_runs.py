@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from mirrorckpt.parser.roce import nccl_versions, protocols
 from mirrorckpt.parser.roce.reassembly import MessageRun
-from mirrorckpt.parser.roce.sends import LazySend, NcclSend
+from mirrorckpt.parser.roce.sends import LazySend, NcclSend, SendBlock
 
 _CTS_FIELDS = ("idx", "addr", "size", "rkey", "nreqs", "tag")  # nccl.Cts's fields, in its order
 
@@ -131,23 +131,79 @@ class RunLane:
 
         ts = col(lambda r, d: r.ts[d])
         order = np.lexsort((col(lambda r, d: np.full(len(d), r.qp.dqp, np.int64)), ts))
-        # every column in that order, as Python values: no numpy scalar per send
-        rows = col(lambda r, d: d)[order]
-        src = np.concatenate([np.full(len(d), i, np.int64) for i, d in which])[order].tolist()
-        sizes = np.concatenate([plan[i][5] for i, _ in which])[order].tolist()
-        heads = [col(lambda r, d, f=f: getattr(r, f)[d])[order].tolist()
-                 for f in ("psn", "npkts", "va", "ll_flag", "ll_off", "ll_n")]
-        a_s = col(lambda r, d: r.base[d])[order].tolist()
-        b_s = col(lambda r, d: r.base[d + 1])[order].tolist()
+        # every column in that order
+        cols = {"m": col(lambda r, d: d), "run": np.concatenate([np.full(len(d), i, np.int64) for i, d in which]),
+                "size": np.concatenate([plan[i][5] for i, _ in which]), "ts": ts,
+                "a": col(lambda r, d: r.base[d]), "b": col(lambda r, d: r.base[d + 1])}
+        for f in ("psn", "npkts", "va", "ll_flag", "ll_off", "ll_n"):
+            cols[f] = col(lambda r, d, f=f: getattr(r, f)[d])
+        cols = {f: v[order] for f, v in cols.items()}
         # per run: it, its connection, its QP's MTU, its QP's place among the connection's QPs, and how many
         per_run = [None] * len(plan)
         for i, _ in which:
             r, c, _, (qi, nq) = runs[i], *plan[i][4:]
             per_run[i] = (r, c, self.pmtu.get(r.qp, 0), qi if nq > 1 else 0, nq)
+        block = self._lazy_rows(per_run, cols) if self.blocks else None
+        if block is None or not block.any():
+            return self._sends(per_run, cols, slice(None))
+        out = []
+        cut = np.flatnonzero(np.diff(block.view(np.int8))) + 1
+        for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), len(block)]):
+            if block[lo]:
+                out.append(self._block(per_run, cols, slice(lo, hi)))
+            else:
+                out += self._sends(per_run, cols, slice(lo, hi))
+        return out
+
+    def _lazy_rows(self, per_run: list, cols: dict) -> np.ndarray:
+        """Which sends the per-send loop (``_sends``) would make ``LazySend``s of: LL words, or
+        Simple bytes, still in the batch."""
+        has = np.zeros((3, len(per_run)), bool)  # per run: it is, its LL words wait, its Simple bytes wait
+        for i, p in enumerate(per_run):
+            if p is not None:
+                r = p[0]
+                has[:, i] = (True, r.ll_pending is not None, r.pending is not None and r.ll_pending is None and (
+                    not r.read_pending or self.protocol == protocols.SIMPLE))
+        ll = (cols["ll_flag"] != 0) & (self.protocol in (None, protocols.LL))
+        return np.where(ll, has[1][cols["run"]], has[2][cols["run"]] & (cols["b"] > cols["a"]))
+
+    def _block(self, per_run: list, cols: dict, rows: slice) -> SendBlock:
+        """Sends ``rows`` (all lazy, ``_lazy_rows``) as one ``SendBlock``: what ``_sends`` does for
+        each, done for the columns (a connection's protocol is its last send's; CTS posts are
+        taken in order where one waits at a send's address)."""
+        c = {f: v[rows] for f, v in cols.items()}
+        ll = c["ll_flag"] != 0
+        runs = sorted(set(c["run"].tolist()))
+        last: dict = {}  # per connection: its last send here, whose protocol it keeps
+        for i in runs:
+            conn, k = per_run[i][1], len(ll) - 1 - int(np.flatnonzero(c["run"][::-1] == i)[0])
+            if k > last.get(id(conn), (-1, None))[0]:
+                last[id(conn)] = (k, conn)
+        for k, conn in last.values():
+            conn.protocol = protocols.LL if ll[k] else protocols.SIMPLE
+        seq, cts = np.full(len(ll), -1, np.int64), {}
+        if any(q for _, conn in last.values() for q in conn.by_addr.values()):  # posts wait: taken in order
+            for k, (i, va) in enumerate(zip(c["run"].tolist(), c["va"].tolist())):
+                conn = per_run[i][1]
+                if conn.by_addr.get(va):
+                    got = self._match_cts(conn, va)
+                    if got is not None:
+                        seq[k], cts[k] = got.idx, got
+        local = np.zeros(len(per_run), np.int64)
+        local[runs] = np.arange(len(runs))
+        lo = np.where(ll, c["ll_off"], c["a"])
+        return SendBlock(self.stream, *zip(*[(per_run[i][0], per_run[i][1].key, per_run[i][0].qp, *per_run[i][2:])
+                                            for i in runs]),
+                         {"run": local[c["run"]], "m": c["m"], "flag": c["ll_flag"], "seq": seq, "va": c["va"],
+                          "size": c["size"], "wire": c["b"] - c["a"], "psn": c["psn"], "npkts": c["npkts"],
+                          "ts": c["ts"], "lo": lo, "hi": np.where(ll, lo + c["ll_n"], c["b"])}, cts)
+
+    def _sends(self, per_run: list, cols: dict, rows: slice) -> list:
+        """Sends ``rows``, one object each."""
         want_ll = self.protocol in (None, protocols.LL)
         stream, out = self.stream, []
-        for m, i, size, psn, npkts, va, flag, o, n, a, b, t in zip(rows.tolist(), src, sizes, *heads, a_s, b_s,
-                                                                   ts[order].tolist()):
+        names = ("m", "run", "size", "psn", "npkts", "va", "ll_flag", "ll_off", "ll_n", "a", "b", "ts")
+        for m, i, size, psn, npkts, va, flag, o, n, a, b, t in zip(*[cols[f][rows].tolist() for f in names]):
             r, c, pm, qi, nq = per_run[i]
             if flag and want_ll:
                 # LL words still in the batch (ll_pending): gathered if and when they are read

@@ -14,16 +14,19 @@ from mirrorckpt.parser.roce.reassembly import RdmaMessage, Reassembler
 class PacketPath:
     def __init__(self, icrc: bool = True, nccl_version: str | None = None, protocol: str | None = None,
                  psn_window: int = 1024, stream: int = 0, messages: bool = True,
-                 encapsulation: EncapSpec | None = None):
+                 encapsulation: EncapSpec | None = None, blocks: bool = False):
         """``messages``: ``feed`` returns the RDMA messages too (inspection, tests); without, runs
         of intact messages go to the NCCL decoder as columns (its common case, nccl_runs) and
         ``feed`` returns no messages. ``encapsulation``: the mirror encapsulations taken off
-        (None: whichever a frame carries)."""
+        (None: whichever a frame carries). ``blocks``: sends whose bytes stay in their batch
+        (``defer_copies``) come as ``SendBlock``s of columns, for a reader that places them with
+        ``RingPlacer`` (``sends.flat`` makes them objects)."""
         self.icrc = icrc
         self.encapsulation = encapsulation
         self.counters = roce.Counters()
         self.reassembler = Reassembler(psn_window=psn_window, runs=not messages)
         self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream)
+        self.nccl.blocks = blocks
         # QPs (destination address, QP number) that carry SEND, READ or atomic requests: an RDMA
         # application's, never NCCL's; their packets from then on stay out of reassembly (their PSNs
         # interleave with the WRITEs', which would read as loss). Value: packets left out.

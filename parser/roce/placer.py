@@ -10,6 +10,7 @@ from mirrorckpt.parser.roce import _placerun
 from mirrorckpt.parser.roce.channels import ChannelResolver
 from mirrorckpt.parser.roce.collectives import NcclJobModel
 from mirrorckpt.parser.roce.nccl import ConnKey, NcclSend
+from mirrorckpt.parser.roce.sends import flat
 from mirrorckpt.parser.roce.statemachine import RingStateMachine
 
 
@@ -35,7 +36,7 @@ class RingPlacer:
         if self.compiled:
             _placerun.place_batch(self, sends, concat, lambda s: self._one(s, concat))
         else:
-            for s in sends:
+            for s in flat(sends):
                 self._one(s, concat)
         res = self.resolver
         if concat.holding:

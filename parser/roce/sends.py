@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 from mirrorckpt.config.layout import address_text
+from mirrorckpt.parser.roce.nccl_versions import LL, SIMPLE
 from mirrorckpt.parser.roce.reassembly import Key, QpKey
 
 
@@ -149,3 +150,56 @@ class LazySend(NcclSend):
         """Straight from the capture; None once ``data`` was read."""
         src = self.__dict__.get("_source")
         return src[0].place_range(src[4], dst, covered, start, n, es, src[3]) if src is not None else None
+
+
+class SendBlock:
+    """Consecutive sends of one batch, in order, whose bytes are all still in the capture batch
+    (what the run lane would make ``LazySend``s of), kept as columns: the ring placer places them
+    from the columns (``_placerun.place_batch``), with no object per send; ``sends()`` (and
+    iterating) makes the ``LazySend``s, the same ones the run lane makes one by one.
+
+    Per run (lists, indexed by ``run``): the ``MessageRun``, its connection, its QP, the QP's path MTU,
+    its place among the connection's QPs (0 with one) and how many there are. Per send (int64 arrays):
+    ``run``, its message ``m`` in the run, ``flag`` (LL: its line flag; 0: Simple), ``seq`` (the CTS
+    index it answered; -1: none; ``cts`` holds the posts by row), ``va`` (uint64), ``size`` (the
+    immediate), ``wire`` (bytes on the wire), ``psn``, ``npkts``, ``ts`` and ``lo``/``hi`` (its range
+    in the run: LL words where ``flag``, else wire bytes)."""
+
+    __slots__ = ("stream", "runs", "conns", "qps", "pmtus", "qis", "nqs", "run", "m", "flag", "seq", "va",
+                 "size", "wire", "psn", "npkts", "ts", "lo", "hi", "cts")
+
+    def __init__(self, stream: int, runs: list, conns: list, qps: list, pmtus: list, qis: list, nqs: list,
+                 cols: dict, cts: dict):
+        self.stream = stream
+        self.pmtus, self.qis, self.nqs, self.cts = list(pmtus), list(qis), list(nqs), cts
+        self.runs, self.conns, self.qps = list(runs), list(conns), list(qps)
+        for k in ("run", "m", "flag", "seq", "size", "wire", "psn", "npkts", "ts", "lo", "hi"):
+            setattr(self, k, np.ascontiguousarray(cols[k], np.int64))
+        self.va = np.ascontiguousarray(cols["va"], np.uint64)  # as the RETH carries it
+
+    def __len__(self) -> int:
+        return len(self.m)
+
+    def send(self, i: int) -> LazySend:
+        """Send ``i`` as the run lane makes it."""
+        j = int(self.run[i])
+        flag, seq = int(self.flag[i]), int(self.seq[i])
+        s = LazySend(self.conns[j], self.qps[j], LL if flag else SIMPLE, None, [], int(self.wire[i]),
+                     int(self.size[i]), int(self.va[i]), "normal", flag or None, seq if seq >= 0 else None,
+                     self.cts.get(i), int(self.ts[i]), True, self.stream, int(self.psn[i]), int(self.npkts[i]),
+                     self.pmtus[j], self.qis[j], self.nqs[j])
+        s._source = (self.runs[j], int(self.lo[i]), int(self.hi[i]), bool(flag), int(self.m[i]))
+        return s
+
+    def sends(self) -> list[LazySend]:
+        return [self.send(i) for i in range(len(self))]
+
+    def __iter__(self):
+        return iter(self.sends())
+
+
+def flat(sends: list) -> list:
+    """``sends`` with every ``SendBlock`` in it made its sends."""
+    if not any(type(s) is SendBlock for s in sends):
+        return sends
+    return [x for s in sends for x in (s.sends() if type(s) is SendBlock else (s,))]

@@ -67,9 +67,11 @@ DECODE_AHEAD = 1
 class MirrorStreams:
     def __init__(self, sources: list[tuple[str, Iterable[FrameBatch]]], icrc: bool = True,
                  nccl_version: str | None = None, protocol: str | None = None, merge_ns: int = 4_000_000,
-                 ahead: int = 0, encapsulation: EncapSpec | None = None):
+                 ahead: int = 0, encapsulation: EncapSpec | None = None, blocks: bool = False):
+        """``blocks``: lists may hold ``SendBlock``s (a reader that places with ``RingPlacer``: the
+        job stream); else sends only."""
         self.paths = [PacketPath(icrc=icrc, nccl_version=nccl_version, protocol=protocol, stream=k, messages=False,
-                                 encapsulation=encapsulation)
+                                 encapsulation=encapsulation, blocks=blocks)
                       for k in range(len(sources))]
         self.ended: set[int] = set()  # streams with nothing more to come
         self.nstreams = len(sources)
