@@ -122,25 +122,34 @@ def place_batch(placer, sends, concat, fallback):
                 j = run[i]
                 if not _place(x, None, s, i, conns[j], flag[i] if flag[i] else None, seq[i] if seq[i] >= 0 else None,
                               stream, psn[i], qps[j], nqs[j], False, vas[i], _LL if flag[i] else _SIMPLE,
-                              wire[i], npkts[i], ts[i], (runs[j], lo[i], hi[i], flag[i] != 0, m[i])):
+                              wire[i], npkts[i], ts[i], runs[j], lo[i], hi[i], flag[i] != 0, m[i]):
                     x.other_way(s.send(i))
             continue
         # A send's fields read from its instance dict (the dataclass keeps them there; its
         # properties are not read): a send of any other class goes the per-send way.
         d = s.__dict__ if type(s) is LazySend or type(s) is NcclSend else None
-        if d is None or d["form"] != "normal" or d["pieces"] or d["holes"] or not d["length_known"] \
-                or not _place(x, s, None, 0, d["connection"], d["flag"], d["seq"], d["stream"], d["psn"], d["qp"],
-                              d["nqps"], d["cut"], d["va"], d["protocol"], d["wire_bytes"], d["npkts"], d["ts_ns"],
-                              d.get("_source")):
+        if d is None or d["form"] != "normal" or d["pieces"] or d["holes"] or not d["length_known"]:
+            x.other_way(s)
+            continue
+        src = d.get("_source")  # (run, start, end, LL words or not, message): its bytes still in the batch
+        if not (_place(x, s, None, 0, d["connection"], d["flag"], d["seq"], d["stream"], d["psn"], d["qp"],
+                       d["nqps"], d["cut"], d["va"], d["protocol"], d["wire_bytes"], d["npkts"], d["ts_ns"],
+                       None, 0, 0, False, 0) if src is None else
+                _place(x, s, None, 0, d["connection"], d["flag"], d["seq"], d["stream"], d["psn"], d["qp"],
+                       d["nqps"], d["cut"], d["va"], d["protocol"], d["wire_bytes"], d["npkts"], d["ts_ns"],
+                       src[0], src[1], src[2], src[3], src[4])):
             x.other_way(s)
     if x.placed:
         x.counts["placed"] += x.placed
 
 
 cdef bint _place(_Pass x, s, block, Py_ssize_t row, conn, flag, seq, stream, psn, qp, long long nqps, bint cut, va,
-                 proto, long long wire_bytes, long long npkts, long long ts, src) except -1:
+                 proto, long long wire_bytes, long long npkts, long long ts, run, long long lo, long long hi, bint ll,
+                 long long msg) except -1:
     """Places one send (``s``, or row ``row`` of ``block``) from its fields, as the per-send path
-    would; False, with nothing placed, when it must go the per-send way."""
+    would; False, with nothing placed, when it must go the per-send way. ``run`` (None: none):
+    its bytes still lie in the batch, message ``msg`` of that run, ``lo``:``hi`` of its wire bytes or
+    (``ll``) of its LL words."""
     cdef Py_ssize_t channel, pos, k, n, start
     cdef long long t, m, ref, end, coll
     cdef Window w
@@ -238,9 +247,9 @@ cdef bint _place(_Pass x, s, block, Py_ssize_t row, conn, flag, seq, stream, psn
     if ts > r.last_ts:
         r.last_ts = ts
     # a lazy send's bytes still in the batch: placed from there
-    if src is not None and src[2] - src[1] >= n * w.esize:
-        added = src[0].place_range(src[4], r.data, w.covered, start, n, w.esize, src[3])
-    elif src is None and s.nbytes >= n * w.esize:
+    if run is not None and hi - lo >= n * w.esize:
+        added = run.place_range(msg, r.data, w.covered, start, n, w.esize, ll)
+    elif run is None and s.nbytes >= n * w.esize:
         added = s.place_agreeing(r.data, w.covered, start, n, w.esize)
     else:
         added = None
