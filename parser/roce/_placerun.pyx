@@ -9,7 +9,8 @@ QP cursor and the concatenator's bookkeeping and copy (``Concatenator.add``) are
 and changing the same state the per-send path does. Every other send (the first ones of a
 connection, lost bytes, out of order, a PSN-proven one after a gap, a size the plan does not
 expect, a step past the job's sequence) goes the per-send Python way (``fallback``) in its turn, so
-the outcome is the same send by send.
+the outcome is the same send by send. A ``SendBlock``'s sends are read from its columns, and one is
+made a ``LazySend`` only where it goes that way (or is put, or is no all-reduce's).
 """
 
 from bisect import bisect_right

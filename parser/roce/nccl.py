@@ -113,13 +113,13 @@ class NcclDecoder(RunLane):
     """Turns RDMA messages (any QP, any order across QPs) into NCCL sends, per connection."""
 
     def __init__(self, version: str | None = None, protocol: str | None = None, p2p_protocol: str = "Simple",
-                 stream: int = 0):
+                 stream: int = 0, blocks: bool = False):
         """``version``: the NCCL release if stated (the wire must agree); None: read from the wire
-        (CTS layout, immediate byte order: ``family``)."""
+        (CTS layout, immediate byte order: ``family``). ``blocks``: the run lane's sends whose bytes
+        stay in the batch come as ``SendBlock``s (columns), not one ``LazySend`` each, for a reader
+        that places them with ``RingPlacer`` (``sends.flat`` makes them objects)."""
         self.stream = stream
-        # The run lane's lazy sends as ``SendBlock``s (columns), not one ``LazySend`` each: for a
-        # reader that places them with ``RingPlacer`` (``sends.flat`` makes them objects)
-        self.blocks = False
+        self.blocks = blocks
         self.version = nccl_versions.version(version) if version else None
         self.cts_header = nccl_versions.cts_header(self.version) if self.version else None
         self.imm_order = nccl_versions.imm_byte_order(self.version) if self.version else None

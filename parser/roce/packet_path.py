@@ -25,8 +25,7 @@ class PacketPath:
         self.encapsulation = encapsulation
         self.counters = roce.Counters()
         self.reassembler = Reassembler(psn_window=psn_window, runs=not messages)
-        self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream)
-        self.nccl.blocks = blocks
+        self.nccl = NcclDecoder(version=nccl_version, protocol=protocol, stream=stream, blocks=blocks)
         # QPs (destination address, QP number) that carry SEND, READ or atomic requests: an RDMA
         # application's, never NCCL's; their packets from then on stay out of reassembly (their PSNs
         # interleave with the WRITEs', which would read as loss). Value: packets left out.
