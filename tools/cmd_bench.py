@@ -367,8 +367,8 @@ def _render_e2e(name, r) -> list[str]:
              "have a slope of their own. "
              "The packet path runs on a thread of its own; from capture files a Simple send's final values, and "
              "an LL send's words as the decode thread read them (right after each packet's ICRC), are placed "
-             "straight from the capture by the consumer (`nccl.LazySend`), the reduce-scatter half never "
-             "copied. "
+             "straight from the capture by the consumer (`nccl.LazySend`; handed over as columns, "
+             "`SendBlock`, with no object per send), the reduce-scatter half never copied. "
              f"One-core memcpy in the same run: {r['memcpy_GBps']:.1f} GB/s (numpy copyto of 256 MiB, best of 5; "
              f"{r['memcpy_GBps_before']:.1f} before, {r['memcpy_GBps_after']:.1f} after).", "",
              "| protocol (PMTU) | capture, short / long | seconds, short / long | GB/s of capture (slope) | of memcpy |"
