@@ -158,14 +158,14 @@ class RunLane:
     def _lazy_rows(self, per_run: list, cols: dict) -> np.ndarray:
         """Which sends the per-send loop (``_sends``) would make ``LazySend``s of: LL words, or
         Simple bytes, still in the batch."""
-        has = np.zeros((3, len(per_run)), bool)  # per run: it is, its LL words wait, its Simple bytes wait
+        has = np.zeros((2, len(per_run)), bool)  # per run: its LL words wait, its Simple bytes wait
         for i, p in enumerate(per_run):
             if p is not None:
                 r = p[0]
-                has[:, i] = (True, r.ll_pending is not None, r.pending is not None and r.ll_pending is None and (
+                has[:, i] = (r.ll_pending is not None, r.pending is not None and r.ll_pending is None and (
                     not r.read_pending or self.protocol == protocols.SIMPLE))
         ll = (cols["ll_flag"] != 0) & (self.protocol in (None, protocols.LL))
-        return np.where(ll, has[1][cols["run"]], has[2][cols["run"]] & (cols["b"] > cols["a"]))
+        return np.where(ll, has[0][cols["run"]], has[1][cols["run"]] & (cols["b"] > cols["a"]))
 
     def _block(self, per_run: list, cols: dict, rows: slice) -> SendBlock:
         """Sends ``rows`` (all lazy, ``_lazy_rows``) as one ``SendBlock``: what ``_sends`` does for

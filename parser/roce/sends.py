@@ -155,8 +155,8 @@ class LazySend(NcclSend):
 class SendBlock:
     """Consecutive sends of one batch, in order, whose bytes are all still in the capture batch
     (what the run lane would make ``LazySend``s of), kept as columns: the ring placer places them
-    from the columns (``_placerun.place_batch``), with no object per send; ``sends()`` (and
-    iterating) makes the ``LazySend``s, the same ones the run lane makes one by one.
+    from the columns (``_placerun.place_batch``), with no object per send; ``sends()`` makes the
+    ``LazySend``s, the same ones the run lane makes one by one.
 
     Per run (lists, indexed by ``run``): the ``MessageRun``, its connection, its QP, the QP's path MTU,
     its place among the connection's QPs (0 with one) and how many there are. Per send (int64 arrays):
@@ -193,9 +193,6 @@ class SendBlock:
 
     def sends(self) -> list[LazySend]:
         return [self.send(i) for i in range(len(self))]
-
-    def __iter__(self):
-        return iter(self.sends())
 
 
 def flat(sends: list) -> list:
