@@ -128,11 +128,12 @@ def slope(nbytes: int, dt: float) -> float | None:
 
 
 def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: Path,
-            longer: int | None = None) -> dict:
-    res: dict = {"protocol": protocol, "model": model, "pmtu": PMTU[protocol], "steps": [short, long]}
+            longer: int | None = None, channels: int = 2) -> dict:
+    res: dict = {"protocol": protocol, "model": model, "pmtu": PMTU[protocol], "steps": [short, long],
+                 "channels": channels}
     sizes = (short, long) + ((longer,) if longer else ())
-    dirs = {n: tmp / f"{protocol}_{n}" for n in sizes}
-    truths = {n: build(dirs[n], protocol, n, model) for n in sizes}
+    dirs = {n: tmp / f"{protocol}_{n}_c{channels}" for n in sizes}
+    truths = {n: build(dirs[n], protocol, n, model, channels) for n in sizes}
     plain: dict[int, list] = {n: [] for n in sizes}
     checked: dict[int, list] = {n: [] for n in sizes}
     # Interleaved, a round of every size at a time: load that drifts over the minutes of a shared
@@ -169,6 +170,12 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
     return res
 
 
+def _clean(tmp: Path, protocol: str) -> None:
+    for s in list(tmp.iterdir()):
+        if s.name.startswith(protocol + "_"):
+            subprocess.run(["rm", "-rf", str(s)], check=True)
+
+
 def memory(model: str, steps: tuple[int, int], tmp: Path) -> dict:
     """Peak RSS of replaying a short and a ten times longer Simple capture of the same job."""
     out = {}
@@ -183,20 +190,27 @@ def memory(model: str, steps: tuple[int, int], tmp: Path) -> dict:
 
 
 def run(protocols=("Simple", "LL", "LL128"), model: str = "linear:2000000", short: int = 2, long: int = 22,
-        repeat: int = 5, memory_steps: tuple[int, int] | None = (12, 120), longer: int | None = 62) -> dict:
+        repeat: int = 5, memory_steps: tuple[int, int] | None = (12, 120), longer: int | None = 62,
+        more_channels: int | None = 8, more_channels_protocols=("Simple", "LL")) -> dict:
+    """``more_channels``: the same job on that many channels too (Simple and LL, short and long only):
+    the packet path's and the placement's work per batch grows with the QPs a batch carries, so the
+    rate of a 2-channel job does not hold for one on more."""
     out: dict = {"memcpy_GBps_before": memcpy_GBps(), "repeat": repeat, "interleaved": True}
     with tempfile.TemporaryDirectory() as t:
         if memory_steps:
             out["memory"] = memory(model, memory_steps, Path(t))
         for p in protocols:
             out[p] = measure(p, model, short, long, repeat, Path(t), longer)
-            for s in list(Path(t).iterdir()):
-                if s.name.startswith(p + "_"):
-                    subprocess.run(["rm", "-rf", str(s)], check=True)
+            _clean(Path(t), p)
+        if more_channels:
+            out["channels"] = {"count": more_channels, "results": {}}
+            for p in more_channels_protocols:
+                out["channels"]["results"][p] = measure(p, model, short, long, repeat, Path(t), None, more_channels)
+                _clean(Path(t), p)
     out["memcpy_GBps_after"] = memcpy_GBps()
     out["memcpy_GBps"] = max(out["memcpy_GBps_before"], out["memcpy_GBps_after"])
-    for p in protocols:
-        out[p]["of_memcpy"] = out[p]["slope_GBps"] / out["memcpy_GBps"] if out[p]["slope_GBps"] else None
+    for x in [out[p] for p in protocols] + list(out.get("channels", {}).get("results", {}).values()):
+        x["of_memcpy"] = x["slope_GBps"] / out["memcpy_GBps"] if x["slope_GBps"] else None
         if out[p].get("slope_longer_GBps"):
             out[p]["of_memcpy_longer"] = out[p]["slope_longer_GBps"] / out["memcpy_GBps"]
     # per CPU second, not the wall slope: the replay runs its packet path and placement on threads of their own

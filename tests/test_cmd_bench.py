@@ -83,3 +83,17 @@ def test_fig10_counts_cores_per_port_speed_and_the_bytes_of_each_job():
     doc["results"]["e2e"]["fig10"] = fig
     text = render({"e2e": doc["results"]["e2e"]}, doc["machine"])
     assert "| LL | 1.25 | 10.0 | 40.0 |" in text and "| Llama2-70B | 64 | Simple |" in text
+
+
+def test_more_channels_are_a_row_of_their_own_with_the_cores_their_rate_needs():
+    doc = json.loads((Path(__file__).parents[1] / "BENCHMARKS.json").read_text())
+    e2e = dict(doc["results"]["e2e"])
+    ll = dict(e2e["LL"], per_cpu_second_GB=2.5, slope_GBps=3.0, of_memcpy=0.3, exact=True)
+    ll8 = dict(ll, channels=8, per_cpu_second_GB=1.25, slope_GBps=1.5, of_memcpy=0.15, exact=False)
+    e2e["LL"] = ll
+    e2e["channels"] = {"count": 8, "results": {"LL": ll8}}
+    text = render({"e2e": e2e}, doc["machine"])
+    assert "| LL | 2 | 3.00 | 30.0% | 2.50 | 5.0 / 20.0 | yes |" in text
+    assert "| LL | 8 | 1.50 | 15.0% | 1.25 | 10.0 / 40.0 | NO |" in text  # a wrong all-reduce is said
+    e2e.pop("channels")
+    assert "| LL | 8 |" not in render({"e2e": e2e}, doc["machine"])

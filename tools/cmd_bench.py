@@ -35,7 +35,8 @@ SECTIONS = {
     "stall": ("mirrorckpt.benchmarks.bench_checkpoint_stall", "run_all", {}, {}),
     "goodput": ("mirrorckpt.benchmarks.bench_goodput", "run", {}, {"steps": 120, "mtbf_s": 3.0, "every": 10}),
     "joint": ("mirrorckpt.benchmarks.bench_joint", "run", {"nparams": 16_000_000}, {"nparams": 4_000_000, "reps": 2}),
-    "e2e": ("mirrorckpt.benchmarks.bench_e2e", "run", {}, {"repeat": 2, "memory_steps": None, "longer": None}),
+    "e2e": ("mirrorckpt.benchmarks.bench_e2e", "run", {}, {"repeat": 2, "memory_steps": None, "longer": None,
+                                                          "more_channels": None}),
     "serve": ("mirrorckpt.benchmarks.bench_serve", "run", {}, {"repeat": 1, "long": 12}),
     # one port on one and two workers alone: for a machine with a core for each thread
     "serve_workers": ("mirrorckpt.benchmarks.bench_serve", "run", {"protocols": ("LL", "Simple"), "repeat": 2,
@@ -401,6 +402,7 @@ def _render_e2e(name, r) -> list[str]:
             lines.append(f"| {p} ({x['longer']} steps) | {a['bytes'] / 1e6:.0f} / {c['bytes'] / 1e6:.0f} MB | "
                          f"{a['seconds']:.2f} / {c['seconds']:.2f} | {_f(x.get('slope_longer_GBps'))} | "
                          f"{_f(100 * x['of_memcpy_longer'] if x.get('of_memcpy_longer') else None, 1)}% |")
+    lines += _render_channels(r, protos)
     if r.get("load_average_after"):
         load = ", ".join(f"{x:.1f}" for x in r["load_average_after"])
         lines += ["", f"Load average at the end of the section: {load} "
@@ -443,6 +445,30 @@ def _render_e2e(name, r) -> list[str]:
             lines.append(f"| {f['job']} | {f['ranks']} | {f['protocol']} | {f['port_GB_per_iteration']:.1f} | " +
                          " | ".join(f"{f['wire_seconds'][g]:.2f}" for g in ports) +
                          f" | {f['seconds_one_core']:.1f} |")
+    return lines
+
+
+def _render_channels(r: dict, protos: list[str]) -> list[str]:
+    """The same job on more channels: the rate by the count of channels (QPs) the capture carries."""
+    more = r.get("channels")
+    if not isinstance(more, dict) or not more.get("results"):
+        return []
+    n = more["count"]
+    lines = ["", f"The same job on {n} channels (short and long capture, best of {r.get('repeat', 3)}): the same "
+             f"bytes in {n // 2} times as many QPs. The packet path's and the placement's work per batch is per "
+             "QP and per run, not per byte (numpy calls on each QP's rows of a batch, then the run lane's per "
+             "run), so a capture of more channels costs more per byte; real jobs run 4-32 channels. Cores for a "
+             "port at line rate, from the rate per CPU second:", "",
+             "| protocol | channels | GB/s of capture (slope) | of memcpy | GB per CPU second | cores for 100 / "
+             "400 Gbit/s | every all-reduce exact |", "|---|---|---|---|---|---|---|"]
+    rows = [(p, r[p]) for p in protos if p in more["results"] and isinstance(r.get(p), dict)]
+    for p, x in rows:
+        for y in (x, more["results"][p]):
+            cpu = y.get("per_cpu_second_GB")
+            cores = f"{100 / 8 / cpu:.1f} / {400 / 8 / cpu:.1f}" if cpu else "–"
+            share = f"{100 * y['of_memcpy']:.1f}%" if y.get("of_memcpy") else "–"
+            lines.append(f"| {p} | {y.get('channels', 2)} | {_f(y['slope_GBps'])} | {share} | {_f(cpu)} | {cores} | "
+                         f"{'yes' if y['exact'] else 'NO'} |")
     return lines
 
 
