@@ -211,8 +211,8 @@ def run(protocols=("Simple", "LL", "LL128"), model: str = "linear:2000000", shor
     out["memcpy_GBps"] = max(out["memcpy_GBps_before"], out["memcpy_GBps_after"])
     for x in [out[p] for p in protocols] + list(out.get("channels", {}).get("results", {}).values()):
         x["of_memcpy"] = x["slope_GBps"] / out["memcpy_GBps"] if x["slope_GBps"] else None
-        if out[p].get("slope_longer_GBps"):
-            out[p]["of_memcpy_longer"] = out[p]["slope_longer_GBps"] / out["memcpy_GBps"]
+        if x.get("slope_longer_GBps"):
+            x["of_memcpy_longer"] = x["slope_longer_GBps"] / out["memcpy_GBps"]
     # per CPU second, not the wall slope: the replay runs its packet path and placement on threads of their own
     out["fig10"] = fig10({p: out[p]["per_cpu_second_GB"] for p in protocols if out[p].get("per_cpu_second_GB")})
     out["load_average_after"] = os.getloadavg()

@@ -97,3 +97,21 @@ def test_more_channels_are_a_row_of_their_own_with_the_cores_their_rate_needs():
     assert "| LL | 8 | 1.50 | 15.0% | 1.25 | 10.0 / 40.0 | NO |" in text  # a wrong all-reduce is said
     e2e.pop("channels")
     assert "| LL | 8 |" not in render({"e2e": e2e}, doc["machine"])
+
+
+def test_e2e_run_derives_each_protocols_share_of_memcpy_from_its_own_slopes(monkeypatch):
+    from mirrorckpt.benchmarks import bench_e2e
+
+    def fake(protocol, model, short, long, repeat, tmp, longer=None, channels=2):
+        k = {"Simple": 3.0, "LL": 2.0, "LL128": 1.0}[protocol] / (channels // 2)
+        return {"slope_GBps": k, "slope_longer_GBps": (k + 0.5) if longer else None, "per_cpu_second_GB": k,
+                "channels": channels, "exact": True}
+
+    monkeypatch.setattr(bench_e2e, "measure", fake)
+    monkeypatch.setattr(bench_e2e, "memcpy_GBps", lambda: 10.0)
+    out = bench_e2e.run(memory_steps=None)
+    assert [round(out[p]["of_memcpy_longer"], 2) for p in ("Simple", "LL", "LL128")] == [0.35, 0.25, 0.15]
+    assert [round(out[p]["of_memcpy"], 2) for p in ("Simple", "LL", "LL128")] == [0.3, 0.2, 0.1]
+    more = out["channels"]["results"]
+    assert out["channels"]["count"] == 8 and sorted(more) == ["LL", "Simple"]
+    assert round(more["Simple"]["of_memcpy"], 3) == 0.075 and "of_memcpy_longer" not in more["LL"]
