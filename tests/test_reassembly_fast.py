@@ -292,3 +292,83 @@ def test_the_compiled_opening_checks_are_the_column_ones():
     assert seen[True] > 20 and seen[False] > 20
     with pytest.raises(IndexError):
         ra._looks_ll(np.zeros(10, np.uint8), np.array([5], np.int64), np.array([16], np.int64))
+
+
+def _runs(batch: FrameBatch, size: int, compiled: bool, defer: bool):
+    r = Reassembler(runs=True)
+    r.compiled_runs, r.defer = compiled, defer
+    out = []
+    for b in batches(batch, size):
+        pk, _ = roce.decode(b, ll=defer)
+        out += r.feed(pk, b.data)
+    return out + r.flush(), r
+
+
+RUN_COLUMNS = ("psn", "npkts", "base", "va", "rkey", "dlen", "imm", "ts", "ll_off", "ll_n", "ll_flag")
+
+
+def _same_run(a, b) -> None:
+    assert type(a) is type(b)
+    if not hasattr(a, "ll_user"):  # a message of the careful path
+        assert a.qp == b.qp and a.data.tobytes() == b.data.tobytes()
+        assert all(getattr(a, f) == getattr(b, f) for f in FIELDS)
+        return
+    assert (a.qp, a.sport, a.read_pending, a.pend_from) == (b.qp, b.sport, b.read_pending, b.pend_from)
+    for f in RUN_COLUMNS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and np.array_equal(x, y), f
+    assert (a.buf is None) == (b.buf is None) and (a.ll_user is None) == (b.ll_user is None)
+    if a.buf is not None:  # the messages copied at once (begun in held packets), or all of them
+        n = int(a.base[a.pend_from]) if a.pending is not None else int(a.base[-1])
+        assert len(a.buf) == len(b.buf) and a.buf[:n].tobytes() == b.buf[:n].tobytes()
+    if a.ll_user is not None:
+        assert a.ll_user.tobytes() == b.ll_user.tobytes()
+    for p, q in ((a.pending, b.pending), (a.ll_pending, b.ll_pending)):
+        assert (p is None) == (q is None)
+        if p is not None:  # the same pieces of the same bytes (LL words: each decode's buffer of them)
+            assert all(np.array_equal(x, y) for x, y in zip(p[1:], q[1:]))
+            assert all(p[0][o:o + n].tobytes() == q[0][o:o + n].tobytes() for o, n in zip(p[1].tolist(), p[3].tolist()))
+
+
+@pytest.mark.parametrize("proto,pmtu", [("Simple", 4096), ("LL", 1024), ("LL128", 4096)])
+def test_compiled_runs_are_the_column_runs(tmp_path, proto, pmtu):
+    """``_fast``'s runs laid out by the compiled pass (``Reassembler._run``) are the ones ``_bulk``
+    lays out column by column: every column, buffer, pending piece and LL reading, whatever the
+    batch cuts, with and without deferred copies, intact and with loss; and the messages they hold
+    are the same bytes."""
+    from mirrorckpt.tools.generator.gen import GenConfig, generate
+    from mirrorckpt.tools.generator.wire import WireOptions
+
+    generate(GenConfig(ranks=2, channels=2, protocol=proto, model="linear:200000", steps=2, seed=9,
+                       mirrors="0:egress", wire=WireOptions(pmtu=pmtu, initial_psn="wrap"), send_truth=False),
+             tmp_path)
+    whole = read_all(next(tmp_path.glob("*.pcap*")))
+    taken = []
+    orig = Reassembler._run
+
+    def counting(self, *a):
+        got = orig(self, *a)
+        taken.extend((r.ll_pending is not None, r.pend_from) for r in got[0])  # before messages() fills them
+        return got
+
+    Reassembler._run = counting
+    try:
+        for b, size in ((whole, 13), (whole, 700), (whole, 1 << 20), (damaged(whole, 4, "loss"), 500)):
+            for defer in (False, True):
+                got, rc = _runs(b, size, True, defer)
+                want, rp = _runs(b, size, False, defer)
+                assert len(got) == len(want)
+                for a, c in zip(got, want):
+                    _same_run(a, c)
+                for k, q in rc.qps.items():
+                    s = rp.qps[k]
+                    assert (q.stats, q.cursor, q.ref, q.pmtu) == (s.stats, s.cursor, s.ref, s.pmtu)
+                    assert q.pend.keys() == s.pend.keys() and all(np.array_equal(q.pend[c], s.pend[c]) for c in q.pend)
+                for a, c in zip(got, want):
+                    if hasattr(a, "ll_user"):
+                        assert [m.data.tobytes() for m in a.messages()] == [m.data.tobytes() for m in c.messages()]
+    finally:
+        Reassembler._run = orig
+    assert len(taken) > 20  # the compiled pass laid out runs
+    if proto == "LL":  # LL words left in the decode's buffer, and runs begun in held packets
+        assert any(ll for ll, _ in taken) and any(first for _, first in taken)

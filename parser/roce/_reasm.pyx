@@ -8,7 +8,7 @@ the careful path wherever it is cheaper to be: anything else is reported, and th
 the careful path over the whole table with nothing changed.
 """
 
-from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp
 
 import numpy as np
@@ -241,3 +241,121 @@ def may_open_ll128(const uint8_t[::1] data, const int64_t[:] first, const int64_
         if x > 0 and x == <int64_t> _le(&data[a + line + flag_at], 8):
             found = True
     return short or found
+
+
+def run_layout(const int64_t[:, ::1] t, const int64_t[::1] heads, const int64_t[::1] npks, Py_ssize_t k0,
+               Py_ssize_t k, int64_t npend, int64_t run_bytes, const uint8_t[::1] has_immdt,
+               int64_t[::1] base, int64_t[::1] dst, int64_t[:, ::1] per):
+    """The columns of one run of intact messages from ``k0`` of ``k`` (``intact_messages``' heads
+    and packet counts in the table ``t``: line_table's nine rows, held rows first, ``npend`` of
+    them), in one pass: what ``Reassembler._bulk`` computes column by column.
+
+    The run ends where its bytes first reach ``run_bytes`` (that message included), or at ``k``.
+    Writes ``base`` (the messages' offsets in the run's buffer, one more than messages), ``dst``
+    (each packet's offset in it) and, per message, ``per``'s rows: its first PSN, VA bits, rkey,
+    RETH length, immediate (-1 unless its closing opcode carries one: ``has_immdt``), earliest
+    timestamp, first packet's payload offset and length, packet count. Returns (the run's end k1,
+    kx: its messages that open in held rows, rx: the row of message kx in the run, or its rows,
+    whether every closing opcode carries an immediate)."""
+    cdef Py_ssize_t j, kk, i, m, kx = 0
+    cdef int64_t h, e, r, r0, r1, acc = 0, lo, d
+    cdef bint all_imm = True
+    if t.shape[0] != 9 or heads.shape[0] < k or npks.shape[0] < k or not 0 <= k0 < k \
+            or has_immdt.shape[0] < 256 or per.shape[0] != 9:
+        raise ValueError("run_layout: shapes differ")
+    for j in range(k0, k):
+        if heads[j] < 0 or npks[j] < 1 or heads[j] + npks[j] > t.shape[1] \
+                or (j > k0 and heads[j] != heads[j - 1] + npks[j - 1]):
+            raise ValueError("run_layout: messages not consecutive in the table")
+    kk = 1  # the run: messages while its bytes stay under run_bytes, and one more
+    acc = t[4, heads[k0]]
+    while k0 + kk < k and acc < run_bytes:
+        acc += t[4, heads[k0 + kk]]
+        kk += 1
+    r0 = heads[k0]
+    r1 = heads[k0 + kk - 1] + npks[k0 + kk - 1]
+    m = r1 - r0
+    if base.shape[0] < kk + 1 or dst.shape[0] < m or per.shape[1] < kk:
+        raise ValueError("run_layout: outputs too small")
+    for j in range(kk):
+        h = heads[k0 + j]
+        e = h + npks[k0 + j]
+        if t[1, e - 1] < 0 or t[1, e - 1] > 255:
+            raise ValueError("run_layout: opcode out of range")
+    with nogil:
+        base[0] = 0
+        for j in range(kk):
+            h = heads[k0 + j]
+            e = h + npks[k0 + j]
+            per[0, j] = t[0, h]
+            per[1, j] = t[2, h]
+            per[2, j] = t[3, h]
+            per[3, j] = t[4, h]
+            if has_immdt[t[1, e - 1]]:
+                per[4, j] = t[5, e - 1]
+            else:
+                per[4, j] = -1
+                all_imm = False
+            lo = t[6, h]
+            for r in range(h + 1, e):
+                if t[6, r] < lo:
+                    lo = t[6, r]
+            per[5, j] = lo
+            per[6, j] = t[8, h]
+            per[7, j] = t[7, h]
+            per[8, j] = npks[k0 + j]
+            base[j + 1] = base[j] + t[4, h]
+            if h < npend:
+                kx = j + 1
+        d = 0
+        for i in range(m):
+            dst[i] = d
+            d += t[7, r0 + i]
+    return k0 + kk, kx, (heads[k0 + kx] - r0 if kx < kk else m), all_imm
+
+
+def ll_columns(const int64_t[:, ::1] per, Py_ssize_t kx, Py_ssize_t kk, int64_t line, int64_t words,
+               const uint32_t[::1] llf, const int64_t[::1] rows, int64_t first_row, int64_t npend,
+               int64_t[::1] ll_n, int64_t[::1] ll_off, uint32_t[::1] ll_flag):
+    """The LL layout of a run's messages from ``kx`` on (``run_layout``'s ``per``: ``kk`` of them):
+    each one's LL words (``words`` a ``line`` of its bytes) and their offsets, one after the other;
+    with ``llf`` (not empty: the decode's flag per packet of the batch, the table's row r being
+    the batch's ``rows[r - npend]``, message kx's first row ``first_row``), each message's flag
+    where all its packets carry one, else 0. Returns how many messages have a flag (-1 without
+    ``llf``, or when a message opens in held rows)."""
+    cdef Py_ssize_t j
+    cdef int64_t r, e, off = 0, found = 0
+    cdef uint32_t f
+    cdef bint read = llf.shape[0] > 0
+    if per.shape[0] != 9 or per.shape[1] < kk or not 0 <= kx <= kk or ll_n.shape[0] < kk \
+            or ll_off.shape[0] < kk or ll_flag.shape[0] < kk or line < 1:
+        raise ValueError("ll_columns: shapes differ")
+    if read:
+        if first_row < npend:
+            read = False
+        else:
+            e = first_row
+            for j in range(kx, kk):
+                e += per[8, j]
+            if e - npend > rows.shape[0]:
+                raise ValueError("ll_columns: rows past the batch's")
+            for r in range(first_row, e):
+                if rows[r - npend] < 0 or rows[r - npend] >= llf.shape[0]:
+                    raise ValueError("ll_columns: a row outside the decode's flags")
+    with nogil:
+        r = first_row
+        for j in range(kx, kk):
+            ll_n[j] = per[3, j] // line * words
+            ll_off[j] = off
+            off += ll_n[j]
+            if read:
+                f = llf[rows[r - npend]]
+                for e in range(r + 1, r + per[8, j]):
+                    if llf[rows[e - npend]] != f:
+                        f = 0
+                        break
+                ll_flag[j] = f
+                if f:
+                    found += 1
+                r += per[8, j]
+    return found if read else -1

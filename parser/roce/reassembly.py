@@ -55,6 +55,8 @@ RUN_BYTES = 32 << 20  # a run's buffer at most (and a message more): from memory
 _MAX_GROUPS = 256  # QPs in a batch grouped in one compiled pass (_reasm.group_qps); more: numpy
 _IS_FIRST = opcodes.IS_FIRST.astype(np.uint8)
 _IS_LAST = opcodes.IS_LAST.astype(np.uint8)
+_HAS_IMMDT = opcodes.HAS_IMMDT.astype(np.uint8)
+_NO_FLAGS, _NO_ROWS = np.zeros(0, np.uint32), np.zeros(0, np.int64)  # ll_columns without the decode's reading
 
 
 class Key(tuple):
@@ -378,6 +380,9 @@ class Reassembler:
         self.psn_window = psn_window
         self.max_message = max_message  # bigger RETH lengths are corruption, never allocated
         self.fast = fast  # the compiled common case (_fast); False: every table the careful way (tests)
+        # _fast's runs laid out in one compiled pass (_run); False: column by column (_bulk), as the careful
+        # path's runs are (tests hold the two equal)
+        self.compiled_runs = True
         self.runs = runs  # hand on runs of intact messages as MessageRun (columns), not one object each
         # Leave a run's plain copy from the batch to whoever reads it (MessageRun.pending): only for
         # batches that stay valid after the next (a capture file's mapping), read on another thread
@@ -583,13 +588,16 @@ class Reassembler:
         out: list[RdmaMessage] = []
         # the decode's LL flags of the batch's rows (table row npend + i is rows[i]) and its words
         ll = (b.llf, rows, npend, b.llu, self._shift) if self.defer and b.llu is not None else None
-        if k:
+        k0 = 0
+        while k0 < k and self.compiled_runs:  # runs of at most RUN_BYTES, cut where _walk cuts them
+            runs, k0 = self._run(qp, t, npend, data, heads, npks, k0, k, ll)
+            out += runs
+        if k0 < k:
             heads, npks = heads[:k], npks[:k]
             hd = tab["dlen"][heads]
             g = _Intact(heads, npks, np.maximum(tab["plen"][heads], 1), hd, heads + npks, None, None, None,
                         np.concatenate([[0], np.cumsum(hd)]))
-            k0 = 0
-            while k0 < k:  # runs of at most RUN_BYTES, cut where _walk cuts them
+            while k0 < k:
                 k1 = min(k, k0 + max(1, int(np.searchsorted(g.cum_dlen[k0 + 1:], g.cum_dlen[k0] + RUN_BYTES)) + 1))
                 out += self._bulk(qp, tab, src_is_new, data, g, k0, k1, ll)
                 k0 = k1
@@ -759,6 +767,68 @@ class Reassembler:
         qp.cursor = int(run.psn[-1] + run.npkts[-1])
         return [run] if self.runs else run.messages()
 
+    def _run(self, qp: _Qp, t: np.ndarray, npend: int, data, heads: np.ndarray, npks: np.ndarray, k0: int,
+             k: int, ll: tuple | None) -> tuple[list, int]:
+        """``_bulk`` of the run from message ``k0`` on, for ``_fast``'s table ``t`` (line_table's rows,
+        ``npend`` held rows first): the same run, its columns computed in one compiled pass
+        (``_reasm.run_layout``, ``_reasm.ll_columns``) instead of numpy call by numpy call (those
+        calls, not the bytes, were the reassembly's cost per QP and batch). Returns the run's
+        messages (one ``MessageRun`` with ``runs``) and where the next run starts."""
+        st, kmax = qp.stats, k - k0
+        r0 = int(heads[k0])
+        base, dst = np.empty(kmax + 1, np.int64), np.empty(t.shape[1] - r0, np.int64)
+        per = np.empty((9, kmax), np.int64)
+        k1, kx, rx, all_imm = _reasm.run_layout(t, heads, npks, k0, k, npend, RUN_BYTES, _HAS_IMMDT, base, dst, per)
+        n = k1 - k0
+        r1 = int(heads[k1 - 1] + npks[k1 - 1])
+        base, dst, per = base[:n + 1], dst[:r1 - r0], per[:, :n]
+        src, plen, sizes = t[8, r0:r1], t[7, r0:r1], per[3]
+        opens_ll = None  # as _bulk: whether a message from kx on opens like LL (asked once)
+        if rx and self.defer and qp.slab is data:
+            opens_ll = _looks_ll(data, per[6], per[7])
+            if not opens_ll:
+                kx = rx = 0  # the held packets lie in the batch's buffer too: none copied at once
+        if not self.defer:
+            buf = self._buffers.empty(int(base[-1]))
+        else:
+            buf = self._buffers.empty(int(base[kx]) if kx < n else int(base[-1])) if rx else None
+        old = min(max(npend - r0, 0), rx)  # held rows come first in the table
+        if rx > old:
+            copy_ranges(data, src[old:rx], buf, dst[old:rx], plen[old:rx])
+        if old:
+            copy_ranges(qp.slab, src[:old], buf, dst[:old], plen[:old])
+        lay = np.zeros((2, n), np.int64)
+        ll_off, ll_n, ll_flag, user = lay[0], lay[1], np.zeros(n, np.uint32), None
+        pending = ll_pending = None
+        read_pending = False
+        if opens_ll is None or kx:
+            opens_ll = kx < n and _looks_ll(data, per[6, kx:], per[7, kx:])
+        if kx < n and not opens_ll:
+            if self.defer and all_imm:
+                pending = (data, src[rx:], dst[rx:], plen[rx:])
+                read_pending = not self._plain_heads(data, per[6], per[7], sizes, kx, buf, base)
+            else:
+                buf = grown(self._buffers, buf, int(base[-1]))
+                copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
+        elif kx < n:
+            read = ll is not None and all_imm
+            found = _reasm.ll_columns(per, kx, n, LL_LINE_BYTES, LL_DATA_PER_LINE, ll[0] if read else _NO_FLAGS,
+                                      ll[1] if read else _NO_ROWS, r0 + rx, npend, ll_n, ll_off, ll_flag)
+            if found > 0:
+                ll_pending = (ll[3], (src[rx:] - ll[4]) >> 1, (dst[rx:] - dst[rx]) >> 1, plen[rx:] >> 1)
+                pending = (data, src[rx:], dst[rx:], plen[rx:])
+            else:
+                buf = grown(self._buffers, buf, int(base[-1]))
+                user = self._buffers.empty(int(ll_off[-1] + ll_n[-1]))
+                starts = np.concatenate([[0], np.cumsum(per[8, kx:])])  # each message's first row from rx
+                _place.gather_ll(data, src[rx:], plen[rx:], starts, base[kx:] - base[kx], buf[base[kx]:],
+                                 ll_off[kx:], user, ll_flag[kx:], *_LL_ARGS)
+        run = MessageRun(qp.key, st.sport, per[0], per[8], base, per[1].view(np.uint64), per[2], sizes, per[4],
+                         per[5], buf, user, ll_off, ll_n, ll_flag, pending, ll_pending, read_pending, kx)
+        st.messages += n
+        qp.cursor = int(run.psn[-1] + run.npkts[-1])
+        return ([run] if self.runs else run.messages()), k1
+
     @staticmethod
     def _ll_read(ll, a: int, b: int, starts: np.ndarray, closing: np.ndarray, opcode) -> np.ndarray | None:
         """Each message's LL flag as the decode read its packets (table rows ``a:b``, all of this
@@ -776,6 +846,14 @@ class Reassembler:
         first = f[starts]
         same = np.maximum.reduceat(f, starts) == np.minimum.reduceat(f, starts)
         return np.where(same, first, 0)
+
+    @staticmethod
+    def _plain_heads(data, first, length, sizes, kx, buf, base) -> bool:
+        """``_plain`` from each message's first packet (``first``, ``length``: its payload's place)."""
+        if _may_be_ll128(data, first[kx:], length[kx:], sizes[kx:]):
+            return False
+        return not kx or not (_looks_ll(buf, base[:kx], length[:kx])
+                              or _may_be_ll128(buf, base[:kx], length[:kx], sizes[:kx]))
 
     @staticmethod
     def _plain(data, src, plen, rows, sizes, kx, buf, base) -> bool:
