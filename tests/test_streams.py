@@ -271,18 +271,11 @@ def test_a_deferred_run_begun_in_held_packets_copies_none_of_them(simple_job, mo
 
     want = _walk(simple_job, 0, 1024)[0]
     held_runs, copied = [], []
-    real_bulk, real_hold, real_run = reassembly.Reassembler._bulk, reassembly.Reassembler._hold, \
-        reassembly.Reassembler._run
+    real_hold, real_run = reassembly.Reassembler._hold, reassembly.Reassembler._run
 
-    def bulk(self, qp, tab, src_is_new, data, g, k0, k1, *a):
-        out = real_bulk(self, qp, tab, src_is_new, data, g, k0, k1, *a)
-        if self.runs and not src_is_new[g.heads[k0]]:  # its first message began in a held packet
-            held_runs.extend((r.pending is not None, r.buf is None, r.pend_from) for r in out)
-        return out
-
-    def run(self, qp, t, npend, data, heads, npks, k0, *a):  # the same, laid out by the compiled pass
-        out, k1 = real_run(self, qp, t, npend, data, heads, npks, k0, *a)
-        if self.runs and heads[k0] < npend:
+    def run(self, qp, t, npend, held, data, heads, npks, k0, *a):
+        out, k1 = real_run(self, qp, t, npend, held, data, heads, npks, k0, *a)
+        if self.runs and (heads[k0] < npend or held is not None and held[heads[k0]]):  # begun in a held packet
             held_runs.extend((r.pending is not None, r.buf is None, r.pend_from) for r in out)
         return out, k1
 
@@ -292,7 +285,6 @@ def test_a_deferred_run_begun_in_held_packets_copies_none_of_them(simple_job, mo
             copied.append(got[1] is not data and got[1] is not slab)
         return got
 
-    monkeypatch.setattr(reassembly.Reassembler, "_bulk", bulk)
     monkeypatch.setattr(reassembly.Reassembler, "_run", run)
     monkeypatch.setattr(reassembly.Reassembler, "_hold", hold)
     assert _walk(simple_job, 1, 1024)[0] == want
@@ -354,8 +346,7 @@ def test_a_replay_places_the_sends_it_reads_from_the_capture_and_copies_no_other
 
     job_dir, ll = (simple_job, False) if protocol == "Simple" else (ll_job, True)
     copied = {"lazy": 0, "whole": 0, "deferred": 0, "placed": 0}
-    real_range, real_fill, real_bulk = reassembly.MessageRun.fill_range, reassembly.MessageRun.fill, \
-        reassembly.Reassembler._bulk
+    real_range, real_fill = reassembly.MessageRun.fill_range, reassembly.MessageRun.fill
     real_place, real_run = reassembly.MessageRun.place_range, reassembly.Reassembler._run
 
     def pend(r):
@@ -367,16 +358,10 @@ def test_a_replay_places_the_sends_it_reads_from_the_capture_and_copies_no_other
             copied["placed"] += b - a
         return real_place(self, k, *rest)
 
-    def bulk(self, *a):
-        return bulk_seen(real_bulk(self, *a))
-
     def run_(self, *a):
         out, k1 = real_run(self, *a)
-        return bulk_seen(out), k1
-
-    def bulk_seen(out):
         copied["deferred"] += sum(int(pend(r)[3].sum()) for r in out if pend(r) is not None)
-        return out
+        return out, k1
 
     def fill_range(self, k, which=False):
         if which == ll and pend(self) is not None and k >= self.pend_from:
@@ -391,7 +376,6 @@ def test_a_replay_places_the_sends_it_reads_from_the_capture_and_copies_no_other
 
     monkeypatch.setattr(reassembly.MessageRun, "fill_range", fill_range)
     monkeypatch.setattr(reassembly.MessageRun, "fill", fill)
-    monkeypatch.setattr(reassembly.Reassembler, "_bulk", bulk)
     monkeypatch.setattr(reassembly.Reassembler, "_run", run_)
     monkeypatch.setattr(reassembly.MessageRun, "place_range", place_range)
     job = load_job(job_dir / "job.toml")

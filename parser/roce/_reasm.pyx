@@ -244,11 +244,12 @@ def may_open_ll128(const uint8_t[::1] data, const int64_t[:] first, const int64_
 
 
 def run_layout(const int64_t[:, ::1] t, const int64_t[::1] heads, const int64_t[::1] npks, Py_ssize_t k0,
-               Py_ssize_t k, int64_t npend, int64_t run_bytes, const uint8_t[::1] has_immdt,
-               int64_t[::1] base, int64_t[::1] dst, int64_t[:, ::1] per):
-    """The columns of one run of intact messages from ``k0`` of ``k`` (``intact_messages``' heads
-    and packet counts in the table ``t``: line_table's nine rows, held rows first, ``npend`` of
-    them), in one pass: what ``Reassembler._bulk`` computes column by column.
+               Py_ssize_t k, int64_t npend, const uint8_t[::1] held, int64_t run_bytes,
+               const uint8_t[::1] has_immdt, int64_t[::1] base, int64_t[::1] dst, int64_t[:, ::1] per):
+    """The columns of one run of intact, consecutive messages from ``k0`` of ``k`` (their first
+    rows and packet counts in the table ``t``: line_table's nine rows), in one pass. The table's
+    held rows (packets of earlier batches) are its first ``npend`` (the fast path's table), or
+    where ``held`` (not empty) is set (the careful path's, sorted by PSN).
 
     The run ends where its bytes first reach ``run_bytes`` (that message included), or at ``k``.
     Writes ``base`` (the messages' offsets in the run's buffer, one more than messages), ``dst``
@@ -261,7 +262,7 @@ def run_layout(const int64_t[:, ::1] t, const int64_t[::1] heads, const int64_t[
     cdef int64_t h, e, r, r0, r1, acc = 0, lo, d
     cdef bint all_imm = True
     if t.shape[0] != 9 or heads.shape[0] < k or npks.shape[0] < k or not 0 <= k0 < k \
-            or has_immdt.shape[0] < 256 or per.shape[0] != 9:
+            or has_immdt.shape[0] < 256 or per.shape[0] != 9 or (held.shape[0] and held.shape[0] != t.shape[1]):
         raise ValueError("run_layout: shapes differ")
     for j in range(k0, k):
         if heads[j] < 0 or npks[j] < 1 or heads[j] + npks[j] > t.shape[1] \
@@ -307,6 +308,13 @@ def run_layout(const int64_t[:, ::1] t, const int64_t[::1] heads, const int64_t[
             base[j + 1] = base[j] + t[4, h]
             if h < npend:
                 kx = j + 1
+        if held.shape[0]:  # messages that open at or before the run's last held row
+            lo = r1 - 1
+            while lo >= r0 and not held[lo]:
+                lo -= 1
+            for j in range(kk):
+                if heads[k0 + j] <= lo:
+                    kx = j + 1
         d = 0
         for i in range(m):
             dst[i] = d

@@ -57,6 +57,7 @@ _IS_FIRST = opcodes.IS_FIRST.astype(np.uint8)
 _IS_LAST = opcodes.IS_LAST.astype(np.uint8)
 _HAS_IMMDT = opcodes.HAS_IMMDT.astype(np.uint8)
 _NO_FLAGS, _NO_ROWS = np.zeros(0, np.uint32), np.zeros(0, np.int64)  # ll_columns without the decode's reading
+_NO_HELD = np.zeros(0, np.uint8)  # run_layout on the fast path's table: its held rows come first
 
 
 class Key(tuple):
@@ -98,7 +99,7 @@ class RdmaMessage:
     with_imm: bool | None  # closed by a ...WITH_IMMEDIATE opcode (None: closing packet lost)
     ts_ns: int  # timestamp of the earliest received packet
     length_known: bool = True  # False when neither RETH nor the closing packet fixed the length
-    # (user bytes, flag) of ``data`` when ``_bulk`` read it as an intact LL message while its packets
+    # (user bytes, flag) of ``data`` when ``_run`` read it as an intact LL message while its packets
     # were in cache (NcclDecoder._make then does not decode it again); None otherwise
     ll: tuple | None = None
 
@@ -125,7 +126,7 @@ def grown(pool: memory.Buffers, buf: np.ndarray | None, n: int) -> np.ndarray:
 @dataclass(slots=True)
 class MessageRun:
     """Intact messages of one QP, consecutive on its PSN line, as columns over one buffer: what
-    ``Reassembler._bulk`` places at once. The NCCL decoder takes the common case a run at a time
+    ``Reassembler._run`` places at once. The NCCL decoder takes the common case a run at a time
     (``NcclDecoder.feed``); ``messages()`` gives the same messages one object each."""
 
     qp: QpKey
@@ -380,9 +381,6 @@ class Reassembler:
         self.psn_window = psn_window
         self.max_message = max_message  # bigger RETH lengths are corruption, never allocated
         self.fast = fast  # the compiled common case (_fast); False: every table the careful way (tests)
-        # _fast's runs laid out in one compiled pass (_run); False: column by column (_bulk), as the careful
-        # path's runs are (tests hold the two equal)
-        self.compiled_runs = True
         self.runs = runs  # hand on runs of intact messages as MessageRun (columns), not one object each
         # Leave a run's plain copy from the batch to whoever reads it (MessageRun.pending): only for
         # batches that stay valid after the next (a capture file's mapping), read on another thread
@@ -405,7 +403,7 @@ class Reassembler:
             # A batch that is a view of a larger buffer that stays valid (a capture file's mapping):
             # payloads are named by their place in that buffer, so that packets held for the next
             # batch stay where they lie (``_hold``) and a message begun in them is read from there
-            # like any other (``_bulk``), not copied first.
+            # like any other (``_run``), not copied first.
             root, self._shift = _root(data)
             if root is not data:
                 pk = replace(pk, pay_off=pk.pay_off + self._shift)
@@ -589,18 +587,9 @@ class Reassembler:
         # the decode's LL flags of the batch's rows (table row npend + i is rows[i]) and its words
         ll = (b.llf, rows, npend, b.llu, self._shift) if self.defer and b.llu is not None else None
         k0 = 0
-        while k0 < k and self.compiled_runs:  # runs of at most RUN_BYTES, cut where _walk cuts them
-            runs, k0 = self._run(qp, t, npend, data, heads, npks, k0, k, ll)
+        while k0 < k:  # runs of at most RUN_BYTES, cut where _walk cuts them
+            runs, k0 = self._run(qp, t, npend, None, data, heads, npks, k0, k, ll)
             out += runs
-        if k0 < k:
-            heads, npks = heads[:k], npks[:k]
-            hd = tab["dlen"][heads]
-            g = _Intact(heads, npks, np.maximum(tab["plen"][heads], 1), hd, heads + npks, None, None, None,
-                        np.concatenate([[0], np.cumsum(hd)]))
-            while k0 < k:
-                k1 = min(k, k0 + max(1, int(np.searchsorted(g.cum_dlen[k0 + 1:], g.cum_dlen[k0] + RUN_BYTES)) + 1))
-                out += self._bulk(qp, tab, src_is_new, data, g, k0, k1, ll)
-                k0 = k1
         rest = {c: v[used:] for c, v in tab.items()}
         qp.pend, qp.slab = self._hold(rest, src_is_new[used:], data, qp.slab)
         return out
@@ -679,111 +668,42 @@ class Reassembler:
         cum = np.concatenate([[0], np.cumsum(np.where(good, hd, 0))])
         return _Intact(heads, npk, pm, hd, end_row, good, run_end, head_at, cum)
 
-    def _bulk(self, qp, tab, src_is_new, data, g: _Intact, k0: int, k1: int, ll: tuple | None = None) -> list:
-        """Places intact messages k0..k1-1 (consecutive rows) with one copy for all of them: one
-        ``MessageRun`` (``runs``), else its messages. ``ll``: the decode's LL reading of the batch
-        (``_fast``, with ``defer``)."""
-        st = qp.stats
-        heads = g.heads[k0:k1]
-        r0, r1 = int(heads[0]), int(g.end_row[k1 - 1])
-        sizes = g.dlen[k0:k1]
-        base = np.zeros(k1 - k0 + 1, np.int64)
-        np.cumsum(sizes, out=base[1:])
-        rows = slice(r0, r1)  # the run's packets, in PSN order, one after the other
-        # Every packet but a message's last carries one MTU and the messages lie end to end, so a
-        # packet's place in the run's buffer is the payload before it.
-        plen = np.ascontiguousarray(tab["plen"][rows])
-        dst = np.zeros(r1 - r0, np.int64)
-        np.cumsum(plen[:-1], out=dst[1:])
-        src = np.ascontiguousarray(tab["src_off"][rows])
-        new = src_is_new[rows]
-        # Messages up to the last held packet (an earlier batch's, in the slab; held packets come
-        # first in a table) are copied from both places; the rest, read from this batch only, are
-        # copied and, while in cache, read as LL (a pass over cold bytes less for LL; a line or two
-        # read for the other protocols). Where the slab is the batch's own buffer (``feed``, from a
-        # capture file) and none opens like LL, no message is copied at once.
-        old = np.flatnonzero(~new)
-        kx = int(np.searchsorted(heads - r0, old[-1] + 1)) if len(old) else 0  # first message of new rows only
-        rx = int(heads[kx] - r0) if kx < len(heads) else r1 - r0  # its first row
-        opens_ll = None  # whether a message from kx on opens like LL (asked once)
-        if rx and self.defer and qp.slab is data:
-            opens_ll = _looks_ll(data, src[heads - r0], plen[heads - r0])
-            if not opens_ll:
-                kx = rx = 0  # the held packets lie in the batch's buffer too (``feed``): none copied at once
-        # A run whose copy is left to the readers of its sends (``defer``) gets a buffer for the
-        # messages copied at once, its whole buffer only if one of the others is read
-        # (MessageRun._own_buf): most runs of a batch begin in held packets, and whole buffers
-        # taken for them were most of a Simple replay's memory.
-        if not self.defer:
-            buf = self._buffers.empty(int(base[-1]))
-        else:
-            buf = self._buffers.empty(int(base[kx]) if kx < len(heads) else int(base[-1])) if rx else None
-        for from_new in (True, False):
-            m = new[:rx] == from_new
-            if m.any():
-                copy_ranges(data if from_new else qp.slab, np.ascontiguousarray(src[:rx][m]), buf,
-                            np.ascontiguousarray(dst[:rx][m]), np.ascontiguousarray(plen[:rx][m]))
-        n = k1 - k0
-        ll_flag, ll_off, ll_n, user = np.zeros(n, np.uint32), np.zeros(n, np.int64), np.zeros(n, np.int64), None
-        pending = ll_pending = None
-        read_pending = False
-        if opens_ll is None or kx:
-            opens_ll = kx < len(heads) and _looks_ll(data, src[heads[kx:] - r0], plen[heads[kx:] - r0])
-        if kx < len(heads) and not opens_ll:
-            # No new message opens like LL (Simple, LL128): no LL reading to keep. Deferred (see
-            # ``defer``) unless a CTS post is among them (read at once); when none could be LL128
-            # either, the decoder knows them Simple without reading them (MessageRun.pending), else
-            # it reads each where it lies (``read_pending``: LL128 decoded from the batch).
-            if self.defer and opcodes.HAS_IMMDT[tab["opcode"][g.end_row[k0:k1] - 1]].all():
-                pending = (data, src[rx:], dst[rx:], plen[rx:])
-                read_pending = not self._plain(data, src, plen, heads - r0, sizes, kx, buf, base)
-            else:
-                buf = grown(self._buffers, buf, int(base[-1]))
-                copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
-        elif kx < len(heads):
-            sz = sizes[kx:]
-            nb = ll_n[kx:] = sz // LL_LINE_BYTES * LL_DATA_PER_LINE
-            out_off = ll_off[kx:]
-            np.cumsum(nb[:-1], out=out_off[1:])
-            flags = self._ll_read(ll, r0 + rx, r1, heads[kx:] - r0 - rx, g.end_row[k0:k1] - 1, tab["opcode"])
-            if flags is not None and flags.any():
-                # The new messages as the decode read their packets: LL words and wire bytes both
-                # stay in the batch until a send is read (MessageRun.ll_pending, pending)
-                ll_flag[kx:] = flags
-                ll_pending = (ll[3], (src[rx:] - ll[4]) >> 1, (dst[rx:] - dst[rx]) >> 1, plen[rx:] >> 1)
-                pending = (data, src[rx:], dst[rx:], plen[rx:])
-            else:
-                buf = grown(self._buffers, buf, int(base[-1]))
-                user = self._buffers.empty(int(out_off[-1] + nb[-1]))
-                _place.gather_ll(data, src[rx:], plen[rx:], np.concatenate([heads[kx:] - r0 - rx, [r1 - r0 - rx]]),
-                                 base[kx:] - base[kx], buf[base[kx]:], out_off, user, ll_flag[kx:], *_LL_ARGS)
-        last = g.end_row[k0:k1] - 1
-        imm = tab["imm"][last]
-        run = MessageRun(qp.key, st.sport, tab["psn"][heads], g.npk[k0:k1], base, tab["va"][heads], tab["rkey"][heads],
-                         sizes, np.where(opcodes.HAS_IMMDT[tab["opcode"][last]], imm, -1),
-                         np.minimum.reduceat(tab["ts"][rows], heads - r0), buf, user, ll_off, ll_n, ll_flag, pending,
-                         ll_pending, read_pending, kx)
-        st.messages += int(n)
-        qp.cursor = int(run.psn[-1] + run.npkts[-1])
-        return [run] if self.runs else run.messages()
+    def _bulk(self, qp, tab, src_is_new, data, g: _Intact, k0: int, k1: int) -> list:
+        """Places intact messages k0..k1-1 of the careful path's table (consecutive rows, held
+        packets where ``src_is_new`` is not set) with one copy for all of them: ``_run`` on the
+        table's columns."""
+        t = np.empty((len(_COLS), len(src_is_new)), np.int64)
+        for i, c in enumerate(_COLS):
+            t[i] = tab[c].view(np.int64) if c == "va" else tab[c]
+        heads, npks = np.ascontiguousarray(g.heads, np.int64), np.ascontiguousarray(g.npk, np.int64)
+        out, end = self._run(qp, t, 0, (~src_is_new).view(np.uint8), data, heads, npks, k0, k1, None)
+        if end != k1:
+            raise AssertionError(f"{qp.key}: a run cut at message {end}, not at {k1}")
+        return out
 
-    def _run(self, qp: _Qp, t: np.ndarray, npend: int, data, heads: np.ndarray, npks: np.ndarray, k0: int,
-             k: int, ll: tuple | None) -> tuple[list, int]:
-        """``_bulk`` of the run from message ``k0`` on, for ``_fast``'s table ``t`` (line_table's rows,
-        ``npend`` held rows first): the same run, its columns computed in one compiled pass
-        (``_reasm.run_layout``, ``_reasm.ll_columns``) instead of numpy call by numpy call (those
-        calls, not the bytes, were the reassembly's cost per QP and batch). Returns the run's
-        messages (one ``MessageRun`` with ``runs``) and where the next run starts."""
+    def _run(self, qp: _Qp, t: np.ndarray, npend: int, held: np.ndarray | None, data, heads: np.ndarray,
+             npks: np.ndarray, k0: int, k: int, ll: tuple | None) -> tuple[list, int]:
+        """Places the intact messages from ``k0`` on (of ``k``: first rows ``heads``, packet counts
+        ``npks`` in the table ``t``, line_table's nine rows), at most RUN_BYTES and a message more,
+        with one copy for all of them. The table's held packets (an earlier batch's, in ``qp.slab``)
+        are its first ``npend`` rows (``_fast``'s table) or those ``held`` marks (the careful
+        path's). The run's columns come from one compiled pass (``_reasm.run_layout``,
+        ``_reasm.ll_columns``): computed numpy call by numpy call, those calls, not the bytes, were
+        the reassembly's cost per QP and batch. Returns its messages (one ``MessageRun`` with
+        ``runs``) and where the next run starts.
+
+        ``ll``: the decode's LL reading of the batch (``_fast``, with ``defer``)."""
         st, kmax = qp.stats, k - k0
         r0 = int(heads[k0])
         base, dst = np.empty(kmax + 1, np.int64), np.empty(t.shape[1] - r0, np.int64)
         per = np.empty((9, kmax), np.int64)
-        k1, kx, rx, all_imm = _reasm.run_layout(t, heads, npks, k0, k, npend, RUN_BYTES, _HAS_IMMDT, base, dst, per)
+        k1, kx, rx, all_imm = _reasm.run_layout(t, heads, npks, k0, k, npend, _NO_HELD if held is None else held,
+                                                RUN_BYTES, _HAS_IMMDT, base, dst, per)
         n = k1 - k0
         r1 = int(heads[k1 - 1] + npks[k1 - 1])
         base, dst, per = base[:n + 1], dst[:r1 - r0], per[:, :n]
         src, plen, sizes = t[8, r0:r1], t[7, r0:r1], per[3]
-        opens_ll = None  # as _bulk: whether a message from kx on opens like LL (asked once)
+        opens_ll = None  # whether a message from kx on opens like LL (asked once)
         if rx and self.defer and qp.slab is data:
             opens_ll = _looks_ll(data, per[6], per[7])
             if not opens_ll:
@@ -792,11 +712,22 @@ class Reassembler:
             buf = self._buffers.empty(int(base[-1]))
         else:
             buf = self._buffers.empty(int(base[kx]) if kx < n else int(base[-1])) if rx else None
-        old = min(max(npend - r0, 0), rx)  # held rows come first in the table
-        if rx > old:
-            copy_ranges(data, src[old:rx], buf, dst[old:rx], plen[old:rx])
-        if old:
-            copy_ranges(qp.slab, src[:old], buf, dst[:old], plen[:old])
+        # Messages up to the last held packet are copied from both places; the rest, read from this
+        # batch only, are copied and, while in cache, read as LL (a pass over cold bytes less for LL;
+        # a line or two read for the other protocols). Where the slab is the batch's own buffer
+        # (``feed``, from a capture file) and none opens like LL, no message is copied at once.
+        if held is None:  # held rows come first in the table
+            old = min(max(npend - r0, 0), rx)
+            if rx > old:
+                copy_ranges(data, src[old:rx], buf, dst[old:rx], plen[old:rx])
+            if old:
+                copy_ranges(qp.slab, src[:old], buf, dst[:old], plen[:old])
+        else:
+            for from_old in (False, True):
+                m = held[r0:r0 + rx].view(bool) == from_old
+                if m.any():
+                    copy_ranges(qp.slab if from_old else data, np.ascontiguousarray(src[:rx][m]), buf,
+                                np.ascontiguousarray(dst[:rx][m]), np.ascontiguousarray(plen[:rx][m]))
         lay = np.zeros((2, n), np.int64)
         ll_off, ll_n, ll_flag, user = lay[0], lay[1], np.zeros(n, np.uint32), None
         pending = ll_pending = None
@@ -806,7 +737,7 @@ class Reassembler:
         if kx < n and not opens_ll:
             if self.defer and all_imm:
                 pending = (data, src[rx:], dst[rx:], plen[rx:])
-                read_pending = not self._plain_heads(data, per[6], per[7], sizes, kx, buf, base)
+                read_pending = not self._plain(data, per[6], per[7], sizes, kx, buf, base)
             else:
                 buf = grown(self._buffers, buf, int(base[-1]))
                 copy_ranges(data, src[rx:], buf, dst[rx:], plen[rx:])
@@ -830,39 +761,14 @@ class Reassembler:
         return ([run] if self.runs else run.messages()), k1
 
     @staticmethod
-    def _ll_read(ll, a: int, b: int, starts: np.ndarray, closing: np.ndarray, opcode) -> np.ndarray | None:
-        """Each message's LL flag as the decode read its packets (table rows ``a:b``, all of this
-        batch; messages from ``starts`` on, relative to ``a``), when none is a CTS post
-        (``closing``: the rows of the run's closing packets all carry an immediate); else None. A
-        packet's flag is 0 unless it holds whole LL lines that all carry it, so a message whose
-        packets all carry one flag reads as ``_place.gather_ll`` reads it whole; any other is 0,
-        read from its wire bytes later."""
-        if ll is None or not opcodes.HAS_IMMDT[opcode[closing]].all():
-            return None
-        llf, rows, npend = ll[:3]
-        if a < npend:
-            return None  # held rows: read in an earlier batch
-        f = llf[rows[a - npend:b - npend]]
-        first = f[starts]
-        same = np.maximum.reduceat(f, starts) == np.minimum.reduceat(f, starts)
-        return np.where(same, first, 0)
-
-    @staticmethod
-    def _plain_heads(data, first, length, sizes, kx, buf, base) -> bool:
-        """``_plain`` from each message's first packet (``first``, ``length``: its payload's place)."""
+    def _plain(data, first, length, sizes, kx, buf, base) -> bool:
+        """No message of a run opens like LL or LL128 (each one's first packet: ``first``,
+        ``length``): those from ``kx`` on read in the batch, the ones before (already in ``buf``,
+        from held packets) read there."""
         if _may_be_ll128(data, first[kx:], length[kx:], sizes[kx:]):
             return False
         return not kx or not (_looks_ll(buf, base[:kx], length[:kx])
                               or _may_be_ll128(buf, base[:kx], length[:kx], sizes[:kx]))
-
-    @staticmethod
-    def _plain(data, src, plen, rows, sizes, kx, buf, base) -> bool:
-        """No message of a run opens like LL or LL128: those from ``kx`` on read in the batch,
-        the ones before (already in ``buf``, from held packets) read there."""
-        if _may_be_ll128(data, src[rows[kx:]], plen[rows[kx:]], sizes[kx:]):
-            return False
-        return not kx or not (_looks_ll(buf, base[:kx], plen[rows[:kx]])
-                              or _may_be_ll128(buf, base[:kx], plen[rows[:kx]], sizes[:kx]))
 
     def _one(self, qp: _Qp, tab, src_is_new, data, final, i, is_first, is_last, bounds):
         """One message from row ``i`` the careful way; None while it must wait for packets."""
