@@ -166,6 +166,7 @@ def measure(protocol: str, model: str, short: int, long: int, repeat: int, tmp: 
         c = runs[longer]
         res["longer"] = longer
         res["slope_longer_GBps"] = slope(c["bytes"] - a["bytes"], c["seconds"] - a["seconds"])
+        res["per_cpu_second_longer_GB"] = slope(c["bytes"] - a["bytes"], c["cpu_seconds"] - a["cpu_seconds"])
         res["exact"] = res["exact"] and c["exact"]
     return res
 
@@ -192,9 +193,9 @@ def memory(model: str, steps: tuple[int, int], tmp: Path) -> dict:
 def run(protocols=("Simple", "LL", "LL128"), model: str = "linear:2000000", short: int = 2, long: int = 22,
         repeat: int = 5, memory_steps: tuple[int, int] | None = (12, 120), longer: int | None = 62,
         more_channels: int | None = 8, more_channels_protocols=("Simple", "LL")) -> dict:
-    """``more_channels``: the same job on that many channels too (Simple and LL, short and long only):
-    the packet path's and the placement's work per batch grows with the QPs a batch carries, so the
-    rate of a 2-channel job does not hold for one on more."""
+    """``more_channels``: the same job on that many channels too (Simple and LL, the same captures'
+    lengths): the packet path's and the placement's work per batch grows with the QPs a batch
+    carries, so the rate of a 2-channel job does not hold for one on more."""
     out: dict = {"memcpy_GBps_before": memcpy_GBps(), "repeat": repeat, "interleaved": True}
     with tempfile.TemporaryDirectory() as t:
         if memory_steps:
@@ -205,7 +206,7 @@ def run(protocols=("Simple", "LL", "LL128"), model: str = "linear:2000000", shor
         if more_channels:
             out["channels"] = {"count": more_channels, "results": {}}
             for p in more_channels_protocols:
-                out["channels"]["results"][p] = measure(p, model, short, long, repeat, Path(t), None, more_channels)
+                out["channels"]["results"][p] = measure(p, model, short, long, repeat, Path(t), longer, more_channels)
                 _clean(Path(t), p)
     out["memcpy_GBps_after"] = memcpy_GBps()
     out["memcpy_GBps"] = max(out["memcpy_GBps_before"], out["memcpy_GBps_after"])

@@ -88,13 +88,16 @@ def test_fig10_counts_cores_per_port_speed_and_the_bytes_of_each_job():
 def test_more_channels_are_a_row_of_their_own_with_the_cores_their_rate_needs():
     doc = json.loads((Path(__file__).parents[1] / "BENCHMARKS.json").read_text())
     e2e = dict(doc["results"]["e2e"])
-    ll = dict(e2e["LL"], per_cpu_second_GB=2.5, slope_GBps=3.0, of_memcpy=0.3, exact=True)
-    ll8 = dict(ll, channels=8, per_cpu_second_GB=1.25, slope_GBps=1.5, of_memcpy=0.15, exact=False)
+    e2e["memcpy_GBps"] = 10.0
+    ll = dict(e2e["LL"], per_cpu_second_GB=2.5, slope_GBps=3.0, exact=True, steps=[2, 22], longer=62,
+              slope_longer_GBps=4.0, per_cpu_second_longer_GB=2.0)
+    ll8 = dict(ll, channels=8, per_cpu_second_GB=1.25, slope_GBps=1.5, exact=False, longer=None,
+               slope_longer_GBps=None, per_cpu_second_longer_GB=None)
     e2e["LL"] = ll
     e2e["channels"] = {"count": 8, "results": {"LL": ll8}}
     text = render({"e2e": e2e}, doc["machine"])
-    assert "| LL | 2 | 3.00 | 30.0% | 2.50 | 5.0 / 20.0 | yes |" in text
-    assert "| LL | 8 | 1.50 | 15.0% | 1.25 | 10.0 / 40.0 | NO |" in text  # a wrong all-reduce is said
+    assert "| LL | 2 | 62 steps | 4.00 | 40.0% | 2.00 | 6.2 / 25.0 | yes |" in text  # the longest capture's slope
+    assert "| LL | 8 | 22 steps | 1.50 | 15.0% | 1.25 | 10.0 / 40.0 | NO |" in text  # a wrong all-reduce is said
     e2e.pop("channels")
     assert "| LL | 8 |" not in render({"e2e": e2e}, doc["machine"])
 
@@ -104,8 +107,8 @@ def test_e2e_run_derives_each_protocols_share_of_memcpy_from_its_own_slopes(monk
 
     def fake(protocol, model, short, long, repeat, tmp, longer=None, channels=2):
         k = {"Simple": 3.0, "LL": 2.0, "LL128": 1.0}[protocol] / (channels // 2)
-        return {"slope_GBps": k, "slope_longer_GBps": (k + 0.5) if longer else None, "per_cpu_second_GB": k,
-                "channels": channels, "exact": True}
+        return {"slope_GBps": k, "slope_longer_GBps": (k + 0.5) if longer and channels == 2 else None,
+                "per_cpu_second_GB": k, "channels": channels, "exact": True}
 
     monkeypatch.setattr(bench_e2e, "measure", fake)
     monkeypatch.setattr(bench_e2e, "memcpy_GBps", lambda: 10.0)
