@@ -708,6 +708,10 @@ class Reassembler:
             opens_ll = _looks_ll(data, per[6], per[7])
             if not opens_ll:
                 kx = rx = 0  # the held packets lie in the batch's buffer too: none copied at once
+        # A run whose copy is left to the readers of its sends (``defer``) gets a buffer for the
+        # messages copied at once, its whole buffer only if one of the others is read
+        # (MessageRun._own_buf): most runs of a batch begin in held packets, and whole buffers
+        # taken for them were most of a Simple replay's memory.
         if not self.defer:
             buf = self._buffers.empty(int(base[-1]))
         else:
@@ -735,6 +739,10 @@ class Reassembler:
         if opens_ll is None or kx:
             opens_ll = kx < n and _looks_ll(data, per[6, kx:], per[7, kx:])
         if kx < n and not opens_ll:
+            # No new message opens like LL (Simple, LL128): no LL reading to keep. Deferred (see
+            # ``defer``) unless a CTS post is among them (read at once); when none could be LL128
+            # either, the decoder knows them Simple without reading them (MessageRun.pending), else
+            # it reads each where it lies (``read_pending``: LL128 decoded from the batch).
             if self.defer and all_imm:
                 pending = (data, src[rx:], dst[rx:], plen[rx:])
                 read_pending = not self._plain(data, per[6], per[7], sizes, kx, buf, base)
@@ -746,6 +754,8 @@ class Reassembler:
             found = _reasm.ll_columns(per, kx, n, LL_LINE_BYTES, LL_DATA_PER_LINE, ll[0] if read else _NO_FLAGS,
                                       ll[1] if read else _NO_ROWS, r0 + rx, npend, ll_n, ll_off, ll_flag)
             if found > 0:
+                # The new messages as the decode read their packets: LL words and wire bytes both
+                # stay in the batch until a send is read (MessageRun.ll_pending, pending)
                 ll_pending = (ll[3], (src[rx:] - ll[4]) >> 1, (dst[rx:] - dst[rx]) >> 1, plen[rx:] >> 1)
                 pending = (data, src[rx:], dst[rx:], plen[rx:])
             else:
