@@ -10,7 +10,9 @@ also replayed ``repeat`` times with ``--json``, which adds every all-reduce's sh
 check every all-reduce against the generator's truth.json (sha256 per bucket), give the byte
 counts, and have a slope of their own. The peak RSS of each run is recorded. A ``longer`` capture
 of the same job gives the same slope over more bytes: a rate fast enough that the long capture runs
-less than the noise guard (0.05 s) longer than the short one is still measured there.
+less than the noise guard (0.05 s) longer than the short one is still measured there. Simple and
+LL are measured again on a job of 8 channels (``more_channels``): the same bytes in four times as
+many QPs, whose cost per QP and batch a 2-channel job does not show.
 
 The reference is a one-core memcpy measured in the same run: numpy ``copyto`` of 256 MiB
 between two buffers already faulted in, best of 5 (GB/s of bytes copied).
