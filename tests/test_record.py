@@ -75,7 +75,10 @@ def test_gloo_recording_holds_captures_truth_readme_and_replay_args(recorded):
 @pytest.mark.root
 def test_tcpdump_records_each_direction_of_each_rank(recorded):
     """A rank's egress file holds only frames from its address, its ingress file only frames to it,
-    and rank 0's egress is rank 1's ingress frame for frame (one veth pair through the bridge)."""
+    and rank 0's egress is rank 1's ingress frame for frame (one veth pair through the bridge). In
+    the same order but for neighbours: between the two capture points the kernel may hand two
+    frames of one connection on in the other order (veth's per-CPU queues; seen once under load,
+    frames 62/63 and 93/94 of 245 swapped)."""
     from mirrorckpt.capture.pcapfile import read_all
 
     def ipv4_pairs(name):
@@ -90,8 +93,9 @@ def test_tcpdump_records_each_direction_of_each_rank(recorded):
     assert len(out0) > 100 and len(in0) > 100
     assert all(src == rank0 and dst == rank1 for src, dst in out0)
     assert all(src == rank1 and dst == rank0 for src, dst in in0)
-    assert len(frames_out0) == len(frames_in1) and frames_out0 == frames_in1, \
-        [k for k, (a, b) in enumerate(zip(frames_out0, frames_in1)) if a != b][:5]
+    assert sorted(frames_out0) == sorted(frames_in1)  # every frame sent was received, and no other
+    moved = [k for k, (a, b) in enumerate(zip(frames_out0, frames_in1)) if a != b]
+    assert all(frames_out0[k] in frames_in1[max(k - 1, 0):k + 2] for k in moved), moved[:5]
 
 
 @pytest.mark.root
